@@ -1,0 +1,158 @@
+"""The objective: which loss terms each tree node owns, materialized node by node.
+
+A node covering tree positions [s, e) produces logit rows s..e-1. Row q predicts the token at
+position q+1: inside the node that target is shared by every sequence through it; the last
+row (the fork row) predicts each child's first token. Every *occurrence* — a (sequence,
+target position) pair with a non-zero weight — keeps its own fields and weight; occurrences
+sharing a (row, target) pair share one log-prob, gathered per occurrence, so differentiable
+indexing sums their gradients (seed 000's loss mapping).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dta.batch import Batch
+from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights, token_weights
+
+
+@dataclass
+class NodeTerms:
+    rows: torch.Tensor  # [P] local row of each unique (row, target) pair
+    targets: torch.Tensor  # [P] target token of each pair
+    occ_pair: torch.Tensor  # [K] pair of each occurrence
+    weight: torch.Tensor  # [K] weight of each occurrence
+    fields: dict[str, torch.Tensor]  # [K] each
+    # for recording log-probs per sequence: pair of each (sequence, position)
+    rec_seq: np.ndarray | None = None
+    rec_pos: np.ndarray | None = None
+    rec_pair: np.ndarray | None = None
+
+    @property
+    def empty(self) -> bool:
+        return len(self.rows) == 0
+
+
+class Objective:
+    """A token loss bound to a batch, its tree and a reduction."""
+
+    def __init__(self, batch: Batch, loss: TokenLoss, reduction: str = "token_mean",
+                 totals: Totals | None = None, *, weights: list[np.ndarray] | None = None,
+                 fields: dict[str, list[np.ndarray]] | None = None):
+        if isinstance(loss, SequenceLoss):
+            raise TypeError("a SequenceLoss is trained through Objective.linearized(); "
+                            "use dta.train.accumulate_gradients, which does that")
+        self.batch, self.loss, self.reduction = batch, loss, reduction
+        self.weights = weights if weights is not None else token_weights(batch, reduction, totals)
+        self.fields = fields if fields is not None else {k: batch.fields[k] for k in loss.fields}
+
+    @classmethod
+    def record_only(cls, batch: Batch) -> "Objective":
+        """No loss terms: only the (row, target) pairs needed to record log-probs."""
+        from dta.losses import NLL
+
+        return cls(batch, NLL(), "sum", weights=[np.zeros(len(s)) for s in batch.input_ids])
+
+    def has_loss(self, i: int) -> bool:
+        return bool(np.any(self.weights[i]))
+
+    def terms(self, tree, u: int, device, dtype, record: bool = False) -> NodeTerms:
+        s, e = int(tree.start[u]), int(tree.end[u])
+        seq_ids = tree.through(u)
+        cols = {"seq": [], "pos": [], "tgt": [], "w": []}
+        vals = {k: [] for k in self.fields}
+        rec = {"seq": [], "pos": [], "tgt": []}
+        for i in seq_ids:
+            seq = self.batch.input_ids[i]
+            pos = np.arange(s + 1, min(e + 1, len(seq)))  # target positions this node predicts
+            w = self.weights[i][pos]
+            nz = pos[w != 0]
+            cols["seq"].append(np.full(len(nz), i)), cols["pos"].append(nz), cols["tgt"].append(seq[nz])
+            cols["w"].append(w[w != 0])
+            for k, v in self.fields.items():
+                vals[k].append(v[i][nz])
+            if record:
+                rec["seq"].append(np.full(len(pos), i)), rec["pos"].append(pos), rec["tgt"].append(seq[pos])
+        occ = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+        keys_src = rec if record else cols
+        all_pos = np.concatenate(keys_src["pos"]) if keys_src["pos"] else np.zeros(0, np.int64)
+        all_tgt = np.concatenate(keys_src["tgt"]) if keys_src["tgt"] else np.zeros(0, np.int64)
+        # unique (row, target) pairs, row = local index of the predicting position
+        key = (all_pos - 1 - s) * (int(all_tgt.max(initial=0)) + 1) + all_tgt
+        uniq, inverse = np.unique(key, return_inverse=True)
+        width = int(all_tgt.max(initial=0)) + 1
+        rows, targets = uniq // width, uniq % width
+        occ_key = (occ["pos"] - 1 - s) * width + occ["tgt"]
+        occ_pair = np.searchsorted(uniq, occ_key)
+        weight = occ["w"].astype(np.float64)
+        fields = {k: torch.as_tensor(np.concatenate(v) if v else np.zeros(0), device=device, dtype=dtype)
+                  for k, v in vals.items()}
+        t = NodeTerms(torch.as_tensor(rows, device=device), torch.as_tensor(targets, device=device),
+                      torch.as_tensor(occ_pair, device=device),
+                      torch.as_tensor(weight, device=device, dtype=dtype), fields)
+        if record:
+            t.rec_seq = np.concatenate(rec["seq"]).astype(np.int64)
+            t.rec_pos, t.rec_pair = all_pos, inverse.reshape(-1)
+        return t
+
+    def node_loss(self, terms: NodeTerms, pair_logp: torch.Tensor,
+                  pair_entropy: torch.Tensor | None) -> torch.Tensor:
+        """Sum over the node's occurrences of weight * loss(own log-prob, own fields)."""
+        logp = pair_logp[terms.occ_pair]
+        ent = pair_entropy[terms.occ_pair] if self.loss.uses_entropy else None
+        return (terms.weight * self.loss.values(logp, ent, terms.fields)).sum()
+
+    def sequence_loss(self, i: int, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """Sequence i's loss from its full per-token log-probs (the unpacked reference)."""
+        w = torch.as_tensor(self.weights[i], device=logp.device, dtype=logp.dtype)
+        fields = {k: torch.as_tensor(v[i], device=logp.device, dtype=logp.dtype)
+                  for k, v in self.fields.items()}
+        nz = w != 0
+        ent = entropy[nz] if self.loss.uses_entropy else None
+        return (w[nz] * self.loss.values(logp[nz], ent, {k: f[nz] for k, f in fields.items()})).sum()
+
+
+class Linear(TokenLoss):
+    """loss = g * logp + h * entropy: the first-order surrogate of an opaque sequence loss."""
+
+    fields = ("dlogp", "dentropy")
+
+    def __init__(self, uses_entropy: bool):
+        self.uses_entropy = uses_entropy
+
+    def values(self, logp, entropy, fields):
+        out = fields["dlogp"] * logp
+        return out + fields["dentropy"] * entropy if self.uses_entropy else out
+
+
+def linearize(batch: Batch, loss: SequenceLoss, reduction: str, logprobs, entropies,
+              totals: Totals | None = None) -> tuple[Objective, float]:
+    """Evaluate the opaque per-sequence losses at the given log-probs and return a token
+    objective with the same gradient (chain rule: dL/dθ = Σ_j dL/dlogp_j · dlogp_j/dθ),
+    plus the loss value. Exact, at the price of one extra forward-only walk."""
+    coef = sequence_weights(batch, reduction, totals)
+    g_all, h_all, total = [], [], 0.0
+    for i in range(len(batch)):
+        lp = logprobs[i].detach().clone().requires_grad_()
+        en = entropies[i].detach().clone().requires_grad_()
+        fields = {k: torch.as_tensor(batch.fields[k][i], dtype=lp.dtype, device=lp.device)
+                  for k in loss.fields}
+        value = loss.fn(lp, en, fields) * float(coef[i])
+        if coef[i] != 0 and value.requires_grad:
+            g, h = torch.autograd.grad(value, [lp, en], allow_unused=True)
+        else:
+            g = h = None
+        total += float(value.detach())
+        n = len(batch.input_ids[i])
+        g = np.zeros(n) if g is None else g.detach().cpu().double().numpy()
+        h = np.zeros(n) if h is None else h.detach().cpu().double().numpy()
+        g[0] = h[0] = 0.0  # token 0 is never predicted
+        g_all.append(g)
+        h_all.append(h)
+    uses_entropy = any(np.any(h) for h in h_all)
+    weights = [((g != 0) | (h != 0)).astype(np.float64) for g, h in zip(g_all, h_all)]
+    obj = Objective(batch, Linear(uses_entropy), "sum", weights=weights,
+                    fields={"dlogp": g_all, "dentropy": h_all})
+    return obj, total

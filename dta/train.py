@@ -1,0 +1,98 @@
+"""One training step by DFS: validate, build the tree, walk, clip, step.
+
+``accumulate_gradients`` is the piece a distributed runtime needs (it all-reduces ``.grad``
+between it and the optimizer step); ``DFSTrainer`` is the single-process loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dta.batch import Batch
+from dta.losses import SequenceLoss, TokenLoss, Totals
+from dta.objective import Objective, linearize
+from dta.tree import PrefixTree, TreeStats
+from dta.walk import Walker, WalkResult
+
+
+@dataclass
+class StepResult:
+    loss: float
+    walk: WalkResult
+    tree: TreeStats
+    grad_norm: float | None = None
+    updated: bool | None = None
+
+
+def validate_for_model(batch: Batch, model, loss) -> None:
+    cfg = model.config
+    batch.validate(vocab_size=cfg.vocab_size,
+                   max_positions=getattr(cfg, "max_position_embeddings", None),
+                   required=loss.fields)
+
+
+def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
+                         reduction: str = "token_mean", totals: Totals | None = None,
+                         policy: str = "retain", temperature: float = 1.0,
+                         logits_chunk: int = 1024, min_shared: int = 1, record: bool = False,
+                         progress=None) -> StepResult:
+    """Add the batch's loss gradient into the parameters' ``.grad`` by one DFS walk.
+
+    totals: normalizers of the mean reductions over the whole global batch, when this call
+    sees only part of it (a data-parallel worker); default: this batch's own.
+    """
+    validate_for_model(batch, model, loss)
+    tree = PrefixTree(batch.input_ids, min_shared=min_shared)
+    walker = Walker(model, policy=policy, logits_chunk=logits_chunk, temperature=temperature)
+    if isinstance(loss, SequenceLoss):
+        fwd = walker.forward(tree, batch)
+        objective, value = linearize(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals)
+        res = walker.train(tree, objective, record=record, progress=progress)
+        res.loss = value
+    else:
+        res = walker.train(tree, Objective(batch, loss, reduction, totals), record=record,
+                           progress=progress)
+    return StepResult(res.loss, res, tree.stats())
+
+
+def forward_logprobs(model, batch: Batch, *, temperature: float = 1.0, logits_chunk: int = 1024,
+                     minmax: bool = False) -> WalkResult:
+    """Per-sequence, per-token log-probs and entropy with K/V reuse and no graph."""
+    batch.validate(vocab_size=model.config.vocab_size,
+                   max_positions=getattr(model.config, "max_position_embeddings", None))
+    tree = PrefixTree(batch.input_ids)
+    return Walker(model, logits_chunk=logits_chunk, temperature=temperature).forward(
+        tree, batch, minmax=minmax)
+
+
+class DFSTrainer:
+    """model + optimizer + loss; ``step(batch)`` is one optimizer update."""
+
+    def __init__(self, model, optimizer, loss, *, reduction: str = "token_mean",
+                 policy: str = "retain", max_grad_norm: float | None = None, **walk_kw):
+        self.model, self.optimizer, self.loss = model, optimizer, loss
+        self.reduction, self.policy, self.max_grad_norm = reduction, policy, max_grad_norm
+        self.walk_kw = walk_kw
+
+    def step(self, batch: Batch, progress=None) -> StepResult:
+        validate_for_model(batch, self.model, self.loss)  # before any gradient is touched
+        self.optimizer.zero_grad(set_to_none=True)
+        result = accumulate_gradients(self.model, batch, self.loss, reduction=self.reduction,
+                                      policy=self.policy, progress=progress, **self.walk_kw)
+        result.grad_norm, result.updated = clip_and_step(self.model, self.optimizer,
+                                                         self.max_grad_norm)
+        return result
+
+
+def clip_and_step(model, optimizer, max_grad_norm: float | None) -> tuple[float, bool]:
+    """Clip (if asked), and step only on a finite gradient norm; returns (norm, updated)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    optimizer.step()
+    return norm, True
