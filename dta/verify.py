@@ -1,0 +1,115 @@
+"""Verification: train one batch by DFS and unpacked (one sequence at a time), compare.
+
+Reported relative errors (max over everything compared):
+  logprobs  max_j |dfs_j - ref_j| / max(|ref_j|, 1) over every position of every sequence
+  loss      |dfs - ref| / |ref|
+  grad      max over parameters of ||g_dfs - g_ref|| / ||g_ref||  (relative L2 per tensor)
+  params    max over parameters of ||p_dfs - p_ref|| / ||p_ref|| after one AdamW step
+  update    max over parameters of ||Δ_dfs - Δ_ref|| / ||Δ_ref|| for the same step
+            (Δ = parameter after the step minus before). Much stricter than `params`, and
+            ill-conditioned in float32: Adam's first step is about lr·sign(g), so a gradient
+            entry at float32 noise level can flip a whole lr-sized update entry.
+A float64 check runs a *truly* float64 model (norms patched to stay in float64; see
+``dta.models.make_truly_float64``); otherwise HF's float32 RMSNorm caps agreement near 1e-7.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dta.batch import Batch
+from dta.losses import SequenceLoss, TokenLoss
+from dta.models import make_truly_float64
+from dta.reference import unpacked_gradients
+from dta.train import accumulate_gradients, validate_for_model
+
+
+@dataclass
+class VerifyReport:
+    dtype: str
+    policy: str
+    reduction: str
+    sequences: int
+    total_tokens: int
+    unique_tokens: int
+    sharing_ratio: float
+    parameters: int
+    logprobs_rel_err: float
+    loss_rel_err: float
+    grad_rel_err: float
+    params_rel_err: float
+    update_rel_err: float
+    loss_dfs: float
+    loss_ref: float
+    max_live_graphs: int
+    tree_depth: int
+    truly_float64: bool
+
+    def max_rel_err(self) -> float:
+        return max(self.logprobs_rel_err, self.loss_rel_err, self.grad_rel_err,
+                   self.params_rel_err, self.update_rel_err)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "max_rel_err": self.max_rel_err()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = float(b.norm())
+    diff = float((a - b).norm())
+    return diff / denom if denom > 0 else diff
+
+
+def _adamw_step(model, lr: float) -> tuple[dict, dict]:
+    """Parameters after one AdamW step, and the step itself."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01).step()
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    return after, {n: after[n] - before[n] for n in after}
+
+
+def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: str = "token_mean",
+           policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
+           lr: float = 1e-3, truly_float64: bool = True) -> VerifyReport:
+    """Train `batch` both ways on two copies of `model`; the model itself is not changed."""
+    validate_for_model(batch, model, loss)
+    dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    is_f64 = next(model.parameters()).dtype == torch.float64
+    if is_f64 and truly_float64:
+        make_truly_float64(dfs_model)
+        make_truly_float64(ref_model)
+    for m in (dfs_model, ref_model):
+        m.zero_grad(set_to_none=True)
+
+    dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
+                               temperature=temperature, logits_chunk=logits_chunk, record=True)
+    ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction, temperature=temperature)
+
+    lp_err = 0.0
+    for a, b in zip(dfs.walk.logprobs, ref.logprobs):
+        lp_err = max(lp_err, float(((a.to(b.dtype) - b).abs() / b.abs().clamp_min(1.0)).max()))
+    grad_err = 0.0
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in dfs_model.named_parameters():
+        g_ref = ref_params[name].grad
+        g_dfs = p.grad
+        if g_ref is None and g_dfs is None:
+            continue
+        g_ref = torch.zeros_like(p) if g_ref is None else g_ref
+        g_dfs = torch.zeros_like(p) if g_dfs is None else g_dfs
+        grad_err = max(grad_err, _rel(g_dfs, g_ref))
+    (p_dfs, d_dfs), (p_ref, d_ref) = _adamw_step(dfs_model, lr), _adamw_step(ref_model, lr)
+    params_err = max(_rel(p_dfs[n], p_ref[n]) for n in p_ref)
+    upd_err = max(_rel(d_dfs[n], d_ref[n]) for n in d_ref)
+    loss_err = abs(dfs.loss - ref.loss) / max(abs(ref.loss), 1e-300)
+    stats = dfs.tree
+    return VerifyReport(
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""), policy=policy,
+        reduction=reduction, sequences=stats.sequences, total_tokens=stats.total_tokens,
+        unique_tokens=stats.unique_tokens, sharing_ratio=stats.sharing_ratio,
+        parameters=sum(p.numel() for p in model.parameters()), logprobs_rel_err=lp_err,
+        loss_rel_err=loss_err, grad_rel_err=grad_err, params_rel_err=params_err,
+        update_rel_err=upd_err,
+        loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
+        tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64))
