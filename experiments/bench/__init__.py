@@ -1,0 +1,9 @@
+"""Memory/throughput benchmark of the training modes on τ²-shaped batches.
+
+``modes``  the training modes (padded, microbatch, treemask, dfs-retain, dfs-recompute) behind
+           a registry, all exact against one-sequence-at-a-time training;
+``flops``  the FLOPs each mode executes and the ideal speed-up of the tree;
+``worker`` one measured run (one mode, one repeat) in a fresh process;
+``run``    the harness: interleaved runs, medians, gradient errors, JSON / Markdown / plots;
+``gpu.sh`` the same on the lent GPU, Qwen3-0.6B/1.7B-shaped models in bf16.
+"""
