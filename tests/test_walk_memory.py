@@ -1,0 +1,59 @@
+"""The structural fact behind 'memory bounded by one path': the node graphs alive at any
+moment never exceed the depth of the tree (retain) or one (recompute). Counted independently
+of the walker's own bookkeeping: every tensor autograd saves is tagged with the node being
+forwarded, and the distinct tags among saved tensors still alive are the live graphs."""
+import numpy as np
+import pytest
+import torch
+
+from dta.batch import Batch
+from dta.losses import NLL
+from dta.models import build_model
+from dta.train import accumulate_gradients
+from dta.tree import PrefixTree
+from dta.walk import Walker
+
+
+def comb(leaves: int, rng):
+    """One shared prefix, `leaves` children; and a depth-6 chain for the depth bound."""
+    prefix = rng.integers(3, 500, 30)
+    return [np.concatenate([prefix, rng.integers(3, 500, 5)]) for _ in range(leaves)]
+
+
+@pytest.mark.parametrize("policy,bound", [("retain", "depth"), ("recompute", 1)])
+@pytest.mark.parametrize("leaves", [1, 8, 32])
+def test_live_graphs_bounded_by_path(monkeypatch, policy, bound, leaves):
+    rng = np.random.default_rng(leaves)
+    seqs = comb(leaves, rng)
+    chain = rng.integers(3, 500, 40)
+    seqs += [chain[:n] for n in (8, 14, 20, 26, 32, 40)]  # nested: a path of depth 6
+    model = build_model("llama", "tiny")
+    alive: dict[int, int] = {}  # node -> saved tensors of its graph still alive
+    current, peak = [None], [0]
+
+    class Saved:
+        def __init__(self, tensor):
+            self.tensor, self.node = tensor, current[0]
+            alive[self.node] = alive.get(self.node, 0) + 1
+            peak[0] = max(peak[0], sum(1 for n in alive.values() if n))
+
+        def __del__(self):
+            alive[self.node] -= 1
+
+    original = Walker._forward
+
+    def tagging_forward(self, tree, u, path):
+        current[0] = u
+        return original(self, tree, u, path)
+
+    monkeypatch.setattr(Walker, "_forward", tagging_forward)
+    batch = Batch.from_records([{"input_ids": s} for s in seqs])
+    with torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor):
+        res = accumulate_gradients(model, batch, NLL(), policy=policy)
+    depth = PrefixTree(seqs).depth()
+    assert depth >= 6
+    limit = depth if bound == "depth" else bound
+    print(policy, leaves, "peak live graphs", peak[0], "depth", depth)
+    assert 1 <= peak[0] <= limit
+    assert res.walk.max_live_graphs <= limit
+    assert res.walk.max_path <= depth - 1
