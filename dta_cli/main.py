@@ -1,5 +1,6 @@
-"""The `dta` command: the outermost layer, on top of `dta` (the library), `runtime` and
-`experiments`.
+"""The `dta` command: DFS tree training, its checks, benchmarks and runtime.
+
+The outermost layer, on top of the `dta` library, `runtime` and `experiments`.
 
 Each subcommand lives in its own module of this package and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``. Commands that report figures take
@@ -24,11 +25,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the invoked command's module is imported (its options added)."""
     parser = argparse.ArgumentParser(prog="dta", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if name != command:
+            continue
+        # Command modules import their heavy dependencies (torch, ray) inside run().
         module = importlib.import_module(module_name)
         # A module that serves several commands (submit / jobs) picks by name.
         add = getattr(module, f"add_{name}_arguments", None) or module.add_arguments
@@ -38,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     return int(args._run(args) or 0)
 
 
