@@ -1,0 +1,246 @@
+"""Start a private Ray instance on loopback, or join an existing cluster.
+
+A local instance (no address) is started in-process with ``ray.init(address="local")`` so it
+never attaches to somebody else's Ray on a shared machine, with every listener on 127.0.0.1:
+
+* ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (without it Ray on Linux replaces 127.0.0.1 by the
+  routable address and the GCS and raylet listen on all interfaces) and
+  ``_node_ip_address="127.0.0.1"``;
+* no dashboard; a bounded object store; a private namespace and temp dir;
+* token authentication with a private token (Ray 2.60 enables token auth for new local
+  instances and would otherwise write ``~/.ray/auth_token``), unless ``RAY_AUTH_MODE`` is set.
+
+After the start, :func:`check_loopback` inspects the listening sockets of the instance's
+processes (:func:`listening_addresses`) and fails if any listens beyond loopback. Shutdown
+is in-process (``ray.shutdown()``), which stops only this instance: never ``ray stop``.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------- listeners --
+@dataclass(frozen=True)
+class Listener:
+    pid: int
+    name: str
+    ip: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.ip)
+
+
+def is_loopback(ip: str) -> bool:
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return (mapped or addr).is_loopback
+
+
+def listening_addresses(pids) -> list[Listener]:
+    """Every TCP/UDP socket in LISTEN state (TCP) or bound (UDP) of the given processes."""
+    out = []
+    for pid in sorted(set(int(p) for p in pids)):
+        try:
+            proc = psutil.Process(pid)
+            name = proc.name()
+            conns = proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        except psutil.AccessDenied as exc:
+            raise ClusterError(f"cannot inspect the sockets of process {pid}: {exc}") from None
+        for c in conns:
+            if not c.laddr:
+                continue
+            if c.type == socket.SOCK_STREAM and c.status != psutil.CONN_LISTEN:
+                continue
+            if c.type == socket.SOCK_DGRAM and c.raddr:  # connected UDP: not a listener
+                continue
+            out.append(Listener(pid, name, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def process_tree(root_pid: int | None = None) -> list[int]:
+    """``root_pid`` (default: this process) and all its descendants."""
+    root = psutil.Process(root_pid or os.getpid())
+    return [root.pid] + [p.pid for p in root.children(recursive=True)]
+
+
+def check_loopback(pids) -> list[Listener]:
+    listeners = listening_addresses(pids)
+    bad = [x for x in listeners if not x.loopback]
+    if bad:
+        shown = ", ".join(f"{x.name} (pid {x.pid}) on {x.ip}:{x.port}" for x in bad)
+        raise ClusterError(f"Ray listens beyond loopback: {shown}")
+    return listeners
+
+
+# ------------------------------------------------------------------------- auth --
+def ensure_local_auth(directory: str) -> str | None:
+    """Token auth for a local instance with a private token, unless the user chose a mode.
+
+    Returns the token path it set up (None when RAY_AUTH_MODE was already set)."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return os.environ.get("RAY_AUTH_TOKEN_PATH")
+    path = os.path.join(directory, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    # Set for this process and inherited by Ray's processes; kept for the process lifetime
+    # because Ray caches the token (a second local instance reuses the same one).
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    _refresh_ray_auth()
+    return path
+
+
+def _refresh_ray_auth() -> None:
+    """Make an already-imported Ray see the new auth environment (Ray caches its config
+    at import; this is what Ray itself does when it turns token auth on)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+_AUTH_DIR: str | None = None
+
+
+def _auth_dir() -> str:
+    global _AUTH_DIR
+    if _AUTH_DIR is None or not os.path.isdir(_AUTH_DIR):
+        _AUTH_DIR = tempfile.mkdtemp(prefix="dta-auth-")
+    return _AUTH_DIR
+
+
+# ------------------------------------------------------------------------ cluster --
+@dataclass
+class ClusterHandle:
+    """What :func:`start_or_join` did; :meth:`shutdown` undoes exactly that."""
+
+    local: bool  # a private instance started by this process
+    address: str | None  # the GCS address
+    temp_dir: str | None = None
+    owned_temp_dir: bool = False
+    reused: bool = False  # Ray was already initialized: shutdown leaves it alone
+    listeners: list = field(default_factory=list)
+    start_s: float = 0.0
+
+    def pids(self) -> list[int]:
+        """Processes of the local instance (this process and its descendants)."""
+        return process_tree() if self.local else []
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.reused:
+            return
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.owned_temp_dir and self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.owned_temp_dir = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | None = None,
+                  verify_loopback: bool = True) -> ClusterHandle:
+    """Join ``address`` (argument, else ``ray_cfg.address``), or start a private local
+    instance on 127.0.0.1 when neither is given. Reuses an already-initialized Ray."""
+    import ray
+
+    address = address or (ray_cfg.address if ray_cfg is not None else None)
+    namespace = getattr(ray_cfg, "namespace", None) or "dta"
+    if log_to_driver is None:
+        log_to_driver = bool(getattr(ray_cfg, "log_to_driver", True))
+    if ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        return ClusterHandle(local=False, address=getattr(ctx, "gcs_address", None),
+                             reused=True)
+    t0 = time.perf_counter()
+    if address:
+        try:
+            info = ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+        except ConnectionError as exc:
+            raise ClusterError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
+        except Exception as exc:
+            if "auth" in type(exc).__name__.lower() or "token" in str(exc).lower():
+                raise ClusterError(
+                    f"the Ray cluster at {address!r} refused the connection ({exc}); it uses "
+                    "token authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH "
+                    "(or RAY_AUTH_TOKEN) to the cluster's token") from None
+            raise
+        return ClusterHandle(local=False, address=info.address_info.get("gcs_address"),
+                             start_s=time.perf_counter() - t0)
+
+    _loopback_only()
+    owned = ray_cfg is None or not getattr(ray_cfg, "temp_dir", None)
+    # Ray's socket paths must stay short: a short private directory under /tmp.
+    temp_dir = tempfile.mkdtemp(prefix="dta-ray-", dir="/tmp") if owned else ray_cfg.temp_dir
+    ensure_local_auth(_auth_dir())
+    object_store = int(getattr(ray_cfg, "object_store_memory", 256 * 1024 ** 2))
+    num_cpus = None
+    if ray_cfg is not None:
+        # Enough CPU slots for the workers even on a 2-core machine (they share cores).
+        need = ray_cfg.num_workers * float(ray_cfg.cpus_per_worker)
+        num_cpus = max(int(-(-need // 1)), psutil.cpu_count() or 1)
+    try:
+        info = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                        object_store_memory=object_store, namespace=namespace,
+                        _temp_dir=temp_dir, num_cpus=num_cpus, log_to_driver=log_to_driver,
+                        configure_logging=True, logging_level="WARNING")
+    except Exception:
+        if owned:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    handle = ClusterHandle(local=True, address=info.address_info.get("gcs_address"),
+                           temp_dir=temp_dir, owned_temp_dir=owned,
+                           start_s=time.perf_counter() - t0)
+    if verify_loopback:
+        try:
+            handle.listeners = check_loopback(handle.pids())
+        except Exception:
+            handle.shutdown()
+            raise
+    return handle
+
+
+def _loopback_only() -> None:
+    """Keep a local instance on 127.0.0.1. Ray reads the variable when it is imported (and
+    its processes inherit it), so an already-imported Ray gets the constant set as well."""
+    os.environ.update(LOOPBACK_ENV)
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def cluster_has_gpus() -> bool:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) > 0

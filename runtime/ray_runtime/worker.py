@@ -1,0 +1,308 @@
+"""One data-parallel DFS worker: a model replica, its optimizer, and one rank of a
+torch.distributed process group.
+
+The class is plain Python (the driver wraps it with ``ray.remote``), so it can be used and
+tested without Ray. A step:
+
+1. ``zero_grad``; ``dta.train.accumulate_gradients`` over the worker's sequences with the
+   *whole batch's* :class:`~dta.losses.Totals`, so each worker's gradient is its share of
+   the global token mean and their sum is the single-worker gradient;
+2. all-reduce (SUM) the gradients across the group (flat buckets);
+3. clip by the global norm and step. Every replica holds the same all-reduced gradient and
+   the same optimizer state, so the replicas stay identical.
+
+Nothing is applied before the all-reduce has completed: a peer that dies before it makes
+the collective fail on every survivor, which then returns without touching its parameters
+or optimizer state.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+
+from dta.batch import Batch
+from dta.config import from_dict, loss_kwargs
+from dta.losses import Totals, make_loss
+from dta.models import build_model, load_model
+from dta.train import accumulate_gradients, clip_and_step, forward_logprobs
+
+FAULT_ENV = "DTA_FAULT_INJECT"  # "rank=1,step=2": that rank exits before the all-reduce
+
+
+# -------------------------------------------------------------- replica building --
+def build_replica(cfg, device: str | torch.device = "cpu"):
+    m = cfg.model
+    if m.path:
+        model = load_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation)
+    else:
+        model = build_model(m.family, m.size, dtype=m.dtype, seed=int(m.seed),
+                            attn_implementation=m.attn_implementation)
+    return model.to(device)
+
+
+def make_optimizer(model, ocfg):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if ocfg.name == "sgd":
+        return torch.optim.SGD(params, lr=float(ocfg.lr), weight_decay=float(ocfg.weight_decay))
+    return torch.optim.AdamW(params, lr=float(ocfg.lr), betas=tuple(float(b) for b in ocfg.betas),
+                             eps=float(ocfg.eps), weight_decay=float(ocfg.weight_decay))
+
+
+def make_training_loss(cfg):
+    return make_loss(cfg.loss.name, **loss_kwargs(cfg))
+
+
+def recompute_fields(cfg, loss) -> tuple[str, ...]:
+    """Fields the worker fills from the current policy before the step (AReaL's
+    ``recompute_logprob`` / the decoupled loss's proximal log-probs)."""
+    out = []
+    if getattr(loss, "decoupled", False):
+        out.append("prox_logprobs")
+    elif cfg.actor.recompute_logprob and "old_logprobs" in loss.fields:
+        out.append("old_logprobs")
+    return tuple(out)
+
+
+def fill_recomputed(model, batch: Batch, names, cfg) -> Batch:
+    """Set ``names`` of ``batch`` to the model's current log-probs (no graph)."""
+    missing = [n for n in names if n not in batch.fields or n == "old_logprobs"]
+    if not missing:
+        return batch
+    with torch.no_grad():
+        res = forward_logprobs(model, batch, temperature=float(cfg.walker.temperature),
+                               logits_chunk=int(cfg.walker.logits_chunk))
+    lps = [np.asarray(lp.detach().double().cpu()) for lp in res.logprobs]
+    fields = dict(batch.fields)
+    for n in missing:
+        fields[n] = lps
+    return Batch(batch.input_ids, fields, batch.weight, batch.group_id)
+
+
+# ---------------------------------------------------------------- grad all-reduce --
+def allreduce_gradients(params, bucket_elems: int = 1 << 24) -> None:
+    """Sum ``.grad`` over the default group; a grad that is None on every rank stays None."""
+    import torch.distributed as dist
+
+    device = params[0].device
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                           device=device)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        nonlocal bucket, size
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        bucket, size = [], 0
+
+    for g in grads:
+        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() > bucket_elems):
+            flush()
+        bucket.append(g)
+        size += g.numel()
+    flush()
+    dist.all_reduce(present, op=dist.ReduceOp.SUM)
+    for p, g, n in zip(params, grads, present.tolist()):
+        p.grad = g if n > 0 else None
+
+
+# --------------------------------------------------------------------- memory --
+def reset_peak_memory(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: "5" resets the peak RSS (VmHWM) of this process
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory(device) -> dict:
+    if device.type == "cuda":
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "kind": "cuda"}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return {"peak_bytes": int(line.split()[1]) * 1024, "kind": "rss"}
+    except OSError:
+        pass
+    import resource
+    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "kind": "rss"}
+
+
+def parse_fault(spec: str | dict | None) -> dict | None:
+    """``"rank=1,step=2"`` -> {"rank": 1, "step": 2}."""
+    if not spec:
+        return None
+    if isinstance(spec, dict):
+        return {"rank": int(spec["rank"]), "step": int(spec["step"])}
+    out = {}
+    for part in str(spec).split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("rank", "step") or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"bad {FAULT_ENV} {spec!r}: expected rank=R,step=S")
+        out[key.strip()] = int(value)
+    if set(out) != {"rank", "step"}:
+        raise ValueError(f"bad {FAULT_ENV} {spec!r}: expected rank=R,step=S")
+    return out
+
+
+# ---------------------------------------------------------------------- worker --
+class DFSWorker:
+    """A model replica + optimizer + one rank. Methods are called by the driver."""
+
+    def __init__(self, rank: int, world_size: int, cfg_dict: dict, *, use_gpu: bool = False,
+                 fault: dict | None = None):
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.cfg = from_dict(cfg_dict)
+        threads = int(self.cfg.ray.torch_threads) or max(1, round(self.cfg.ray.cpus_per_worker))
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda", 0) if use_gpu and torch.cuda.is_available() \
+            else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        t0 = time.perf_counter()
+        self.model = build_replica(self.cfg, self.device)
+        self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
+        self.loss = make_training_loss(self.cfg)
+        self.recompute = recompute_fields(self.cfg, self.loss)
+        self.fault = parse_fault(fault)
+        self.group = False
+        self.build_s = time.perf_counter() - t0
+        self.completed_steps = 0
+
+    # -------------------------------------------------------------- setup --
+    def info(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "ip": _node_ip(), "device": str(self.device), "build_s": self.build_s,
+                "threads": torch.get_num_threads(),
+                "params": int(sum(p.numel() for p in self.model.parameters()))}
+
+    def setup_group(self, init_method: str, backend: str, timeout_s: float,
+                    ifname: str | None = None) -> dict:
+        if self.world_size == 1:
+            return self.info()
+        import torch.distributed as dist
+
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
+                                world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=float(timeout_s)))
+        self.group = True
+        return self.info()
+
+    # --------------------------------------------------------------- step --
+    def step(self, step: int, batch: Batch | None, totals: Totals) -> dict:
+        t0 = time.perf_counter()
+        reset_peak_memory(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = {"rank": self.rank, "pid": os.getpid(), "step": int(step), "sequences": 0,
+                 "tokens": 0, "unique_tokens": 0, "forwarded_tokens": 0, "loss": 0.0}
+        if batch is not None and len(batch):
+            batch = _writable(batch)
+            batch = fill_recomputed(self.model, batch, self.recompute, self.cfg)
+            w = self.cfg.walker
+            res = accumulate_gradients(self.model, batch, self.loss, reduction=w.reduction,
+                                       totals=totals, policy=w.policy,
+                                       temperature=float(w.temperature),
+                                       logits_chunk=int(w.logits_chunk),
+                                       min_shared=int(w.min_shared))
+            stats.update(sequences=len(batch), tokens=res.tree.total_tokens,
+                         unique_tokens=res.tree.unique_tokens, forwarded_tokens=res.walk.tokens,
+                         recomputed_tokens=res.walk.recomputed_tokens, loss=float(res.loss),
+                         max_live_graphs=res.walk.max_live_graphs)
+        t1 = time.perf_counter()
+        if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == int(step):
+            os._exit(1)  # fault injection: die after accumulating, before the all-reduce
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.world_size > 1:
+            allreduce_gradients(params)
+        t2 = time.perf_counter()
+        norm, updated = clip_and_step(self.model, self.optimizer,
+                                      self.cfg.optimizer.max_grad_norm)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t3 = time.perf_counter()
+        self.completed_steps += 1
+        stats.update(grad_norm=float(norm), updated=bool(updated), accumulate_s=t1 - t0,
+                     allreduce_s=t2 - t1, optimizer_s=t3 - t2, step_s=t3 - t0,
+                     **peak_memory(self.device))
+        return stats
+
+    # ----------------------------------------------------- state / checkpoints --
+    def state(self) -> dict:
+        """CPU copies of the model and optimizer state (for tests and consistency checks)."""
+        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": _to_cpu(self.optimizer.state_dict())}
+
+    def gradients(self) -> dict:
+        """CPU copies of the last step's (all-reduced, possibly clipped) gradients."""
+        return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()
+                if p.grad is not None}
+
+    def digest(self) -> float:
+        with torch.no_grad():
+            return float(sum(p.double().abs().sum() for p in self.model.parameters()))
+
+    def save_checkpoint(self, directory: str, step: int, meta: dict) -> str:
+        from runtime.ray_runtime.checkpoint import save_checkpoint
+        return save_checkpoint(directory, step, self.model, self.optimizer, meta)
+
+    def load_checkpoint(self, path: str) -> dict:
+        from runtime.ray_runtime.checkpoint import load_checkpoint
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        self.completed_steps = int(meta["step"])
+        return meta
+
+    def shutdown(self) -> None:
+        if self.group:
+            import torch.distributed as dist
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+            self.group = False
+
+
+def _writable(batch: Batch) -> Batch:
+    """Ray hands numpy arrays over read-only (zero copy); torch wants writable ones."""
+    return Batch([np.array(s) for s in batch.input_ids],
+                 {k: [np.array(a) for a in v] for k, v in batch.fields.items()},
+                 None if batch.weight is None else np.array(batch.weight), batch.group_id)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
