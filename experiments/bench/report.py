@@ -1,0 +1,105 @@
+"""Markdown table and matplotlib plots of benchmark results (see :mod:`experiments.bench.run`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _f(x, fmt="{:.2f}", none="–"):
+    return none if x is None else fmt.format(x)
+
+
+def table(point: dict) -> str:
+    s, info = point["summary"], point["info"]
+    lines = [
+        f"**{point['label']}**: {info['sequences']} sequences, {info['total_tokens']:,} tokens, "
+        f"{info['unique_tokens']:,} unique (sharing {info['sharing_ratio']:.2f}×), "
+        f"{info['trainable_tokens']:,} trainable; ideal speed-up (FLOPs of "
+        f"{info['ideal_baseline']} / FLOPs of dfs-retain) **{s['ideal_speedup']:.2f}×**"
+        + (f" (planning cost model, LM head on every token: "
+           f"{info['ideal_speedup_cost_model']:.2f}×)" if "ideal_speedup_cost_model" in info
+           else "")
+        + f"; best unpacked baseline: {s['best_baseline']}.",
+        "",
+        "| mode | step s (median) | tokens/s | speed-up | of ideal | peak MB | mem/padded "
+        "| mem/baseline | GFLOP | GFLOP/s | user/sys s | grad rel err | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for mode, m in s["modes"].items():
+        lines.append("| " + " | ".join([
+            mode, _f(m["step_s"]), _f(m["tokens_per_s"], "{:,.0f}"),
+            _f(m.get("speedup"), "{:.2f}×"), _f(m.get("speedup_vs_ideal"), "{:.0%}"),
+            _f(m["peak_mem_mb"], "{:,.0f}"), _f(m.get("mem_ratio_padded"), "{:.2f}"),
+            _f(m.get("mem_ratio_baseline"), "{:.2f}"),
+            _f(m["flops"] / 1e9 if m["flops"] else None, "{:,.0f}"),
+            _f(m["gflops_per_s"], "{:.1f}"),
+            f"{_f(m['user_s'], '{:.0f}')}/{_f(m['sys_s'], '{:.0f}')}",
+            _f(m["grad_rel_err"], "{:.1e}"),
+            m["status"] + (f" ({m['failed']} failed: {m['error'][:60]})" if m["failed"] else ""),
+        ]) + " |")
+    pol = s.get("policy")
+    if pol:
+        lines += ["", f"Memory policy: recompute / retain = {pol['recompute_time_over_retain']:.2f}× "
+                      f"time, {_f(pol['recompute_mem_over_retain'])}× peak memory."]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    c = results["config"]
+    head = [f"# DTA benchmark: {c['workload']} (scale {c['scale']}, seed {c['seed']})", "",
+            f"Model {c['family']}-{c['size']} ({c['dtype']}, {c['attn']}) on {c['device']}, "
+            f"{c['threads']} threads, loss {c['loss']} (global token mean); {c['repeats']} "
+            f"repeats, modes interleaved, each run in a fresh process"
+            f"{' after a warm-up step on a 2-sequence batch' if c['warmup'] else ''}. "
+            "Speed-up: median over rounds of (best unpacked baseline's step time / the mode's); "
+            "peak memory: "
+            + ("peak RSS growth over the loaded model and batch (CPU)." if c["device"] == "cpu"
+               else "torch.cuda.max_memory_allocated over the loaded model and batch.")
+            + f" Gradient error: relative L2 against {'microbatch' if 'microbatch' in c['modes'] else c['modes'][0]}"
+            f" (tolerance {results['points'][0]['summary']['tolerance']:.0e}; WRONG above it).", ""]
+    return "\n".join(head + [table(p) + "\n" for p in results["points"]])
+
+
+def plots(results: dict, out: Path) -> list[str]:
+    """Bars per mode (one point) or lines over the sweep: throughput and peak memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts, sweep = results["points"], results["config"]["sweep"]
+    modes = list(results["config"]["modes"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    metrics = (("tokens_per_s", "throughput (original tokens / s)"),
+               ("peak_mem_mb", "peak memory (MB)"))
+    if len(pts) == 1 or not sweep:
+        s = pts[0]["summary"]["modes"]
+        for ax, (key, label) in zip(axes, metrics):
+            vals = [s[m][key] or 0 for m in modes]
+            ax.bar(range(len(modes)), vals, color=[f"C{i}" for i in range(len(modes))])
+            ax.set_xticks(range(len(modes)), modes, rotation=30, ha="right")
+            ax.set_ylabel(label)
+            ax.set_yscale("log")
+        name = "modes.png"
+    else:
+        if sweep == "batch":
+            xs, xlabel = [p["info"]["sequences"] for p in pts], "sequences per batch"
+        else:
+            xs, xlabel = [p["info"]["sharing_ratio"] for p in pts], "sharing ratio (total / unique)"
+        order = sorted(range(len(pts)), key=lambda k: xs[k])
+        for ax, (key, label) in zip(axes, metrics):
+            for i, m in enumerate(modes):
+                ys = [pts[k]["summary"]["modes"][m][key] for k in order]
+                ax.plot([xs[k] for k in order], [y if y else float("nan") for y in ys],
+                        "o-", color=f"C{i}", label=m)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(label)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        name = f"sweep-{sweep}.png"
+    c = results["config"]
+    fig.suptitle(f"{c['workload']} {c['scale']} · {c['family']}-{c['size']} {c['dtype']} · {c['device']}")
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return [str(out / name)]

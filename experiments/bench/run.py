@@ -1,0 +1,295 @@
+"""The benchmark harness: every (mode, repeat) in a fresh process, modes interleaved.
+
+    python -m experiments.bench.run --workload tau2-airline --scale small     (or `dta bench`)
+
+Runs go ``a b c d e a b c d e ...`` (one round per repeat), so a slow phase of a noisy
+machine hits every mode alike; the table reports medians, and the speed-up of a mode over
+the best unpacked baseline is the median of the per-round ratios. Each child saves its
+flattened gradient; the parent compares it with the reference mode's (``microbatch``,
+one sequence at a time) and flags a mode whose relative L2 error exceeds the tolerance.
+Output, under ``--out``: ``results.json`` (config, workload stats, FLOPs, every run, the
+summary), ``results.md`` and plots (see :mod:`experiments.bench.report`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from experiments.bench.modes import DEFAULT_MODES, MODES
+
+ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
+
+
+@dataclass
+class BenchConfig:
+    workload: str = "tau2-airline"
+    scale: str = "small"
+    seed: int = 0
+    family: str = "qwen3"
+    size: str = "small"
+    dtype: str = "float32"
+    device: str = "cpu"
+    attn: str = "sdpa"
+    loss: str = "ppo"
+    modes: tuple = DEFAULT_MODES
+    repeats: int = 3
+    threads: int = 2
+    warmup: bool = True
+    microbatch_tokens: int | None = None
+    pad_batch: int = 0
+    tree_tokens: int = 32768
+    logits_chunk: int = 1024
+    timeout: float = 600.0
+    grad_tol: float | None = None
+    grad_full_max: int = 64_000_000
+    sample_ms: float = 2.0
+    sweep: str | None = None  # None | batch | sharing
+    sweep_values: str | None = None
+    overrides: dict = field(default_factory=dict)
+    out: str | None = None
+
+    @property
+    def tol(self) -> float:
+        return self.grad_tol if self.grad_tol is not None else TOLERANCE.get(self.dtype, 1e-4)
+
+    def opts(self) -> dict:
+        return dict(microbatch_tokens=self.microbatch_tokens, pad_batch=self.pad_batch,
+                    tree_tokens=self.tree_tokens, logits_chunk=self.logits_chunk)
+
+
+def sweep_points(cfg: BenchConfig) -> list[tuple[str, dict]]:
+    """(label, workload overrides) per point. batch: task (group) counts; sharing: group
+    sizes, ``nothink`` (no thinking: the trunk dominates) or ``nothink@G``."""
+    if not cfg.sweep:
+        return [("base", dict(cfg.overrides))]
+    if cfg.sweep == "batch":
+        return [(f"B{v}", {**cfg.overrides, "tasks": int(v)})
+                for v in (cfg.sweep_values or "1,2,4").split(",")]
+    if cfg.sweep == "sharing":
+        points = []
+        for v in (cfg.sweep_values or "2,4,nothink@4").split(","):
+            kw = dict(cfg.overrides)
+            if v.startswith("nothink"):
+                kw["thinking"] = False
+                v = v.partition("@")[2]
+            if v:
+                kw["group_size"] = int(v)
+            points.append(("nothink" if kw.get("thinking") is False else "think")
+                          + (f"-G{v}" if v else ""))
+            points[-1] = (points[-1], kw)
+        return points
+    raise ValueError(f"unknown sweep {cfg.sweep!r}; choose batch or sharing")
+
+
+def point_info(cfg: BenchConfig, overrides: dict) -> dict:
+    """Workload statistics and FLOPs of one point (computed in the parent, cheaply)."""
+    from dta.models import build_config
+    from dta.tree import PrefixTree
+    from experiments.bench.flops import summary
+    from experiments.bench.worker import load_batch
+
+    config = build_config(cfg.family, cfg.size)
+    batch, wl = load_batch(dict(workload=cfg.workload, scale=cfg.scale, seed=cfg.seed,
+                                overrides=overrides), config.vocab_size)
+    st = PrefixTree(batch.input_ids).stats()
+    info = dict(sequences=st.sequences, total_tokens=st.total_tokens,
+                unique_tokens=st.unique_tokens, sharing_ratio=st.sharing_ratio,
+                max_length=st.max_length, tree_nodes=st.nodes, tree_depth=st.depth,
+                trainable_tokens=int(sum(batch.loss_mask(i).sum() for i in range(len(batch)))),
+                workload_params=wl.params)
+    info.update(summary(batch, config, list(cfg.modes), cfg.opts()))
+    return info
+
+
+def _spawn(cfg: BenchConfig, spec: dict, tmp: str, tag: str) -> dict:
+    spec = dict(spec, result_path=os.path.join(tmp, f"{tag}.json"),
+                grad_path=os.path.join(tmp, f"{tag}.npy"))
+    spec_path = os.path.join(tmp, f"{tag}.spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads),
+               TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "experiments.bench.worker", spec_path],
+                              cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=cfg.timeout)
+        if os.path.exists(spec["result_path"]):
+            with open(spec["result_path"]) as f:
+                res = json.load(f)
+        else:  # killed (out of memory) before writing a result
+            res = dict(ok=False, error=f"worker exited {proc.returncode}: {proc.stderr[-800:]}")
+    except subprocess.TimeoutExpired:
+        res = dict(ok=False, error=f"timed out after {cfg.timeout:.0f} s")
+    res.update(mode=spec["mode"], repeat=spec["repeat"], wall_s=time.perf_counter() - t,
+               grad_path=spec["grad_path"] if res.get("ok") else None)
+    return res
+
+
+def _rel_err(path: str, ref: np.ndarray) -> float:
+    g = np.load(path).astype(np.float64)
+    return float(np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def run_point(cfg: BenchConfig, label: str, overrides: dict, tmp: str, bar) -> list[dict]:
+    """All (repeat, mode) runs of one point, interleaved; gradient errors vs the reference."""
+    ref_mode = "microbatch" if "microbatch" in cfg.modes else cfg.modes[0]
+    base = dict(workload=cfg.workload, scale=cfg.scale, seed=cfg.seed, overrides=overrides,
+                family=cfg.family, size=cfg.size, dtype=cfg.dtype, device=cfg.device,
+                attn=cfg.attn, loss=cfg.loss, threads=cfg.threads, warmup=cfg.warmup,
+                opts=cfg.opts(), sample_ms=cfg.sample_ms, grad_full_max=cfg.grad_full_max)
+    runs, ref = [], None
+    for r in range(cfg.repeats):
+        for mode in cfg.modes:
+            bar.set_postfix_str(f"{label} {mode} #{r}")
+            res = _spawn(cfg, dict(base, mode=mode, repeat=r), tmp, f"{label}-{mode}-{r}")
+            res["point"] = label
+            runs.append(res)
+            bar.update(1)
+            if ref is None and mode == ref_mode and res["ok"]:
+                ref = np.load(res["grad_path"]).astype(np.float64)
+            if ref is not None:  # compare every pending gradient, then drop its file
+                for x in runs:
+                    if x.get("grad_path"):
+                        x["grad_rel_err"] = _rel_err(x["grad_path"], ref)
+                        os.remove(x["grad_path"])
+                        x["grad_path"] = None
+    for x in runs:
+        x["grad_reference"] = ref_mode
+        if x.get("grad_path"):
+            os.remove(x.pop("grad_path"))
+        x.pop("grad_path", None)
+    return runs
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(cfg: BenchConfig, runs: list[dict], info: dict) -> dict:
+    """Per mode: medians, speed-up over the best unpacked baseline (median of per-round
+    ratios), memory ratios, gradient error and its verdict."""
+    modes = {}
+    for mode in cfg.modes:
+        ok = [x for x in runs if x["mode"] == mode and x["ok"]]
+        failed = [x for x in runs if x["mode"] == mode and not x["ok"]]
+        step = _median([x["step_s"] for x in ok])
+        errs = [x["grad_rel_err"] for x in ok if x.get("grad_rel_err") is not None]
+        flops = info["flops"].get(mode)
+        modes[mode] = dict(
+            runs=len(ok), failed=len(failed), error=failed[0]["error"] if failed else None,
+            step_s=step, tokens_per_s=info["total_tokens"] / step if step else None,
+            step_s_all=[x["step_s"] for x in ok],
+            peak_mem_mb=_median([x["peak_mem_mb"] for x in ok]),
+            peak_mem_mb_max=max((x["peak_mem_mb"] for x in ok), default=None),
+            user_s=_median([x.get("user_s") for x in ok]), sys_s=_median([x.get("sys_s") for x in ok]),
+            grad_rel_err=max(errs) if errs else None, flops=flops,
+            gflops_per_s=flops / step / 1e9 if flops and step else None)
+        m = modes[mode]
+        m["grad_ok"] = None if m["grad_rel_err"] is None else m["grad_rel_err"] <= cfg.tol
+        m["status"] = ("FAILED" if not ok else "WRONG" if m["grad_ok"] is False
+                       else "ok" if m["grad_ok"] else "unchecked")
+    baselines = [m for m in cfg.modes if MODES[m].unpacked and modes[m]["step_s"]]
+    best = min(baselines, key=lambda m: modes[m]["step_s"]) if baselines else None
+    pad_mem = modes.get("padded", {}).get("peak_mem_mb")
+    best_mem = modes[best]["peak_mem_mb"] if best else None
+    for mode, m in modes.items():
+        if best and m["step_s"]:
+            ratios = [a["step_s"] / b["step_s"] for a in runs for b in runs
+                      if a["mode"] == best and b["mode"] == mode and a["ok"] and b["ok"]
+                      and a["repeat"] == b["repeat"]]
+            m["speedup"] = _median(ratios)
+            m["speedup_of_medians"] = modes[best]["step_s"] / m["step_s"]
+            m["speedup_vs_ideal"] = m["speedup"] / info["ideal_speedup"] if m["speedup"] else None
+        if m["peak_mem_mb"] is not None:
+            m["mem_ratio_padded"] = m["peak_mem_mb"] / pad_mem if pad_mem else None
+            m["mem_ratio_baseline"] = m["peak_mem_mb"] / best_mem if best_mem else None
+    out = dict(best_baseline=best, sharing_ratio=info["sharing_ratio"],
+               ideal_speedup=info["ideal_speedup"], tolerance=cfg.tol, modes=modes)
+    r, c = modes.get("dfs-retain"), modes.get("dfs-recompute")
+    if r and c and r["step_s"] and c["step_s"]:
+        out["policy"] = dict(recompute_time_over_retain=c["step_s"] / r["step_s"],
+                             recompute_mem_over_retain=(c["peak_mem_mb"] / r["peak_mem_mb"]
+                                                        if r["peak_mem_mb"] else None))
+    return out
+
+
+def run(cfg: BenchConfig, *, progress: bool = True, log=print) -> dict:
+    from tqdm import tqdm
+
+    from experiments.bench import report
+
+    unknown = [m for m in cfg.modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    out = Path(cfg.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    points = sweep_points(cfg)
+    results = dict(config=asdict(cfg), points=[])
+    with tempfile.TemporaryDirectory(prefix="dta-bench-") as tmp, \
+            tqdm(total=len(points) * cfg.repeats * len(cfg.modes), desc="bench", unit="run",
+                 disable=not progress, file=sys.stderr) as bar:
+        for label, overrides in points:
+            info = point_info(cfg, overrides)
+            runs = run_point(cfg, label, overrides, tmp, bar)
+            results["points"].append(dict(label=label, overrides=overrides, info=info,
+                                           runs=runs, summary=summarize(cfg, runs, info)))
+            with open(out / "results.json", "w") as f:  # partial results survive a crash
+                json.dump(results, f, indent=1, default=str)
+    results["out"] = str(out)
+    (out / "results.md").write_text(report.markdown(results))
+    results["plots"] = report.plots(results, out)
+    with open(out / "results.json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return results
+
+
+def compact(results: dict) -> dict:
+    """The one-line JSON of `dta bench --json`: per mode the headline figures."""
+    keys = ("tokens_per_s", "step_s", "peak_mem_mb", "grad_rel_err", "speedup",
+            "speedup_vs_ideal", "mem_ratio_padded", "mem_ratio_baseline", "status")
+
+    def point(p):
+        s = p["summary"]
+        return dict(label=p["label"], sharing_ratio=s["sharing_ratio"],
+                    ideal_speedup=s["ideal_speedup"], best_baseline=s["best_baseline"],
+                    total_tokens=p["info"]["total_tokens"], sequences=p["info"]["sequences"],
+                    policy=s.get("policy"),
+                    modes={m: {k: v.get(k) for k in keys} for m, v in s["modes"].items()})
+
+    pts = [point(p) for p in results["points"]]
+    head = dict(pts[0]) if len(pts) == 1 else dict(points=pts)
+    c = results["config"]
+    head.update(workload=c["workload"], scale=c["scale"], model=f"{c['family']}-{c['size']}",
+                dtype=c["dtype"], device=c["device"], repeats=c["repeats"], out=results["out"])
+    return head
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from dta_cli.bench import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.run")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    results = run(config_from_args(args), progress=not args.json)
+    print(json.dumps(compact(results)) if args.json else
+          (Path(results["out"]) / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""One measured run in a fresh process: ``python -m experiments.bench.worker SPEC.json``.
+
+The spec (written by :mod:`experiments.bench.run`) names the workload, the model, the mode
+and where to write the result (JSON) and the flattened gradient (``.npy``). The process:
+
+1. sets ``torch.set_num_threads(threads)``, builds the batch and the model (same seeds in
+   every run, so every mode trains the same parameters on the same batch);
+2. warm-up: one step of the same mode on a 2-sequence batch cut from the real one (the last
+   96 tokens of one sequence, and a copy forked 8 tokens before its end): it pays one-time
+   costs (lazy initialization, first-call dispatch, allocator growth) on every code path the
+   mode uses (fork, padding, mask, chunked head) for about 1 % of a step; then
+   ``zero_grad(set_to_none=True)``, as a training loop would;
+3. baseline memory (RSS, or CUDA allocated), then the timed step, with a background thread
+   sampling RSS every ``sample_ms``; the peak growth is the larger of the sampled peak and,
+   when the step raised the process's high-water mark, ``ru_maxrss`` (exact) minus the
+   baseline. On CUDA: ``max_memory_allocated`` minus the allocated baseline;
+4. saves the gradient (float32; a fixed strided sample per parameter when the model has more
+   than ``grad_full_max`` parameters) and the result.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self, interval_s: float):
+        super().__init__(daemon=True)
+        self.interval, self.peak, self._done = interval_s, rss_bytes(), threading.Event()
+
+    def run(self):
+        while not self._done.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._done.wait(self.interval)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        self.peak = max(self.peak, rss_bytes())
+        return self.peak
+
+
+def load_batch(spec: dict, vocab_size: int):
+    from dta.batch import Batch
+    from experiments.workloads import make_workload
+
+    wl = make_workload(spec["workload"], scale=spec["scale"], seed=spec.get("seed", 0),
+                       vocab_size=vocab_size, **spec.get("overrides", {}))
+    return Batch.from_records(wl.records), wl
+
+
+def warmup_batch(batch):
+    """Two short sequences that fork near their end, cut from the batch's first trainable one."""
+    import numpy as np
+
+    from dta.batch import Batch
+
+    i = next(k for k in range(len(batch)) if batch.loss_mask(k).any())
+    ids, mask = batch.input_ids[i][-96:].copy(), batch.loss_mask(i)[-96:].copy()
+    mask[0] = 0
+    if not mask.any():
+        mask[len(mask) // 2:] = 1
+    fork = ids.copy()
+    fork[-8:] = (fork[-8:] + 1) % max(int(batch.input_ids[i].max()) + 1, 2)
+    recs = []
+    for s in (ids, fork):
+        rec = {"input_ids": s, "loss_mask": mask}
+        for k, v in batch.fields.items():
+            if k != "loss_mask":
+                rec[k] = v[i][-96:]
+        recs.append(rec)
+    out = Batch.from_records(recs)
+    assert all(np.array_equal(out.loss_mask(k), mask) for k in range(2))
+    return out
+
+
+def flat_grad(model, full_max: int):
+    import numpy as np
+    import torch
+
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    stride = max(1, -(-n // full_max)) if n > full_max else 1
+    parts = []
+    for p in params:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        parts.append(g.detach().reshape(-1)[::stride].float().cpu())
+    return np.concatenate([x.numpy() for x in parts]), stride
+
+
+def measure(spec: dict) -> dict:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(int(spec.get("threads", 2)))
+    from dta.losses import make_loss
+    from dta.models import build_config, build_model
+    from experiments.bench.modes import run_mode
+
+    device = spec.get("device", "cpu")
+    config = build_config(spec["family"], spec["size"])
+    batch, _ = load_batch(spec, config.vocab_size)
+    model = build_model(spec["family"], spec["size"], dtype=spec.get("dtype", "float32"),
+                        seed=spec.get("model_seed", 0),
+                        attn_implementation=spec.get("attn", "sdpa")).to(device)
+    loss = make_loss(spec.get("loss", "ppo"))
+    opts = dict(spec.get("opts", {}))
+    cuda = device.startswith("cuda")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    t = time.perf_counter()
+    if spec.get("warmup", True):
+        run_mode(spec["mode"], model, warmup_batch(batch), loss, **opts)
+        sync()
+    warm_s = time.perf_counter() - t
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    base_rss, maxrss0 = rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sampler = PeakSampler(float(spec.get("sample_ms", 2)) / 1000)
+    sampler.start()
+    ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    value = run_mode(spec["mode"], model, batch, loss, **opts)
+    sync()
+    step_s = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    peak_rss = sampler.stop()
+    maxrss1 = ru1.ru_maxrss * 1024
+    peak_cpu = max(peak_rss, maxrss1 if maxrss1 > maxrss0 else 0) - base_rss
+    peak = (torch.cuda.max_memory_allocated() - base) if cuda else peak_cpu
+    grad, stride = flat_grad(model, int(spec.get("grad_full_max", 64_000_000)))
+    np.save(spec["grad_path"], grad)
+    tokens = int(batch.lengths.sum())
+    return dict(
+        mode=spec["mode"], repeat=spec.get("repeat", 0), ok=True, loss=float(value),
+        step_s=step_s, warmup_s=warm_s, tokens=tokens, tokens_per_s=tokens / step_s,
+        peak_mem_mb=peak / 2**20, peak_rss_growth_mb=peak_cpu / 2**20,
+        baseline_rss_mb=base_rss / 2**20, maxrss_exact=maxrss1 > maxrss0,
+        user_s=ru1.ru_utime - ru0.ru_utime, sys_s=ru1.ru_stime - ru0.ru_stime,
+        threads=torch.get_num_threads(), device=device, grad_stride=stride,
+        grad_norm=float(np.linalg.norm(grad.astype(np.float64))),
+        params=sum(p.numel() for p in model.parameters()))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    try:
+        result = measure(spec)
+    except Exception as e:  # reported in the table, not fatal to the harness
+        result = dict(mode=spec.get("mode"), repeat=spec.get("repeat", 0), ok=False,
+                      error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+    with open(spec["result_path"], "w") as f:
+        json.dump(result, f)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
