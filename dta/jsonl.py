@@ -45,36 +45,41 @@ def _first_bad(values: list, ok) -> tuple[int, Any]:
     return -1, None  # pragma: no cover - only called once a failure is known
 
 
-def _int_array(where: str, field: str, values: Any) -> np.ndarray:
-    if not isinstance(values, list):
-        raise JsonlError(f"{where}: field '{field}' must be a list of ints, got {type(values).__name__}")
+def _as_array(values: Any) -> tuple[np.ndarray | None, list]:
+    """(array or None if numpy cannot make a 1-D one, the values as a list for messages)."""
+    if isinstance(values, np.ndarray):
+        return values, values.tolist() if values.ndim != 1 else values
     try:
-        arr = np.array(values)
-    except (ValueError, OverflowError):
-        arr = np.array(values, dtype=object)
-    if len(values) and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
-        i, v = _first_bad(values, lambda x: isinstance(x, int) and not isinstance(x, bool)
-                          and -2**63 <= x < 2**63)
+        return np.array(values), values
+    except (ValueError, TypeError, OverflowError):
+        return None, values
+
+
+def _int_array(where: str, field: str, values: Any) -> np.ndarray:
+    if not isinstance(values, (list, np.ndarray)):
+        raise JsonlError(f"{where}: field '{field}' must be a list of ints, got {type(values).__name__}")
+    arr, items = _as_array(values)
+    if len(items) and (arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu"):
+        i, v = _first_bad(list(items), lambda x: isinstance(x, (int, np.integer))
+                          and not isinstance(x, (bool, np.bool_)) and -2**63 <= x < 2**63)
         raise JsonlError(f"{where}: field '{field}' item {i} is {v!r}, expected an int")
-    return arr.astype(np.int64, copy=False)
+    return arr.reshape(-1).astype(np.int64, copy=False)
 
 
 def _float_array(where: str, field: str, values: Any, n: int, allow_scalar: bool) -> np.ndarray:
-    if allow_scalar and isinstance(values, (int, float)) and not isinstance(values, bool):
+    if allow_scalar and isinstance(values, (int, float, np.integer, np.floating)) \
+            and not isinstance(values, (bool, np.bool_)):
         if not math.isfinite(values):
             raise JsonlError(f"{where}: field '{field}' is {values!r}, expected a finite number")
         return np.full(n, float(values), dtype=np.float64)
-    if not isinstance(values, list):
+    if not isinstance(values, (list, np.ndarray)):
         kind = "a list of numbers or one number" if allow_scalar else "a list of numbers"
         raise JsonlError(f"{where}: field '{field}' must be {kind}, got {type(values).__name__}")
-    ok = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    try:
-        arr = np.array(values)
-        bad = arr.ndim != 1 or arr.dtype.kind not in "iuf" or not np.all(np.isfinite(arr))
-    except (ValueError, TypeError, OverflowError):
-        bad = True
-    if bad:
-        i, v = _first_bad(values, ok)
+    arr, items = _as_array(values)
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iuf" or not np.all(np.isfinite(arr)):
+        ok = lambda x: (isinstance(x, (int, float, np.integer, np.floating))
+                        and not isinstance(x, (bool, np.bool_)) and math.isfinite(x))
+        i, v = _first_bad(list(items), ok)
         raise JsonlError(f"{where}: field '{field}' item {i} is {v!r}, expected a finite number")
     if len(arr) != n:
         raise JsonlError(f"{where}: field '{field}' has length {len(arr)}, input_ids has {n}")
@@ -98,7 +103,9 @@ def validate_record(obj: Any, where: str = "record") -> dict:
     n = len(ids)
     if "loss_mask" in obj:
         m = obj["loss_mask"]
-        if isinstance(m, list) and all(type(x) is bool for x in m):
+        if isinstance(m, np.ndarray) and m.dtype == bool:
+            m = m.astype(np.int8)
+        elif isinstance(m, list) and m and all(type(x) is bool for x in m):
             m = [int(x) for x in m]
         mask = _int_array(where, "loss_mask", m)
         if len(mask) != n:
@@ -155,11 +162,18 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for n, rec in enumerate(records, start=1):
-            plain = {k: _plain(v) for k, v in rec.items()}
-            validate_record(plain, _where(path, n))
-            adv = rec.get("advantages")
-            if isinstance(adv, np.ndarray) and adv.size and np.all(adv == adv.flat[0]):
-                plain["advantages"] = float(adv.flat[0])
+            if not isinstance(rec, dict):
+                raise JsonlError(f"{_where(path, n)}: expected a dict, got {type(rec).__name__}")
+            checked = validate_record(
+                {k: v if isinstance(v, np.ndarray) else _plain(v) for k, v in rec.items()},
+                _where(path, n))
+            adv = checked.get("advantages")
+            plain = {}
+            for k, v in checked.items():
+                if k == "advantages" and np.all(adv == adv[0]):
+                    plain[k] = float(adv[0])
+                else:
+                    plain[k] = _plain(v)
             f.write(json.dumps(plain, separators=(",", ":"), allow_nan=False))
             f.write("\n")
     return n
