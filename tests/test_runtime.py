@@ -107,6 +107,23 @@ def test_bad_batch_is_rejected_on_the_driver():
         trainer.validate(Batch.from_records(no_adv))
 
 
+def test_simulate_scaling_projects_and_plots(tmp_path, capsys):
+    import json
+
+    from experiments.simulate_scaling import main
+
+    png = tmp_path / "scaling.png"
+    assert main(["--scale", "small", "--seeds", "1", "--workers", "1,2,4,8", "--size", "tiny",
+                 "--family", "qwen3", "--plot", str(png), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["workers"]: r for r in result["rows"]}
+    assert set(rows) == {1, 2, 4, 8} and rows[1]["speedup"] == pytest.approx(1.0)
+    assert rows[1]["duplicated_tokens"] == 0 and rows[8]["duplicated_tokens"] > 0
+    assert all(1.0 <= r["imbalance"] for r in rows.values())
+    assert all(r["speedup"] <= r["workers"] + 1e-9 for r in rows.values())
+    assert png.stat().st_size > 10_000
+
+
 # ---------------------------------------------------------------------- with Ray --
 @pytest.fixture(scope="module")
 def ray_local():
@@ -327,9 +344,9 @@ def test_submit_job_to_a_loopback_head():
         assert not bad, f"listening beyond loopback: {bad}"
 
         address = f"http://127.0.0.1:{dash}"
-        jobs = [sys.executable, "-m", "dta_cli.jobs"]  # = `dta submit` / `dta jobs`
+        dta = [sys.executable, "-m", "dta_cli"]  # the `dta` command
         sub = subprocess.run(
-            jobs + ["submit", "--address", address, "--config",
+            dta + ["submit", "--address", address, "--config",
                     os.path.join(ROOT, "configs", "default.yaml"), "--timeout", "400",
                     "workload.scale=tiny", "train.steps=2"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
@@ -337,18 +354,18 @@ def test_submit_job_to_a_loopback_head():
         assert "SUCCEEDED" in sub.stdout
         job_id = re.search(r"submitted job (\S+)", sub.stdout).group(1)
 
-        logs = subprocess.run(jobs + ["jobs", "logs", job_id, "--address", address], env=env,
+        logs = subprocess.run(dta + ["jobs", "logs", job_id, "--address", address], env=env,
                               capture_output=True, text=True, timeout=60)
         assert logs.returncode == 0, logs.stderr
         assert "2 steps on 2 workers" in logs.stdout and "sharing ratio" in logs.stdout
-        status = subprocess.run(jobs + ["jobs", "status", job_id, "--address", address],
+        status = subprocess.run(dta + ["jobs", "status", job_id, "--address", address],
                                 env=env, capture_output=True, text=True, timeout=60)
         assert status.returncode == 0 and "SUCCEEDED" in status.stdout
 
         # Without the token the job API refuses (what token auth buys on a shared machine).
         no_auth = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
         no_auth["HOME"] = temp_dir  # no ~/.ray/auth_token to fall back on
-        refused = subprocess.run(jobs + ["jobs", "status", job_id, "--address", address],
+        refused = subprocess.run(dta + ["jobs", "status", job_id, "--address", address],
                                  env=no_auth, capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0
     finally:

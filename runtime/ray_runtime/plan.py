@@ -2,8 +2,8 @@
 
 :func:`assign_workers` returns an :class:`Assignment` (per-worker sequence ids, their
 costs under the planning cost model, the imbalance max/mean and the tokens duplicated
-across workers). It uses the library's balancer (``dta.planning.balance``) when it is
-there, and otherwise a simple fallback: split the heaviest subtrees of the prefix tree until
+across workers). It uses the library's balancer (``dta.planning.balance.balance``) when it
+is importable, and otherwise a simple fallback: split the heaviest subtrees of the prefix tree until
 each is below the per-worker share, then place them largest first on the least-loaded
 worker (LPT). Either way, sequences that share a prefix tend to stay together, so the
 prefix is forwarded by as few workers as possible.
@@ -82,9 +82,12 @@ def _costs(tree: PrefixTree, groups, cost_model) -> tuple[list[float], list[int]
 
 
 def _library_balancer():
-    """The library's balancer if it exists: a callable (tree, W, cost_model) -> list of ids."""
-    try:
-        from dta.planning import balance as mod
+    """The library's balancer if it exists: ``balance(tree, W, cost_model)`` returning an
+    object with ``workers`` (ids per worker) and ideally ``worker_cost``/``worker_tokens``."""
+    import importlib
+
+    try:  # the module (dta.planning re-exports its function under the same name)
+        mod = importlib.import_module("dta.planning.balance")
     except ImportError:
         return None
     for name in ("balance", "balance_workers", "assign"):
@@ -159,22 +162,25 @@ def assign_workers(tree_or_batch, n_workers: int, cost_model=None, *,
         tree_or_batch.input_ids)
     if cost_model is None:
         cost_model = default_cost_model()
-    used = "fallback"
+    used, result = "fallback", None
     balancer = _library_balancer() if method in ("auto", "library") else None
     if method == "library" and balancer is None:
         raise ValueError("dta.planning.balance is not available")
     if n_workers == 1:
         groups, used = [list(range(len(tree.sequences)))], "single"
     elif balancer is not None:
-        try:
-            groups = _as_id_lists(balancer(tree, n_workers, cost_model), n_workers)
-        except TypeError:
-            groups = _as_id_lists(balancer(tree, n_workers), n_workers)
+        result = balancer(tree, n_workers, cost_model)
+        groups = _as_id_lists(result, n_workers)
         used = f"dta.planning.balance.{balancer.__name__}"
     else:
         groups = fallback_assign(tree, n_workers, cost_model)
     flat = sorted(i for g in groups for i in g)
     if flat != list(range(len(tree.sequences))):
         raise RuntimeError(f"the planner ({used}) did not assign every sequence exactly once")
-    costs, uniques = _costs(tree, groups, cost_model)
-    return Assignment(groups, costs, uniques, int(tree.stats().unique_tokens), used)
+    costs = getattr(result, "worker_cost", None) if n_workers > 1 else None
+    uniques = getattr(result, "worker_tokens", None) if n_workers > 1 else None
+    if costs is None or uniques is None or len(costs) != n_workers:
+        costs, uniques = _costs(tree, groups, cost_model)
+    extra = {"plan_ms": getattr(result, "plan_ms", None)} if result is not None else {}
+    return Assignment(groups, [float(c) for c in costs], [int(u) for u in uniques],
+                      int(tree.stats().unique_tokens), used, extra)
