@@ -1,0 +1,148 @@
+"""`dta plan`: build one global prefix tree for a batch, pack it into fixed budgets
+(``--capacity``) and/or balance it over workers (``--workers``), and report the plan.
+
+Input is a generated workload (``--workload NAME --scale S --seed N``, from
+``experiments.workloads``) or a JSONL batch (``--input FILE.jsonl``, the format of
+``dta.jsonl``). ``--json`` prints one JSON object as the last line: ``bins`` (count),
+``bin_tokens``, ``lower_bound``, ``gap``, ``plan_ms`` (all planning after the tree build),
+``bin_sequences``; with ``--workers``: ``workers``, ``worker_cost``, ``worker_tokens``,
+``imbalance``, ``duplicated_tokens``, ``worker_sequences``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--workload", default=None, metavar="NAME",
+                     help="generated batch, e.g. tau2-airline (default when no --input)")
+    src.add_argument("--input", default=None, metavar="FILE.jsonl", help="a JSONL batch")
+    parser.add_argument("--scale", default="full", help="workload scale (default: full)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--tasks", type=int, default=None, metavar="B",
+                        help="workload: tasks (groups) per batch (default: the scale's)")
+    parser.add_argument("--capacity", type=int, default=None, metavar="N",
+                        help="pack into bins of N unique tokens")
+    parser.add_argument("--method", default="dfs", choices=METHODS,
+                        help="packing method (default: dfs)")
+    parser.add_argument("--workers", type=int, default=None, metavar="W",
+                        help="balance the batch over W workers")
+    parser.add_argument("--model", default="qwen3-1.7b",
+                        help="cost model for --workers: a size of dta.models (e.g. qwen3-0.6b), "
+                             "a Hugging Face config.json path, or 'tokens' (default: qwen3-1.7b)")
+    parser.add_argument("--art-sharing", action="store_true",
+                        help="stop sharing before the first trainable token (ART's accounting)")
+    parser.add_argument("--min-shared", type=int, default=1, metavar="N",
+                        help="do not share segments shorter than N tokens (default: 1)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object with the plan as the last line")
+
+
+def _records(args):
+    if args.input:
+        from dta.jsonl import read_jsonl
+        return read_jsonl(args.input), args.input
+    from experiments.workloads import make_workload
+    name = args.workload or "tau2-airline"
+    kw = {"tasks": args.tasks} if args.tasks else {}
+    w = make_workload(name, scale=args.scale, seed=args.seed, **kw)
+    return w.records, f"{name} (scale {args.scale}, seed {args.seed})"
+
+
+def _cost_model(name: str):
+    from dta.planning import CostModel
+    if name == "tokens":
+        return CostModel.tokens_only()
+    if name.endswith(".json"):
+        with open(name, encoding="utf-8") as f:
+            return CostModel.from_config(json.load(f), name=name)
+    from dta.models import SIZES
+    if name not in SIZES:
+        raise ValueError(f"unknown model {name!r}; choose from tokens, a config.json, "
+                         f"{', '.join(SIZES)}")
+    return CostModel.from_config(SIZES[name], name=name)
+
+
+def _summary(values) -> str:
+    import numpy as np
+    v = np.asarray(values, dtype=float)
+    return f"min {v.min():,.0f}  mean {v.mean():,.0f}  max {v.max():,.0f}"
+
+
+def _listing(values, fmt="{:,.0f}", limit=16) -> str:
+    shown = ", ".join(fmt.format(v) for v in values[:limit])
+    return shown + (f", ... ({len(values) - limit} more)" if len(values) > limit else "")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dta.planning import PACKERS, PlanningError, balance, build_tree, pack
+
+    if args.capacity is None and args.workers is None:
+        print("dta plan: give --capacity N (packing) and/or --workers W (balancing)",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.method not in PACKERS:
+            raise PlanningError(f"unknown method {args.method!r}; choose from {sorted(PACKERS)}")
+        records, label = _records(args)
+        if not records:
+            raise PlanningError(f"empty batch: {label} has no sequences")
+        seqs = [r["input_ids"] for r in records]
+        masks = None
+        if args.art_sharing:
+            missing = [i for i, r in enumerate(records) if r.get("loss_mask") is None]
+            if missing:
+                raise PlanningError(f"--art-sharing needs loss_mask; missing on sequence(s) "
+                                    f"{missing[:10]}")
+            masks = [r["loss_mask"] for r in records]
+        groups = [("seq", i) if r.get("group_id") is None else r["group_id"]
+                  for i, r in enumerate(records)]
+        t0 = time.perf_counter()
+        tree = build_tree(seqs, masks, art_sharing=args.art_sharing, min_shared=args.min_shared)
+        build_ms = (time.perf_counter() - t0) * 1e3
+        st = tree.stats()
+        out = dict(input=label, sequences=st.sequences, total_tokens=st.total_tokens,
+                   unique_tokens=st.unique_tokens, sharing_ratio=round(st.sharing_ratio, 4),
+                   art_sharing=args.art_sharing, build_ms=round(build_ms, 2))
+        print(f"{label}: {st.sequences:,} sequences, {st.total_tokens:,} tokens, "
+              f"{st.unique_tokens:,} unique in one tree ({st.sharing_ratio:.2f}x), "
+              f"{st.nodes:,} nodes; tree built in {build_ms:.1f} ms")
+        plan_ms = 0.0
+        if args.capacity is not None:
+            p = pack(tree, args.capacity, args.method, groups=groups)
+            plan_ms += p.plan_ms
+            print(f"packing ({p.method}, capacity {p.capacity:,}): {p.n_bins} bins, lower bound "
+                  f"{p.lower_bound} (gap {p.gap:+.1%}), planned in {p.plan_ms:.1f} ms")
+            print(f"  bin tokens: {_summary(p.bin_tokens)}; fill "
+                  f"{sum(p.bin_tokens) / (p.n_bins * p.capacity):.1%}")
+            print(f"  per bin: {_listing(p.bin_tokens)}")
+            out.update(capacity=p.capacity, method=p.method, bins=p.n_bins,
+                       bin_tokens=p.bin_tokens, lower_bound=p.lower_bound,
+                       gap=round(p.gap, 6), pack_plan_ms=round(p.plan_ms, 3),
+                       bin_sequences=p.bins)
+        if args.workers is not None:
+            model = _cost_model(args.model)
+            a = balance(tree, args.workers, model)
+            plan_ms += a.plan_ms
+            print(f"balance over {args.workers} workers (cost: {model.name}, {model.unit}): "
+                  f"imbalance {a.imbalance:.4f} (max/mean), {a.duplicated_tokens:,} duplicated "
+                  f"tokens, planned in {a.plan_ms:.1f} ms")
+            print(f"  worker tokens: {_listing(a.worker_tokens)}")
+            print(f"  worker cost:   {_listing(a.worker_cost, '{:.3g}')}")
+            out.update(workers=args.workers, cost_model=model.name, cost_unit=a.cost_unit,
+                       worker_cost=a.worker_cost, worker_tokens=a.worker_tokens,
+                       imbalance=round(a.imbalance, 6), duplicated_tokens=a.duplicated_tokens,
+                       balance_plan_ms=round(a.plan_ms, 3), worker_sequences=a.workers)
+        out["plan_ms"] = round(plan_ms, 3)
+    except (PlanningError, ValueError, OSError) as e:
+        print(f"dta plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    return 0
