@@ -56,6 +56,31 @@ def _lcp(a: np.ndarray, b: np.ndarray, limit: int) -> int:
     return int(diff[0]) if len(diff) else m
 
 
+def _sort_exact(sequences: list[np.ndarray], cap: np.ndarray) -> np.ndarray:
+    """Sequence ids by the big-endian bytes of their shareable part (stable: ties by id)."""
+    keys = [s[:c].astype(">u8").tobytes() for s, c in zip(sequences, cap)]
+    return np.array(sorted(range(len(sequences)), key=keys.__getitem__), dtype=np.int64)
+
+
+def _sort_order(sequences: list[np.ndarray], cap: np.ndarray) -> np.ndarray:
+    """The order of :func:`_sort_exact`, with 4-byte keys when every token is in [0, 2^32).
+
+    Building the keys is most of the cost of a build (every token is copied once), so the
+    keys are written once, straight into a bytearray, at half the width. For such values the
+    big-endian 4-byte order equals the 8-byte order, so the result is identical.
+    """
+    fits = bool(np.all(cap >= 0)) and all(
+        c == 0 or (s[:c].min() >= 0 and s[:c].max() <= 0xFFFFFFFF) for s, c in zip(sequences, cap))
+    if not fits:
+        return _sort_exact(sequences, cap)
+    keys = []
+    for s, c in zip(sequences, cap.tolist()):
+        key = bytearray(4 * c)
+        np.frombuffer(key, dtype=">u4")[:] = s[:c]
+        keys.append(key)
+    return np.array(sorted(range(len(sequences)), key=keys.__getitem__), dtype=np.int64)
+
+
 class PrefixTree:
     """Radix tree over ``sequences`` (a list of 1-D integer arrays).
 
@@ -90,12 +115,12 @@ class PrefixTree:
 
         # Sort by the shareable part only; then the LCP of any two sequences is the minimum
         # of the adjacent LCPs between them, which the stack construction relies on.
-        keys = [s[:c].astype(">u8").tobytes() for s, c in zip(self.sequences, cap)]
-        order = np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
+        order = _sort_order(self.sequences, cap)
         lcp = np.zeros(n, dtype=np.int64)
+        seqs, capl, ids = self.sequences, cap.tolist(), order.tolist()
         for k in range(1, n):
-            a, b = order[k - 1], order[k]
-            lcp[k] = _lcp(self.sequences[a], self.sequences[b], min(cap[a], cap[b]))
+            a, b = ids[k - 1], ids[k]
+            lcp[k] = _lcp(seqs[a], seqs[b], min(capl[a], capl[b]))
         self.order = order
         self._build(lcp)
         if min_shared > 1:
@@ -105,35 +130,37 @@ class PrefixTree:
     def _build(self, lcp: np.ndarray) -> None:
         # Lists indexed by creation id; children lists stay in sorted (lexicographic) order
         # because a split replaces the most recent child of the stack top by the new node.
+        # (Plain Python lists and ints throughout: this loop runs once per node.)
         end, parent, children, ending = [0], [-1], [[]], [[]]
-
-        def new_node(d: int, p: int) -> int:
-            end.append(d)
-            parent.append(p)
-            children.append([])
-            ending.append([])
-            children[p].append(len(end) - 1)
-            return len(end) - 1
-
+        lengths = self.lengths.tolist()
         stack = [0]
-        for k, seq_id in enumerate(self.order):
-            length, shared = int(self.lengths[seq_id]), int(lcp[k])
+        for seq_id, shared in zip(self.order.tolist(), lcp.tolist()):
+            length = lengths[seq_id]
             last = -1
             while end[stack[-1]] > shared:
                 last = stack.pop()
-            if end[stack[-1]] < shared:  # split: a new internal node takes `last` under it
-                top = stack[-1]
-                children[top].pop()  # `last` was top's most recent child
-                node = new_node(shared, top)
+            top = stack[-1]
+            if end[top] < shared:  # split: a new internal node takes `last` under it
+                node = len(end)
+                children[top][-1] = node  # `last` was top's most recent child
+                end.append(shared)
+                parent.append(top)
+                children.append([last])
+                ending.append([])
                 parent[last] = node
-                children[node].append(last)
                 stack.append(node)
+                top = node
             if length == shared:  # duplicate, or a strict prefix of the previous sequence
-                ending[stack[-1]].append(int(seq_id))
+                ending[top].append(seq_id)
             else:
-                ending[new_node(length, stack[-1])].append(int(seq_id))
-                stack.append(len(end) - 1)
-        start = [0] + [end[parent[u]] for u in range(1, len(end))]
+                node = len(end)
+                children[top].append(node)
+                end.append(length)
+                parent.append(top)
+                children.append([])
+                ending.append([seq_id])
+                stack.append(node)
+        start = [0] + [end[p] for p in parent[1:]]
         self._finish(start, end, parent, children, ending)
 
     def _finish(self, start, end, parent, children, ending) -> None:
@@ -143,26 +170,33 @@ class PrefixTree:
             u = todo.pop()
             pre.append(u)
             todo.extend(reversed(children[u]))
-        new_id = {u: i for i, u in enumerate(pre)}
-        self.parent = np.array([new_id.get(parent[u], -1) for u in pre], dtype=np.int64)
+        new_id = [-1] * len(end)
+        for i, u in enumerate(pre):
+            new_id[u] = i
+        par = [new_id[parent[u]] if parent[u] >= 0 else -1 for u in pre]
+        self.parent = np.array(par, dtype=np.int64)
         self.start = np.array([start[u] for u in pre], dtype=np.int64)
         self.end = np.array([end[u] for u in pre], dtype=np.int64)
         self.children = [[new_id[c] for c in children[u]] for u in pre]
-        self.ending = [np.array(sorted(ending[u]), dtype=np.int64) for u in pre]
+        ends = [sorted(ending[u]) for u in pre]
+        self.ending = [np.array(e, dtype=np.int64) for e in ends]
         # Sequences through u = those ending in u's subtree: a contiguous range of `order`.
-        rank = np.empty(len(self.order), dtype=np.int64)
-        rank[self.order] = np.arange(len(self.order))
-        m = len(pre)
-        self.lo = np.full(m, len(self.order), dtype=np.int64)
-        self.hi = np.zeros(m, dtype=np.int64)
+        n, m = len(self.order), len(pre)
+        rank = [0] * n
+        for r, seq_id in enumerate(self.order.tolist()):
+            rank[seq_id] = r
+        lo, hi = [n] * m, [0] * m
         for u in range(m - 1, 0, -1):  # reverse pre-order: children before parents
-            if len(self.ending[u]):
-                self.lo[u] = min(self.lo[u], rank[self.ending[u]].min())
-                self.hi[u] = max(self.hi[u], rank[self.ending[u]].max() + 1)
-            p = self.parent[u]
-            self.lo[p] = min(self.lo[p], self.lo[u])
-            self.hi[p] = max(self.hi[p], self.hi[u])
-        self.lo[0], self.hi[0] = 0, len(self.order)
+            if ends[u]:
+                r = [rank[seq_id] for seq_id in ends[u]]
+                lo[u] = min(lo[u], min(r))
+                hi[u] = max(hi[u], max(r) + 1)
+            p = par[u]
+            lo[p] = min(lo[p], lo[u])
+            hi[p] = max(hi[p], hi[u])
+        lo[0], hi[0] = 0, n
+        self.lo = np.array(lo, dtype=np.int64)
+        self.hi = np.array(hi, dtype=np.int64)
 
     def _unshare_short(self, min_shared: int) -> None:
         """Copy every shared segment shorter than `min_shared` into its children."""
