@@ -102,7 +102,7 @@ def plot_build(rows, path):
     ax.set_ylabel("build time (s)")
     ax.set_title("Global prefix tree build, tau2-airline per-call batches")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

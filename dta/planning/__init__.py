@@ -7,6 +7,7 @@ from dta.planning.index import PlanningError, TreeIndex, build_tree, first_train
 from dta.planning.packing import PACKERS, Packing, lower_bound, pack
 
 __all__ = [
-    "Assignment", "balance",    "CostModel", "features", "flops", "flops_unpacked", "ideal_speedup", "PlanningError",
-    "TreeIndex", "build_tree", "first_trainable", "PACKERS", "Packing", "lower_bound", "pack",
+    "Assignment", "balance", "CostModel", "features", "flops", "flops_unpacked",
+    "ideal_speedup", "PlanningError", "TreeIndex", "build_tree", "first_trainable", "PACKERS",
+    "Packing", "lower_bound", "pack",
 ]

@@ -7,26 +7,25 @@ under a :class:`~dta.planning.cost.CostModel`.
 
 Algorithm (:func:`balance`):
 
-1. Items are subtrees. Start from the root's children; while the most expensive item
-   (its subtree plus its root path, standalone) exceeds ``alpha`` x the fair share
-   (tree cost / W), split it into its children (plus the sequences ending at it). Each
-   child then carries the parent's path as a potential duplicate.
+1. Items are subtrees. Start from the root's children; every item whose standalone cost
+   (its subtree plus its root path) exceeds ``alpha`` x the fair share (tree cost / W) is
+   split into its children (plus the sequences ending at it). Each child then carries the
+   parent's path as a potential duplicate.
 2. LPT: items by standalone cost, descending, each to the worker whose load after adding
    it is smallest. The marginal cost on a worker is the item's own subtree plus only the
    part of its root path that the worker does not hold yet -- so siblings of a split
    subtree tend to stay together and duplicate nothing.
-3. Refinement (until max/mean <= 1 + TOLERANCE): repeatedly move the item of the most loaded worker that lowers the maximum
-   most (saving on the source = own cost + path nodes no other item there uses; only the
-   items closest in size to half the gap to the least loaded worker are tried). When no
-   move helps, the biggest subtree on that worker is split where it stands (its cost
-   does not change) so that a piece of it can move in the next round.
+3. Refinement, until max/mean <= 1 + TOLERANCE: repeatedly move the item of the most
+   loaded worker that lowers the maximum most (saving on the source = own cost + path
+   nodes no other item there uses; only the items closest in size to half the gap to the
+   least loaded worker are tried). When no move helps, the biggest subtree on that worker
+   is split where it stands (its cost does not change) so that a piece can move next.
 4. Steps 1-3 run for alpha in (1, 1/2, 1/4), stopping at the first plan within
    TOLERANCE; otherwise the plan with the smallest max cost wins
    (ties: fewer duplicated tokens). Finer splits balance better but duplicate more.
 """
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import asdict, dataclass
 
@@ -98,8 +97,9 @@ class _Plan:
 
 
 def _item(ix: TreeIndex, sub_cost, prefix, u: int, whole: bool) -> list:
-    """[anchor, own cost, sequence ids, standalone cost] of subtree u (``whole``) or of
-    the sequences ending exactly at u (anchored at u itself, own cost 0)."""
+    """[anchor, own cost, sequence ids, standalone cost, splittable subtree root or -1] of
+    subtree u (``whole``, anchored at its parent) or of the sequences ending exactly at u
+    (anchored at u itself, own cost 0: all their tokens are on the path)."""
     if whole:
         return [int(ix.parent[u]), float(sub_cost[u]), ix.through(u),
                 float(prefix[ix.start[u]] + sub_cost[u]), u]
