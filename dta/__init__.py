@@ -1,16 +1,27 @@
 """DTA: depth-first tree training. Exact gradients of prefix-shared batches, one
 root-to-leaf path of activations at a time. The library never imports ray, areal or runtime.
-"""
-from dta.batch import Batch, BatchError
-from dta.losses import NLL, PPO, SequenceLoss, TokenLoss, Totals, batch_totals, make_loss
-from dta.models import build_model, load_model, make_truly_float64
-from dta.train import DFSTrainer, StepResult, accumulate_gradients, clip_and_step, forward_logprobs
-from dta.tree import PrefixTree, Segment, TreeStats
-from dta.walk import Walker, WalkResult
 
-__all__ = [
-    "Batch", "BatchError", "NLL", "PPO", "SequenceLoss", "TokenLoss", "Totals", "batch_totals",
-    "make_loss", "build_model", "load_model", "make_truly_float64", "DFSTrainer", "StepResult",
-    "accumulate_gradients", "clip_and_step", "forward_logprobs", "PrefixTree", "Segment",
-    "TreeStats", "Walker", "WalkResult",
-]
+Names are imported lazily, so metadata-only modules (``dta.tree``, ``dta.planning``,
+``dta.jsonl``) do not pay for importing torch and transformers.
+"""
+import importlib
+
+_EXPORTS = {
+    "Batch": "dta.batch", "BatchError": "dta.batch",
+    "NLL": "dta.losses", "PPO": "dta.losses", "SequenceLoss": "dta.losses",
+    "TokenLoss": "dta.losses", "Totals": "dta.losses", "batch_totals": "dta.losses",
+    "make_loss": "dta.losses",
+    "build_model": "dta.models", "load_model": "dta.models", "make_truly_float64": "dta.models",
+    "DFSTrainer": "dta.train", "StepResult": "dta.train", "accumulate_gradients": "dta.train",
+    "clip_and_step": "dta.train", "forward_logprobs": "dta.train",
+    "PrefixTree": "dta.tree", "Segment": "dta.tree", "TreeStats": "dta.tree",
+    "Walker": "dta.walk", "WalkResult": "dta.walk",
+    "verify": "dta.verify",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dta' has no attribute {name!r}")
