@@ -81,6 +81,23 @@ def test_listening_addresses_flags_a_non_loopback_listener():
         wild.close()
 
 
+def test_private_token_is_set_up_and_the_environment_restored(tmp_path, monkeypatch):
+    from runtime.ray_runtime.cluster import ensure_local_auth, restore_auth
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/elsewhere/token")
+    previous = ensure_local_auth(str(tmp_path))
+    token = tmp_path / "auth_token"
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(token)
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    restore_auth(previous)
+    assert "RAY_AUTH_MODE" not in os.environ
+    assert os.environ["RAY_AUTH_TOKEN_PATH"] == "/elsewhere/token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's choice is left alone
+    assert ensure_local_auth(str(tmp_path / "x")) is None
+
+
 def test_stream_batcher_cuts_at_the_token_target():
     recs = [{"input_ids": np.arange(1, 2 + n) % 50 + 1, "uid": i}
             for i, n in enumerate([5, 7, 3, 9, 4, 6, 2])]
@@ -124,6 +141,27 @@ def test_simulate_scaling_projects_and_plots(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
+def test_decoupled_loss_recomputes_the_proximal_logprobs():
+    from dta.reference import sequence_logprobs
+    from runtime.ray_runtime.worker import (build_replica, fill_recomputed, make_training_loss,
+                                            recompute_fields)
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tau2-airline-grpo.yaml"),
+                      ["model.size=tiny", "workload.scale=tiny"])
+    loss = make_training_loss(cfg)
+    assert loss.decoupled and recompute_fields(cfg, loss) == ("prox_logprobs",)
+    batch = BatchSource(cfg, 512).batch(0)
+    assert "prox_logprobs" not in batch.fields
+    model = build_replica(cfg)
+    filled = fill_recomputed(model, batch, ("prox_logprobs",), cfg)
+    with torch.no_grad():
+        for i in (0, len(batch) - 1):
+            ref, _ = sequence_logprobs(model, batch.input_ids[i])
+            got = filled.fields["prox_logprobs"][i]
+            assert np.abs(got[1:] - ref[1:].double().numpy()).max() < 1e-4
+    assert filled.fields["old_logprobs"] is batch.fields["old_logprobs"]  # behaviour kept
+
+
 # ---------------------------------------------------------------------- with Ray --
 @pytest.fixture(scope="module")
 def ray_local():
@@ -142,6 +180,8 @@ def test_local_instance_listens_on_loopback_only(ray_local):
     assert any(x.name.startswith("gcs_server") for x in ray_local.listeners)
     assert all(x.loopback for x in ray_local.listeners)
     check_loopback(ray_local.pids())  # still true now, with worker processes up
+    if ray_local.auth_dir:  # a private token, not ~/.ray/auth_token
+        assert os.environ["RAY_AUTH_TOKEN_PATH"].startswith(ray_local.auth_dir)
 
 
 @pytest.mark.ray

@@ -95,22 +95,37 @@ def check_loopback(pids) -> list[Listener]:
 
 
 # ------------------------------------------------------------------------- auth --
-def ensure_local_auth(directory: str) -> str | None:
-    """Token auth for a local instance with a private token, unless the user chose a mode.
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
-    Returns the token path it set up (None when RAY_AUTH_MODE was already set)."""
+
+def ensure_local_auth(directory: str) -> dict | None:
+    """Token auth for a local instance with a private token in ``directory``, unless the
+    user chose a mode (``RAY_AUTH_MODE`` set): then nothing changes and None is returned.
+
+    Otherwise the variables are set for this process (Ray's processes inherit them) and
+    their previous values are returned, for :func:`restore_auth` at shutdown."""
     if os.environ.get("RAY_AUTH_MODE") is not None:
-        return os.environ.get("RAY_AUTH_TOKEN_PATH")
+        return None
     path = os.path.join(directory, "auth_token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
-    # Set for this process and inherited by Ray's processes; kept for the process lifetime
-    # because Ray caches the token (a second local instance reuses the same one).
+    previous = {k: os.environ.get(k) for k in AUTH_VARS}
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = path
     _refresh_ray_auth()
-    return path
+    return previous
+
+
+def restore_auth(previous: dict | None) -> None:
+    if previous is None:
+        return
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _refresh_ray_auth()
 
 
 def _refresh_ray_auth() -> None:
@@ -122,16 +137,6 @@ def _refresh_ray_auth() -> None:
         return
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
-
-
-_AUTH_DIR: str | None = None
-
-
-def _auth_dir() -> str:
-    global _AUTH_DIR
-    if _AUTH_DIR is None or not os.path.isdir(_AUTH_DIR):
-        _AUTH_DIR = tempfile.mkdtemp(prefix="dta-auth-")
-    return _AUTH_DIR
 
 
 # ------------------------------------------------------------------------ cluster --
@@ -146,6 +151,8 @@ class ClusterHandle:
     reused: bool = False  # Ray was already initialized: shutdown leaves it alone
     listeners: list = field(default_factory=list)
     start_s: float = 0.0
+    auth_dir: str | None = None  # the private token's directory (removed at shutdown)
+    auth_restore: dict | None = None  # auth variables to restore at shutdown
 
     def pids(self) -> list[int]:
         """Processes of the local instance (this process and its descendants)."""
@@ -161,6 +168,10 @@ class ClusterHandle:
         if self.owned_temp_dir and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.owned_temp_dir = False
+        if self.auth_dir:
+            restore_auth(self.auth_restore)
+            shutil.rmtree(self.auth_dir, ignore_errors=True)
+            self.auth_dir = self.auth_restore = None
 
     def __enter__(self):
         return self
@@ -203,7 +214,11 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
     owned = ray_cfg is None or not getattr(ray_cfg, "temp_dir", None)
     # Ray's socket paths must stay short: a short private directory under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="dta-ray-", dir="/tmp") if owned else ray_cfg.temp_dir
-    ensure_local_auth(_auth_dir())
+    auth_dir = tempfile.mkdtemp(prefix="dta-auth-")
+    auth_restore = ensure_local_auth(auth_dir)
+    if auth_restore is None:  # the user's own auth settings: no private token
+        shutil.rmtree(auth_dir, ignore_errors=True)
+        auth_dir = None
     object_store = int(getattr(ray_cfg, "object_store_memory", 256 * 1024 ** 2))
     num_cpus = None
     if ray_cfg is not None:
@@ -218,10 +233,14 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
     except Exception:
         if owned:
             shutil.rmtree(temp_dir, ignore_errors=True)
+        if auth_dir:
+            restore_auth(auth_restore)
+            shutil.rmtree(auth_dir, ignore_errors=True)
         raise
     handle = ClusterHandle(local=True, address=info.address_info.get("gcs_address"),
                            temp_dir=temp_dir, owned_temp_dir=owned,
-                           start_s=time.perf_counter() - t0)
+                           start_s=time.perf_counter() - t0, auth_dir=auth_dir,
+                           auth_restore=auth_restore)
     if verify_loopback:
         try:
             handle.listeners = check_loopback(handle.pids())

@@ -199,7 +199,7 @@ class Trainer:
             # FileStore rendezvous: nothing listens beyond loopback; a fresh file per group.
             self._group_dir = tempfile.mkdtemp(prefix="dta-pg-")
             init = "file://" + os.path.join(self._group_dir, f"store-{self._generation}")
-            ifname = "lo" if backend == "gloo" else None
+            ifname = "lo"  # gloo's pairs and NCCL's bootstrap sockets stay on loopback
         else:
             # Workers on several nodes: a TCP store on rank 0's node (its listening socket is
             # on that node's address; keep the cluster on a private network).
@@ -327,6 +327,7 @@ class Trainer:
         order = sorted(failures, key=lambda r: (failures[r][0] != "died", r))
         culprit = order[0]
         kind, detail = failures[culprit]
+        detail = detail.rstrip(". ")
         info = self.infos[culprit] if culprit < len(self.infos) else {}
         where = f"pid {info.get('pid', '?')} on {info.get('ip', '?')}"
         verb = {"died": "died", "raised": "raised", "hung": "hung"}[kind]
