@@ -241,21 +241,22 @@ def to_yaml(cfg) -> str:
 
 
 # ---------------------------------------------------------------------- validation --
-def _choices() -> dict[str, tuple]:
-    from dta.losses import LOSSES, REDUCTIONS
-    from dta.models import DTYPES, FAMILIES, SIZES
-    from dta.walk import POLICIES
-
-    return {
-        "model.family": tuple(FAMILIES), "model.size": tuple(SIZES),
-        "model.dtype": tuple(DTYPES),
-        "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
-        "walker.policy": tuple(POLICIES), "walker.reduction": tuple(REDUCTIONS),
-        "loss.name": tuple(LOSSES), "optimizer.name": ("adamw", "sgd"),
-        "actor.kl_estimator": ("k1", "k2", "k3"),
-        "actor.adv_norm.mean_level": ("batch", "group", None),
-        "actor.adv_norm.std_level": ("batch", "group", None),
-    }
+# Allowed values. They mirror the library's registries (dta.models.FAMILIES / SIZES / DTYPES,
+# dta.walk.POLICIES, dta.losses.REDUCTIONS / LOSSES; tests/test_config.py checks that they
+# agree) so that loading a config does not import torch.
+CHOICES: dict[str, tuple] = {
+    "model.family": ("llama", "qwen2", "qwen3"),
+    "model.size": ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b"),
+    "model.dtype": ("float32", "float64", "bfloat16", "float16"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    "walker.policy": ("retain", "recompute"),
+    "walker.reduction": ("token_mean", "seq_mean", "sum"),
+    "loss.name": ("nll", "ppo"),
+    "optimizer.name": ("adamw", "sgd"),
+    "actor.kl_estimator": ("k1", "k2", "k3"),
+    "actor.adv_norm.mean_level": ("batch", "group", None),
+    "actor.adv_norm.std_level": ("batch", "group", None),
+}
 
 
 # key -> (predicate, description); None values are allowed where the field is Optional.
@@ -303,7 +304,7 @@ def _get(cfg, key: str):
 
 def validate_config(cfg) -> None:
     """Reject bad choices and out-of-range numbers, naming the key."""
-    for key, allowed in _choices().items():
+    for key, allowed in CHOICES.items():
         if key == "model.size" and _get(cfg, "model.path"):
             continue  # a loaded model has no size
         if key.startswith("actor.adv_norm.") and _get(cfg, "actor.adv_norm") is None:

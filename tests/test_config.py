@@ -113,12 +113,27 @@ def test_dict_round_trip():
     assert as_dict(from_dict(as_dict(cfg))) == as_dict(cfg)
 
 
-def test_config_module_does_not_import_ray():
+def test_config_module_imports_neither_ray_nor_torch():
     import subprocess
     import sys
 
-    code = "import sys, dta.config; sys.exit(1 if 'ray' in sys.modules else 0)"
+    code = ("import sys, dta.config; dta.config.load_config(); "
+            "sys.exit(1 if {'ray', 'torch'} & set(sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_choices_match_the_library_registries():
+    from dta.config import CHOICES
+    from dta.losses import LOSSES, REDUCTIONS
+    from dta.models import DTYPES, FAMILIES, SIZES
+    from dta.walk import POLICIES
+
+    assert set(CHOICES["model.family"]) == set(FAMILIES)
+    assert set(CHOICES["model.size"]) == set(SIZES)
+    assert set(CHOICES["model.dtype"]) == set(DTYPES)
+    assert set(CHOICES["walker.policy"]) == set(POLICIES)
+    assert set(CHOICES["walker.reduction"]) == set(REDUCTIONS)
+    assert set(CHOICES["loss.name"]) == set(LOSSES)
 
 
 # ----------------------------------------------------------------- the CLI parser --
