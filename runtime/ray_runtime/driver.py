@@ -175,6 +175,15 @@ class Trainer:
         gpus = r.gpus_per_worker
         if gpus is None:
             gpus = 1.0 if cluster_has_gpus() else 0.0
+        total = ray.cluster_resources()
+        need = {"CPU": self.num_workers * float(r.cpus_per_worker),
+                "GPU": self.num_workers * float(gpus)}
+        for kind, amount in need.items():
+            if amount > float(total.get(kind, 0.0)) + 1e-9:
+                key = "ray.cpus_per_worker" if kind == "CPU" else "ray.gpus_per_worker"
+                raise TrainingError(
+                    f"{self.num_workers} workers need {amount:g} {kind}s ({key} x "
+                    f"ray.num_workers) but the cluster has {float(total.get(kind, 0)):g}")
         actor_cls = ray.remote(DFSWorker)
         cfg_dict = as_dict(self.cfg)
         # No runtime_env: the actors can then start in Ray's prestarted worker processes
