@@ -9,6 +9,11 @@ Reported relative errors (max over everything compared):
             (Δ = parameter after the step minus before). Much stricter than `params`, and
             ill-conditioned in float32: Adam's first step is about lr·sign(g), so a gradient
             entry at float32 noise level can flip a whole lr-sized update entry.
+The AdamW step's eps defaults to 1e-8 in float64 and to 1e-5 (AReaL's default) otherwise:
+Adam's update g/(|g|+eps) amplifies an absolute gradient error by about 1/eps where |g| is
+near eps, so with eps 1e-8 a float32 rounding error of 1e-10 in a 5e-9 gradient entry (seen
+in a zero-initialized Qwen2 key bias) moves that parameter's update by 2 %. That is the
+optimizer's conditioning, not a difference between DFS and unpacked training.
 A float64 check runs a *truly* float64 model (norms patched to stay in float64; see
 ``dta.models.make_truly_float64``); otherwise HF's float32 RMSNorm caps agreement near 1e-7.
 """
@@ -46,10 +51,14 @@ class VerifyReport:
     max_live_graphs: int
     tree_depth: int
     truly_float64: bool
+    adam_eps: float
 
     def max_rel_err(self) -> float:
-        return max(self.logprobs_rel_err, self.loss_rel_err, self.grad_rel_err,
-                   self.params_rel_err, self.update_rel_err)
+        """The figure held to the tolerance: everything in float64; outside float64 the
+        update itself is left out (ill-conditioned, see the module docstring), the
+        parameters after the step are not."""
+        errs = [self.logprobs_rel_err, self.loss_rel_err, self.grad_rel_err, self.params_rel_err]
+        return max(errs + [self.update_rel_err] if self.dtype == "float64" else errs)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "max_rel_err": self.max_rel_err()}
@@ -61,17 +70,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-def _adamw_step(model, lr: float) -> tuple[dict, dict]:
+def _adamw_step(model, lr: float, eps: float) -> tuple[dict, dict]:
     """Parameters after one AdamW step, and the step itself."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01).step()
+    torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=0.01).step()
     after = {n: p.detach() for n, p in model.named_parameters()}
     return after, {n: after[n] - before[n] for n in after}
 
 
 def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: str = "token_mean",
            policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
-           lr: float = 1e-3, truly_float64: bool = True) -> VerifyReport:
+           lr: float = 1e-3, adam_eps: float | None = None,
+           truly_float64: bool = True) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed."""
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -99,7 +109,9 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         g_ref = torch.zeros_like(p) if g_ref is None else g_ref
         g_dfs = torch.zeros_like(p) if g_dfs is None else g_dfs
         grad_err = max(grad_err, _rel(g_dfs, g_ref))
-    (p_dfs, d_dfs), (p_ref, d_ref) = _adamw_step(dfs_model, lr), _adamw_step(ref_model, lr)
+    if adam_eps is None:
+        adam_eps = 1e-8 if is_f64 else 1e-5
+    (p_dfs, d_dfs), (p_ref, d_ref) = (_adamw_step(m, lr, adam_eps) for m in (dfs_model, ref_model))
     params_err = max(_rel(p_dfs[n], p_ref[n]) for n in p_ref)
     upd_err = max(_rel(d_dfs[n], d_ref[n]) for n in d_ref)
     loss_err = abs(dfs.loss - ref.loss) / max(abs(ref.loss), 1e-300)
@@ -112,4 +124,4 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         loss_rel_err=loss_err, grad_rel_err=grad_err, params_rel_err=params_err,
         update_rel_err=upd_err,
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
-        tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64))
+        tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps)

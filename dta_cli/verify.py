@@ -57,6 +57,7 @@ def run(args) -> int:
           f"{report.unique_tokens:,} unique (sharing {report.sharing_ratio:.2f}x), tree depth {report.tree_depth}")
     for key in ("logprobs", "loss", "grad", "params", "update"):
         print(f"  max relative error {key:9s} {d[key + '_rel_err']:.3e}")
+    print(f"  (the AdamW step used eps {report.adam_eps:g}; see dta/verify.py)")
     print(f"{'PASS' if ok else 'FAIL'}: max relative error {report.max_rel_err():.3e} (tolerance {tol:g})")
     if args.json:
         emit_json({**d, "tolerance": tol, "passed": ok})

@@ -61,7 +61,9 @@ def test_float32_equivalence(family, policy):
     batch = hard_batch(model)
     for loss in (LOSSES["nll"], LOSSES["ppo-decoupled"]):
         report = verify(model, batch, loss, policy=policy)
-        # not update_rel_err: see dta/verify.py (Adam's first step is ~lr*sign(g))
+        # not update_rel_err: see dta/verify.py (Adam's first step is ~lr*sign(g));
+        # params after the step with AdamW eps 1e-5, the verify() default outside float64
+        assert report.adam_eps == 1e-5
         for err in ("logprobs", "loss", "grad", "params"):
             assert getattr(report, f"{err}_rel_err") <= 1e-4, report
 
