@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up .venv for DTA on a fresh machine: torch 2.13.0 (the local CPU wheel; an unpinned
+# torch would pull a multi-GB CUDA build), this package with its ray and dev extras, and with
+# --areal the optional AReaL 1.0.4 backend (see runtime/areal/README.md).
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WITH_AREAL=0
+for arg in "$@"; do
+  case "$arg" in
+    --areal) WITH_AREAL=1 ;;
+    *) echo "usage: scripts/setup.sh [--areal]" >&2; exit 2 ;;
+  esac
+done
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==2.13.0" > "$CONSTRAINTS"
+python -m pip install -q torch==2.13.0
+python -m pip install -q -c "$CONSTRAINTS" -e ".[ray,dev]"
+if [ "$WITH_AREAL" = 1 ]; then
+  if python -c "import areal" 2>/dev/null; then
+    echo "setup.sh: areal already installed"
+  else
+    bash .ci/install-areal.sh
+  fi
+fi
+python -c "import torch, transformers, dta; print(f'setup.sh: torch {torch.__version__}, transformers {transformers.__version__}, dta ready in .venv')"
