@@ -39,7 +39,8 @@ def sequence_logprobs(model, ids: np.ndarray, temperature: float = 1.0):
 
 def unpacked_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
                        reduction: str = "token_mean", totals: Totals | None = None,
-                       temperature: float = 1.0, backward: bool = True) -> ReferenceResult:
+                       temperature: float = 1.0, backward: bool = True,
+                       progress=None) -> ReferenceResult:
     """Accumulate the batch's gradient into ``.grad``, one sequence per forward/backward."""
     if isinstance(loss, SequenceLoss):
         coef = sequence_weights(batch, reduction, totals)
@@ -61,4 +62,6 @@ def unpacked_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
         total += float(value.detach())
         lps.append(logp.detach())
         ents.append(ent.detach())
+        if progress is not None:
+            progress(len(ids))
     return ReferenceResult(total, lps, ents)

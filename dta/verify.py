@@ -19,6 +19,7 @@ A float64 check runs a *truly* float64 model (norms patched to stay in float64; 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import asdict, dataclass
 
@@ -64,6 +65,17 @@ class VerifyReport:
         return {**asdict(self), "max_rel_err": self.max_rel_err()}
 
 
+@contextlib.contextmanager
+def _bar(enabled: bool, desc: str):
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc=desc, unit="tok", leave=False) as bar:
+        yield bar.update
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = float(b.norm())
     diff = float((a - b).norm())
@@ -81,8 +93,9 @@ def _adamw_step(model, lr: float, eps: float) -> tuple[dict, dict]:
 def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: str = "token_mean",
            policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
            lr: float = 1e-3, adam_eps: float | None = None,
-           truly_float64: bool = True) -> VerifyReport:
-    """Train `batch` both ways on two copies of `model`; the model itself is not changed."""
+           truly_float64: bool = True, progress: bool = False) -> VerifyReport:
+    """Train `batch` both ways on two copies of `model`; the model itself is not changed.
+    With `progress`, a bar per side counts the tokens trained."""
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     is_f64 = next(model.parameters()).dtype == torch.float64
@@ -92,9 +105,13 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     for m in (dfs_model, ref_model):
         m.zero_grad(set_to_none=True)
 
-    dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
-                               temperature=temperature, logits_chunk=logits_chunk, record=True)
-    ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction, temperature=temperature)
+    with _bar(progress, "DFS (unique tokens)") as bar:
+        dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
+                                   temperature=temperature, logits_chunk=logits_chunk,
+                                   record=True, progress=bar)
+    with _bar(progress, "unpacked (tokens)") as bar:
+        ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
+                                 temperature=temperature, progress=bar)
 
     lp_err = 0.0
     for a, b in zip(dfs.walk.logprobs, ref.logprobs):

@@ -46,7 +46,8 @@ def run(args) -> int:
                                              for o in batch.fields["old_logprobs"]]
         if "advantages" not in batch.fields:
             batch.fields["advantages"] = [np.ones(len(s)) for s in batch.input_ids]
-    report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy)
+    report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
+                    progress=True)
     tol = args.tolerance or (1e-10 if report.dtype == "float64" else 1e-4)
     ok = report.max_rel_err() <= tol
     d = report.as_dict()
