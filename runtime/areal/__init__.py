@@ -1,0 +1,20 @@
+"""AReaL backend: DTA's depth-first prefix-tree training behind AReaL's ``TrainEngine`` API.
+
+``from runtime.areal import DTATrainEngine`` (and ``DTAPPOActor``, ``DTAOptions``). areal is an
+optional extra (see README.md in this directory for the install recipe); the ``dta`` library
+never imports it. Names are imported lazily, so ``import runtime.areal`` alone costs nothing.
+"""
+import importlib
+
+_EXPORTS = {
+    "DTATrainEngine": "runtime.areal.engine",
+    "DTAOptions": "runtime.areal.engine",
+    "DTAPPOActor": "runtime.areal.actor",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'runtime.areal' has no attribute {name!r}")
