@@ -1,0 +1,570 @@
+"""The AReaL backend (runtime/areal): DTATrainEngine against AReaL 1.0.4 itself.
+
+Runs in the areal venv (see runtime/areal/README.md):
+    .venv-areal/bin/python -m pytest tests/test_areal.py -m areal
+and is skipped where areal is not installed.
+
+* float32: AReaL's own FSDPEngine (CPU, gloo, world size 1, one sequence per micro-batch:
+  sdpa ignores packed-sequence boundaries) and DTATrainEngine run the same step with AReaL's
+  grpo_loss_fn (decoupled loss, eps_clip 0.4, rejection sampling {metric: ratio, upper: 5.0}
+  as in AReaL's tau2 example) on a τ²-shaped batch: same log-probs, gradients, updated
+  parameters, returned stats and loss statistics.
+* float64: FSDPEngine cannot run float64 (AReaL's config and its log-prob kernel are float32),
+  so a per-sequence reference of FSDPEngine.train_batch — AReaL's own micro-batching, packing,
+  padding and loss_fn, a plain HF forward per micro-batch, the same clip and AdamW — is checked
+  against FSDPEngine in float32 above and against DTATrainEngine here, on a truly float64
+  model: relative error <= 1e-10.
+* AReaL's PPOActor (compute_logp, compute_advantages, ppo_update) for 2 steps on the engine;
+  a skipped update on a non-finite gradient norm; HF save/load with the optimizer state;
+  tree statistics; every abstract member of TrainEngine defined.
+
+FSDPEngine's log-prob kernel is wrapped in torch.compile (about 34 s to compile on 2 cores);
+the tests run it eagerly (torch._dynamo disabled while they run): the same Python function.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("areal")
+pytestmark = pytest.mark.areal
+
+from areal.api.cli_args import (MicroBatchSpec, NormConfig, OptimizerConfig,  # noqa: E402
+                                PPOActorConfig, RejectionSamplingConfig, TrainEngineConfig)
+from areal.api.engine_api import TrainEngine  # noqa: E402
+from areal.api.io_struct import FinetuneSpec, SaveLoadMeta  # noqa: E402
+from areal.trainer.ppo.actor import grpo_loss_fn  # noqa: E402
+from areal.utils import stats_tracker  # noqa: E402
+from areal.utils.data import (Normalization, amend_position_ids, pack_tensor_dict,  # noqa: E402
+                              pad_mb_list, split_padded_tensor_dict_into_mb_list,
+                              unsqueeze_mb_list)
+
+from dta.models import build_model, load_model, make_truly_float64  # noqa: E402
+from dta.tree import PrefixTree  # noqa: E402
+from experiments.workloads import make_workload  # noqa: E402
+from runtime.areal import DTAOptions, DTAPPOActor, DTATrainEngine  # noqa: E402
+from runtime.areal import convert  # noqa: E402
+
+VOCAB = 512
+TEMPERATURE = 0.8
+FT_SPEC = FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=8)
+# AReaL's tau2 example (examples/tau2/dta/config_1.7b_airline_dta.yaml): the 1.0.4 keys
+RS = dict(metric="ratio", upper=5.0)
+LOSS_KW = dict(eps_clip=0.4, eps_clip_higher=None, c_clip=None, use_decoupled_loss=True)
+
+
+def loss_weight_fn(mb):  # PPOActor's
+    return mb["loss_mask"].count_nonzero()
+
+
+def grpo(current_version: int = 0):
+    return functools.partial(grpo_loss_fn, **LOSS_KW, current_version=current_version,
+                             rejection_sampling=RejectionSamplingConfig(**RS))
+
+
+# ------------------------------------------------------------------------ fixtures --
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen3 (vocab 512) with a word-level tokenizer, as FSDPEngine needs."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    build_model("qwen3", "tiny", dtype="float32", seed=0).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                            eos_token="t1", pad_token="t0", unk_token="t0").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def records():
+    return make_workload("tau2-airline", scale="tiny", seed=0, vocab_size=VOCAB).records
+
+
+@pytest.fixture
+def eager_areal(monkeypatch):
+    """AReaL's log-prob kernel without the 34 s torch.compile; world-size-1 env:// settings."""
+    import torch._dynamo
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    stats_tracker.export_all()  # start from an empty tracker
+    with torch._dynamo.config.patch(disable=True):
+        yield
+    stats_tracker.export_all()
+
+
+def engine_config(path, n_seqs, cls=TrainEngineConfig, **kw):
+    optim = kw.pop("optimizer", None) or OptimizerConfig(
+        lr=1e-3, eps=kw.pop("eps", 1e-8), weight_decay=0.01, gradient_clipping=1.0,
+        lr_scheduler_type="constant", warmup_steps_proportion=0.0)
+    kw.setdefault("backend", "fsdp:d1")
+    return cls(experiment_name="dta", trial_name="test", path=path, attn_impl="sdpa",
+               dtype="float32", optimizer=optim, temperature=TEMPERATURE,
+               mb_spec=MicroBatchSpec(n_mbs=n_seqs), **kw)
+
+
+def ids_only(batch):
+    return {k: batch[k].clone() for k in ("input_ids", "attention_mask")}
+
+
+def make_train_batch(records, current_logp: torch.Tensor, seed: int = 0):
+    """AReaL's training form (what PPOActor hands to train_batch): rolled fields; prox_logp
+    near the model's own log-probs (ratios straddle the clip range 1 ± 0.4) and behaviour
+    log-probs whose importance weight exp(prox - old) exceeds the rejection bound 5 on some
+    tokens."""
+    batch = convert.from_records(records, rolled=True)
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["loss_mask"].bool()
+    prox = current_logp.float() + 0.3 * torch.randn(mask.shape, generator=g)
+    delta = -0.8 + 3.0 * torch.rand(mask.shape, generator=g)  # log weight in [-0.8, 2.2]
+    batch["prox_logp"] = torch.where(mask, prox, 0.0)
+    batch["logprobs"] = torch.where(mask, prox - delta, 0.0)
+    batch["versions"] = torch.where(mask, 0, -1).to(torch.int32)
+    return batch
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            g = torch.zeros_like(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def max_rel(a: dict, b: dict) -> float:
+    """max over tensors of ||a - b|| / ||b|| (relative L2 per tensor, as dta.verify)."""
+    worst = 0.0
+    for name, ref in b.items():
+        diff = float((a[name].to(ref.dtype) - ref).norm())
+        denom = float(ref.norm())
+        worst = max(worst, diff / denom if denom > 0 else diff)
+    return worst
+
+
+# ----------------------------------------- a per-sequence reference of FSDPEngine --
+def _reference_micro_batches(batch):
+    """FSDPEngine._prepare_mb_list with MicroBatchSpec(n_mbs=B): one sequence per micro-batch,
+    packed and padded by AReaL's own functions."""
+    data = amend_position_ids(dict(batch))
+    n = data["attention_mask"].shape[0]
+    mb_list = split_padded_tensor_dict_into_mb_list(data, MicroBatchSpec(n_mbs=n))
+    assert len(mb_list.mbs) == n, "expected one sequence per micro-batch"
+    mb_list.mbs = [pack_tensor_dict(mb) for mb in mb_list.mbs]
+    return unsqueeze_mb_list(pad_mb_list(mb_list, pad_value=0.0))
+
+
+def _reference_logits(model, padded):
+    return model(input_ids=padded["input_ids"], position_ids=padded["position_ids"]).logits[0]
+
+
+def _gather(logits, labels, temperature):
+    """AReaL's _gather_logprobs_entropy, kept in float64 for a float64 model (AReaL casts
+    logits to float32: exactly this in float32)."""
+    z = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
+    lsm = torch.log_softmax(z, dim=-1)
+    return lsm.gather(-1, labels[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+
+
+@torch.no_grad()
+def reference_forward(model, batch, temperature):
+    mb_list = _reference_micro_batches(batch)
+    outs = []
+    for item in mb_list:
+        padded = item.padded_mb
+        labels = torch.roll(padded["input_ids"][0], -1)
+        lp, _ = _gather(_reference_logits(model, padded), labels, temperature)
+        outs.append(lp[:len(lp) - item.padding_length])
+    lens = [len(o) for o in outs]
+    ordered = [outs[mb_list.backward_indices[i]] for i in range(len(outs))]
+    assert [len(o) for o in ordered] == [lens[mb_list.backward_indices[i]] for i in range(len(outs))]
+    return torch.nn.utils.rnn.pad_sequence(ordered, batch_first=True)
+
+
+def reference_train_batch(model, optimizer, batch, loss_fn, temperature, clip):
+    """FSDPEngine.train_batch at world size 1 with one sequence per micro-batch
+    (fsdp_engine.py:760-798, 2052-2120, 682-713)."""
+    optimizer.zero_grad()
+    mb_list = _reference_micro_batches(batch)
+    total = torch.stack([loss_weight_fn(mb) for mb in mb_list.mbs]).sum().to(torch.float32)
+    losses = []
+    for item in mb_list:
+        padded, mb = item.padded_mb, item.orig_mb
+        logits = _reference_logits(model, padded)
+        labels = torch.roll(padded["input_ids"][0], -1)
+        logp, ent = _gather(logits, labels, temperature)
+        vmin = logits.detach().min(-1).values.float()
+        vmax = logits.detach().max(-1).values.float()
+        n = len(logp) - item.padding_length
+        w = loss_weight_fn(mb)
+        if w == 0:
+            continue
+        loss = loss_fn(logp[:n], ent[:n], mb, vocab_min_logits=vmin[:n],
+                       vocab_max_logits=vmax[:n]) * (w / total)
+        loss.backward()
+        losses.append(float(loss.detach()))
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+    if not math.isfinite(norm):
+        optimizer.zero_grad()
+        return dict(update_successful=0.0, grad_norm=norm, loss=sum(losses))
+    optimizer.step()
+    return dict(update_successful=1.0, grad_norm=norm, loss=sum(losses))
+
+
+def reference_optimizer(model, oc):
+    return torch.optim.AdamW(model.parameters(), lr=oc.lr, weight_decay=oc.weight_decay,
+                             betas=(oc.beta1, oc.beta2), eps=oc.eps, fused=True)
+
+
+def new_engine(config, dta=None, cls=DTATrainEngine):
+    engine = cls(config, dta)
+    engine.create_process_group()
+    engine.initialize(None, FT_SPEC)
+    return engine
+
+
+# --------------------------------------------------------------------------- tests --
+def test_every_abstract_member_is_defined():
+    names = TrainEngine.__abstractmethods__
+    assert len(names) == 30
+    assert not inspect.isabstract(DTATrainEngine)
+    assert not inspect.isabstract(DTAPPOActor)
+    missing = sorted(n for n in names if n not in vars(DTATrainEngine))
+    assert not missing, f"inherited from TrainEngine, not defined: {missing}"
+
+
+def test_record_conversion_round_trip(records):
+    rolled = convert.from_records(records, rolled=True)
+    back = convert.to_dta_batch(rolled)
+    for i, rec in enumerate(records):
+        np.testing.assert_array_equal(back.input_ids[i], rec["input_ids"])
+        np.testing.assert_array_equal(back.fields["loss_mask"][i], rec["loss_mask"])
+        np.testing.assert_allclose(back.fields["advantages"][i][1:], rec["advantages"][1:])
+        np.testing.assert_allclose(back.fields["old_logprobs"][i][1:], rec["logprobs"][1:],
+                                   rtol=1e-6)
+    plain = convert.from_records(records, rolled=False)
+    assert torch.equal(torch.roll(plain["loss_mask"], -1, -1), rolled["loss_mask"])
+
+
+def test_train_batch_matches_fsdp_engine_float32(model_dir, records, eager_areal):
+    """FSDPEngine itself vs DTATrainEngine, float32, one grpo step (AdamW eps 1e-5: Adam's
+    first step amplifies float32 rounding near |g| ~ eps, see dta/verify.py)."""
+    from areal.engine.fsdp_engine import FSDPEngine
+
+    n = len(records)
+    cfg = engine_config(model_dir, n, eps=1e-5)
+    fsdp = FSDPEngine(cfg)
+    fsdp.create_process_group()
+    try:
+        fsdp.initialize(None, FT_SPEC)
+        eng = new_engine(copy.deepcopy(cfg), DTAOptions(policy="retain"))
+        ref_model = load_model(model_dir, dtype="float32")
+        ref_opt = reference_optimizer(ref_model, cfg.optimizer)
+        base = convert.from_records(records)
+
+        lp_fsdp = fsdp.forward_batch(ids_only(base))
+        lp_dta = eng.forward_batch(ids_only(base))
+        lp_ref = reference_forward(ref_model, ids_only(base), TEMPERATURE)
+        assert lp_dta.shape == lp_fsdp.shape == lp_ref.shape
+        # every position: the wrap label's log-prob at L-1 and the zero padding included
+        assert float((lp_dta - lp_fsdp).abs().max()) < 2e-5
+        assert float((lp_ref - lp_fsdp).abs().max()) < 2e-5
+        # list input (one trajectory per sequence): a list of per-trajectory tensors
+        trajs = [{k: v[i:i + 1, :len(r["input_ids"])] for k, v in ids_only(base).items()}
+                 for i, r in enumerate(records)]
+        out_fsdp, out_dta = fsdp.forward_batch(trajs), eng.forward_batch(trajs)
+        assert len(out_dta) == len(out_fsdp) == n
+        for a, b in zip(out_dta, out_fsdp):
+            assert a.shape == b.shape and float((a - b).abs().max()) < 2e-5
+
+        batch = make_train_batch(records, lp_fsdp)
+        fsdp.train()
+        st_fsdp = fsdp.train_batch(dict(batch), grpo(), loss_weight_fn)
+        ex_fsdp = fsdp.export_stats()
+        st_dta = eng.train()  # returns the engine, as FSDPEngine.train does
+        assert st_dta is eng
+        st_dta = eng.train_batch(dict(batch), grpo(), loss_weight_fn)
+        ex_dta = eng.export_stats()
+        st_ref = reference_train_batch(ref_model, ref_opt, batch, grpo(), TEMPERATURE,
+                                       cfg.optimizer.gradient_clipping)
+
+        assert set(st_dta) == set(st_fsdp) == {"update_successful", "grad_norm", "lr",
+                                               "num_micro_batches"}
+        assert st_dta["update_successful"] == st_fsdp["update_successful"] == 1.0
+        assert st_dta["num_micro_batches"] == st_fsdp["num_micro_batches"] == n
+        assert st_dta["lr"] == st_fsdp["lr"]
+        assert st_fsdp["grad_norm"] > cfg.optimizer.gradient_clipping  # clipping is active
+        assert abs(st_dta["grad_norm"] / st_fsdp["grad_norm"] - 1) < 1e-4
+        assert abs(st_ref["grad_norm"] / st_fsdp["grad_norm"] - 1) < 1e-4
+
+        p_fsdp, g_fsdp = params_of(fsdp.model), grads_of(fsdp.model)
+        assert max_rel(grads_of(eng.model), g_fsdp) < 1e-4
+        assert max_rel(params_of(eng.model), p_fsdp) < 1e-4
+        assert max_rel(grads_of(ref_model), g_fsdp) < 1e-4  # the float64 test's reference
+        assert max_rel(params_of(ref_model), p_fsdp) < 1e-4
+
+        # what AReaL's loss recorded (ratios, clipping, rejection, entropy, vocab min/max...)
+        areal_keys = {k for k in ex_dta if not k.startswith(("tree_", "dta_"))}
+        assert areal_keys == set(ex_fsdp)
+        assert 0 < ex_fsdp["clip_ratio/avg"] < 1  # ratios straddle the clip range
+        assert 0 < ex_fsdp["behave_imp_weight/max"] <= 5.0  # some tokens rejected, none kept > 5
+        for key, value in ex_fsdp.items():
+            assert ex_dta[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+        assert ex_dta["tree_token_ratio"] > 1.0
+        eng.destroy()
+    finally:
+        fsdp.destroy()
+
+
+def test_train_batch_matches_reference_float64(model_dir, records, eager_areal, monkeypatch):
+    """DTATrainEngine (recompute policy) vs the per-sequence FSDPEngine reference on a truly
+    float64 model: log-probs, eval loss, gradients, the AdamW update, relative error <= 1e-10.
+    AReaL's stats tracker takes float32 tensors only: what grpo_loss_fn logs is cast to
+    float32 on both sides (logging only; the loss itself stays float64)."""
+    stat = stats_tracker.stat
+
+    def stat_float32(*args, **kwargs):
+        return stat(*args, **{k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                              for k, v in kwargs.items()})
+
+    monkeypatch.setattr(stats_tracker, "stat", stat_float32)
+    n = len(records)
+    cfg = engine_config(model_dir, n)
+    eng = new_engine(cfg, DTAOptions(policy="recompute", dtype="float64"))
+    assert next(eng.model.parameters()).dtype == torch.float64
+    make_truly_float64(eng.model)
+    ref_model = load_model(model_dir, dtype="float64")
+    make_truly_float64(ref_model)
+    ref_opt = reference_optimizer(ref_model, cfg.optimizer)
+    base = convert.from_records(records)
+
+    lp_dta = eng.forward_batch(ids_only(base))
+    lp_ref = reference_forward(ref_model, ids_only(base), TEMPERATURE)
+    assert lp_dta.dtype == torch.float64 and lp_dta.shape == lp_ref.shape
+    assert float((lp_dta - lp_ref).abs().max()) < 1e-12
+
+    batch = make_train_batch(records, lp_ref)
+    before = params_of(eng.model)
+    ev = eng.eval_batch(dict(batch), grpo(), loss_weight_fn)
+    st_dta = eng.train_batch(dict(batch), grpo(), loss_weight_fn)
+    st_ref = reference_train_batch(ref_model, ref_opt, batch, grpo(), TEMPERATURE,
+                                   cfg.optimizer.gradient_clipping)
+    assert st_dta["update_successful"] == st_ref["update_successful"] == 1.0
+    assert abs(st_dta["grad_norm"] / st_ref["grad_norm"] - 1) < 1e-10
+    assert abs(eng.export_stats()["dta_loss"] / st_ref["loss"] - 1) < 1e-10
+    assert abs(float(ev) / st_ref["loss"] - 1) < 1e-6  # eval_batch sums in float32, as AReaL
+    assert max_rel(grads_of(eng.model), grads_of(ref_model)) < 1e-10
+    after_dta, after_ref = params_of(eng.model), params_of(ref_model)
+    assert max_rel(after_dta, after_ref) < 1e-10
+    update_dta = {k: after_dta[k] - before[k] for k in before}
+    update_ref = {k: after_ref[k] - before[k] for k in before}
+    assert max_rel(update_dta, update_ref) < 1e-10
+    eng.destroy()
+
+
+def test_forward_backward_batch_keeps_sequences_apart(model_dir, records, eager_areal):
+    """The micro-batch interface (no prefix sharing) gives forward_batch's log-probs even
+    with several sequences packed in one micro-batch."""
+    eng = new_engine(engine_config(model_dir, 1))
+    base = ids_only(convert.from_records(records[:4]))
+    expected = eng.forward_batch(dict(base))
+    data = amend_position_ids(dict(base))
+    mb_list = split_padded_tensor_dict_into_mb_list(data, MicroBatchSpec(n_mbs=1))
+    mb_list.mbs = [pack_tensor_dict(mb) for mb in mb_list.mbs]
+    mb_list = unsqueeze_mb_list(pad_mb_list(mb_list, pad_value=0.0))
+    seen = []
+
+    def process(logits, ctx):
+        labels = torch.roll(ctx["model_inputs"]["input_ids"][0], -1)
+        lp, _ = _gather(logits, labels, TEMPERATURE)
+        seen.append(lp[:len(lp) - ctx["pad_length"]])
+
+    eng.forward_backward_batch(mb_list, process, forward_only=True)
+    packed = torch.cat(seen)
+    cu = mb_list.mbs[0]["cu_seqlens"].tolist()
+    for k, i in enumerate(mb_list.forward_indices):
+        n = cu[k + 1] - cu[k]
+        seg = packed[cu[k]:cu[k + 1]]
+        # all but the last position (its label is the next packed sequence's first token)
+        assert float((seg[:n - 1] - expected[i, :n - 1]).abs().max()) < 2e-5
+    eng.destroy()
+
+
+def test_non_finite_gradient_skips_the_update(model_dir, records, eager_areal):
+    """A group whose rewards are all equal, normalized with eps 0 (AReaL's Normalization),
+    gets NaN advantages: the gradient is NaN, the step is skipped, the parameters stay and
+    the next good batch trains."""
+    n = len(records)
+    eng = new_engine(engine_config(model_dir, n))
+    base = convert.from_records(records)
+    lp = eng.forward_batch(ids_only(base))
+    batch = make_train_batch(records, lp)
+    mask = batch["loss_mask"].float()
+    norm = Normalization(NormConfig(mean_level="batch", std_level="batch", eps=0.0))
+    bad = dict(batch, advantages=norm(torch.ones_like(mask) * mask, mask))
+    assert torch.isnan(bad["advantages"]).any()
+    before = params_of(eng.model)
+
+    stats = eng.train_batch(bad, grpo(), loss_weight_fn)
+    assert stats["update_successful"] == 0.0 and not math.isfinite(stats["grad_norm"])
+    assert set(stats) == {"update_successful", "grad_norm", "lr", "num_micro_batches"}
+    assert all(torch.equal(before[k], v) for k, v in params_of(eng.model).items())
+    assert all(p.grad is None for p in eng.model.parameters())
+
+    stats = eng.train_batch(dict(batch), grpo(), loss_weight_fn)
+    assert stats["update_successful"] == 1.0 and math.isfinite(stats["grad_norm"])
+    assert not all(torch.equal(before[k], v) for k, v in params_of(eng.model).items())
+    eng.destroy()
+
+
+def test_save_load_round_trip_and_tree_stats(model_dir, records, eager_areal, tmp_path):
+    n = len(records)
+    cfg = engine_config(model_dir, n)
+    eng = new_engine(cfg)
+    base = convert.from_records(records)
+    batch = make_train_batch(records, eng.forward_batch(ids_only(base)))
+    eng.train_batch(dict(batch), grpo(), loss_weight_fn)
+    eng.lr_scheduler_step()
+
+    stats = eng.export_stats()
+    seqs = [np.asarray(r["input_ids"]) for r in records]
+    tree = PrefixTree(seqs).stats()
+    assert stats["tree_token_ratio"] == pytest.approx(tree.total_tokens / tree.unique_tokens)
+    assert stats["tree_token_ratio"] > 1.0 and stats["tree_sequences"] == n
+
+    path = str(tmp_path / "ckpt")
+    eng.save(SaveLoadMeta(path=path, weight_format="hf", with_optim=True,
+                          tokenizer=eng.tokenizer))
+    assert {"config.json", "model.safetensors", "optim_world_size_1_rank_0.pt",
+            "tokenizer.json"} <= set(os.listdir(path))
+
+    other = new_engine(engine_config(path, n))  # a fresh engine on the saved directory
+    assert max_rel(params_of(other.model), params_of(eng.model)) == 0.0
+    other.load(SaveLoadMeta(path=path, weight_format="hf", with_optim=True))
+    # the restored Adam moments: a second identical step stays identical
+    batch2 = make_train_batch(records, eng.forward_batch(ids_only(base)), seed=1)
+    eng.train_batch(dict(batch2), grpo(), loss_weight_fn)
+    other.train_batch(dict(batch2), grpo(), loss_weight_fn)
+    assert max_rel(params_of(other.model), params_of(eng.model)) == 0.0
+    eng.destroy()
+    other.destroy()
+
+
+_DP_WORKER = r"""
+import functools, os, sys, torch, torch._dynamo
+torch._dynamo.config.disable = True
+torch.set_num_threads(1)
+sys.path.insert(0, {root!r})
+from tests.test_areal import FT_SPEC, engine_config, grpo, loss_weight_fn, make_train_batch
+from experiments.workloads import make_workload
+from runtime.areal import DTATrainEngine, convert
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+records = make_workload("tau2-airline", scale="tiny", seed=0, vocab_size={vocab})
+batch = make_train_batch(records.records, torch.full((len(records.records), 1), -6.0))
+mine = {{k: v[rank::world] for k, v in batch.items()}}
+engine = DTATrainEngine(engine_config({path!r}, 1, backend="fsdp:d2"))
+engine.create_process_group()
+engine.initialize(None, FT_SPEC)
+assert engine.data_parallel_world_size == 2 and engine.data_parallel_rank == rank
+stats = engine.train_batch(mine, grpo(), loss_weight_fn)
+if rank == 0:
+    torch.save(dict(stats=stats, params={{n: p.detach() for n, p in engine.model.named_parameters()}}),
+               {out!r})
+engine.destroy()
+"""
+
+
+def test_two_data_parallel_ranks_match_one(model_dir, records, eager_areal, tmp_path):
+    """2 gloo ranks, each with half the sequences: the global loss weight is all-reduced and
+    the gradients averaged, so the step is the 1-rank step on the whole batch."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "rank0.pt")
+    code = _DP_WORKER.format(root=root, vocab=VOCAB, path=model_dir, out=out)
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+    batch = make_train_batch(records, torch.full((len(records), 1), -6.0))
+    eng = new_engine(engine_config(model_dir, 1))
+    stats = eng.train_batch(batch, grpo(), loss_weight_fn)
+    two = torch.load(out)
+    assert two["stats"]["update_successful"] == 1.0
+    assert abs(two["stats"]["grad_norm"] / stats["grad_norm"] - 1) < 1e-5
+    assert max_rel(two["params"], params_of(eng.model)) < 1e-5
+    eng.destroy()
+
+
+def test_ppo_actor_updates_through_the_engine(model_dir, records, eager_areal):
+    """AReaL's PPOActor, unchanged, for 2 steps (tau2 actor settings): rollout-form
+    trajectories -> compute_logp (prox_logp) -> compute_advantages -> ppo_update."""
+    cfg = engine_config(
+        model_dir, 1, cls=PPOActorConfig, ppo_n_minibatches=2, eps_clip=0.4,
+        use_decoupled_loss=True, recompute_logprob=True,
+        rejection_sampling=RejectionSamplingConfig(**RS), kl_ctl=0.0, reward_scaling=10.0,
+        reward_bias=-0.5, adv_norm=NormConfig(mean_level="batch", std_level="batch"))
+    actor = new_engine(cfg, cls=DTAPPOActor)
+    # one trajectory dict [G, S_g] per task group, as AReaL's rollout returns them
+    groups: dict[int, list] = {}
+    for rec in records:
+        groups.setdefault(rec["group_id"], []).append(rec)
+    data = []
+    g = torch.Generator().manual_seed(0)
+    for recs in groups.values():
+        traj = convert.from_records(recs, rolled=False)
+        traj.pop("advantages")
+        traj["loss_mask"] = traj["loss_mask"].int()
+        traj["rewards"] = (torch.rand(len(recs), generator=g) > 0.5).float()
+        traj["versions"] = torch.where(traj["loss_mask"].bool(), 0, -1)
+        data.append(traj)
+    # behaviour log-probs near the model's (token-aligned, as the inference engine reports)
+    for traj, lp in zip(data, actor.compute_logp(data)):
+        behave = torch.roll(lp, 1, -1) + 0.2 * torch.randn(lp.shape, generator=g)
+        traj["logprobs"] = torch.where(traj["loss_mask"].bool(), behave, 0.0)
+    initial = params_of(actor.model)
+    for step in range(2):
+        batch = [dict(t) for t in data]
+        for traj, lp in zip(batch, actor.compute_logp(batch)):
+            traj["prox_logp"] = lp
+        adv = actor.compute_advantages(batch)
+        actor.ppo_update(adv)
+        actor.step_lr_scheduler()
+        actor.set_version(step + 1)
+        stats = actor.export_stats()
+        losses = [v for k, v in stats.items() if k.endswith("actor_loss/avg")]
+        assert losses and all(math.isfinite(v) for v in losses), stats
+        assert stats["ppo_actor/update/update_successful"] == 1.0
+        assert math.isfinite(stats["ppo_actor/update/grad_norm"])
+    assert actor.get_version() == 2
+    assert max_rel(params_of(actor.model), initial) > 0
+    actor.destroy()
