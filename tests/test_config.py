@@ -164,6 +164,17 @@ def test_cli_typo_fails_naming_the_key(capsys):
     assert "unknown config key 'walker.polcy'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cli_actor_typo_with_a_config_file_fails_before_running(name, capsys):
+    """`dta train --config configs/<name>.yaml actor.eps_clp=0.3` (no --print-config) stops at
+    the config, naming the key and the one meant, before Ray or a model is started."""
+    from dta_cli.main import main
+
+    assert main(["train", "--config", config_path(name), "actor.eps_clp=0.3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'actor.eps_clp'" in err and "did you mean 'actor.eps_clip'" in err
+
+
 def test_module_entrypoints_parse_like_the_registry(capsys):
     """`python -m dta_cli.train` (a Ray job's entrypoint) takes the same arguments."""
     from dta_cli import jobs, train
