@@ -50,7 +50,8 @@ from areal.utils.data import (Normalization, amend_position_ids, pack_tensor_dic
 from dta.models import build_model, load_model, make_truly_float64  # noqa: E402
 from dta.tree import PrefixTree  # noqa: E402
 from experiments.workloads import make_workload  # noqa: E402
-from runtime.areal import DTAOptions, DTAPPOActor, DTATrainEngine  # noqa: E402
+from runtime.areal import (DTAOptions, DTAPPOActor, DTATrainEngine,  # noqa: E402
+                           actor_config_from_dta)
 from runtime.areal import convert  # noqa: E402
 
 VOCAB = 512
@@ -112,8 +113,9 @@ def engine_config(path, n_seqs, cls=TrainEngineConfig, **kw):
         lr=1e-3, eps=kw.pop("eps", 1e-8), weight_decay=0.01, gradient_clipping=1.0,
         lr_scheduler_type="constant", warmup_steps_proportion=0.0)
     kw.setdefault("backend", "fsdp:d1")
+    kw.setdefault("dtype", "float32")
     return cls(experiment_name="dta", trial_name="test", path=path, attn_impl="sdpa",
-               dtype="float32", optimizer=optim, temperature=TEMPERATURE,
+               optimizer=optim, temperature=TEMPERATURE,
                mb_spec=MicroBatchSpec(n_mbs=n_seqs), **kw)
 
 
@@ -568,3 +570,53 @@ def test_ppo_actor_updates_through_the_engine(model_dir, records, eager_areal):
     assert actor.get_version() == 2
     assert max_rel(params_of(actor.model), initial) > 0
     actor.destroy()
+
+
+def test_dta_run_config_drives_the_actor(model_dir, eager_areal):
+    """configs/tau2-airline-grpo.yaml + `actor.eps_clip=0.3` as AReaL's PPOActorConfig: the
+    override and the tau2 settings arrive (behav_imp_weight_cap 5 -> rejection sampling)."""
+    from dta.config import ConfigError, load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    preset = os.path.join(root, "configs", "tau2-airline-grpo.yaml")
+    cfg = load_config(preset, [f"model.path={model_dir}", "actor.eps_clip=0.3",
+                               "walker.policy=recompute"])
+    config, options = actor_config_from_dta(cfg)
+    assert isinstance(config, PPOActorConfig) and config.path == model_dir
+    assert config.eps_clip == 0.3 and config.eps_clip_higher == 0.4
+    assert config.use_decoupled_loss and config.recompute_logprob
+    rs = config.rejection_sampling
+    assert (rs.metric, rs.upper, rs.level, rs.action) == ("ratio", 5.0, "token", "mask")
+    assert config.adv_norm.mean_level == "group" and config.adv_norm.group_size == 8
+    assert config.optimizer.lr == cfg.optimizer.lr and config.optimizer.gradient_clipping == 1.0
+    assert options.policy == "recompute" and options.dtype is None
+    assert actor_config_from_dta(load_config(preset, [f"model.path={model_dir}",
+                                                      "model.dtype=float64"]))[1].dtype == "float64"
+    with pytest.raises(ValueError, match="'model.path'"):
+        actor_config_from_dta(load_config(preset))
+    with pytest.raises(ConfigError, match="actor.eps_clp"):
+        load_config(preset, ["actor.eps_clp=0.3"])
+    actor = new_engine(config, options, cls=DTAPPOActor)
+    assert actor.policy == "recompute" and actor.actor.config.eps_clip == 0.3
+    actor.destroy()
+
+
+def test_bfloat16_compute_with_float32_master_weights(model_dir, records, eager_areal):
+    """AReaL's default precision (dtype bfloat16, optimizer_dtype float32): the optimizer
+    steps float32 master copies, the model holds their bfloat16 cast."""
+    n = len(records)
+    eng = new_engine(engine_config(model_dir, n, dtype="bfloat16"))
+    assert next(eng.model.parameters()).dtype == torch.bfloat16
+    assert all(m.dtype == torch.float32 for m in eng._master)
+    base = convert.from_records(records)
+    lp = eng.forward_batch(ids_only(base))
+    assert lp.dtype == torch.float32  # AReaL's log-probs are float32 whatever the model dtype
+    before = [m.detach().clone() for m in eng._master]
+    stats = eng.train_batch(make_train_batch(records, lp), grpo(), loss_weight_fn)
+    assert stats["update_successful"] == 1.0
+    assert any(not torch.equal(a, m) for a, m in zip(before, eng._master))
+    for m, p in zip(eng._master, eng.model.parameters()):
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+    state = next(iter(eng.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.float32
+    eng.destroy()

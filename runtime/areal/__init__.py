@@ -1,6 +1,7 @@
 """AReaL backend: DTA's depth-first prefix-tree training behind AReaL's ``TrainEngine`` API.
 
-``from runtime.areal import DTATrainEngine`` (and ``DTAPPOActor``, ``DTAOptions``). areal is an
+``from runtime.areal import DTATrainEngine`` (and ``DTAPPOActor``, ``DTAOptions``, and
+``actor_config_from_dta`` for a ``dta`` run config). areal is an
 optional extra (see README.md in this directory for the install recipe); the ``dta`` library
 never imports it. Names are imported lazily, so ``import runtime.areal`` alone costs nothing.
 """
@@ -10,6 +11,7 @@ _EXPORTS = {
     "DTATrainEngine": "runtime.areal.engine",
     "DTAOptions": "runtime.areal.engine",
     "DTAPPOActor": "runtime.areal.actor",
+    "actor_config_from_dta": "runtime.areal.config",
 }
 __all__ = sorted(_EXPORTS)
 
