@@ -93,19 +93,37 @@ def records():
 
 @pytest.fixture
 def eager_areal(monkeypatch):
-    """AReaL's log-prob kernel without the 34 s torch.compile; world-size-1 env:// settings."""
+    """AReaL's log-prob kernel without the 34 s torch.compile, world-size-1 settings, and no
+    listening socket left behind beyond loopback (tests/test_runtime.py checks that Ray's
+    processes, this one included, listen on loopback only)."""
     import torch._dynamo
+    from runtime.ray_runtime.cluster import listening_addresses
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           GLOO_SOCKET_IFNAME="lo").items():
         monkeypatch.setenv(key, value)
     stats_tracker.export_all()  # start from an empty tracker
     with torch._dynamo.config.patch(disable=True):
         yield
     stats_tracker.export_all()
+    wide = [x for x in listening_addresses([os.getpid()]) if not x.loopback]
+    assert not wide, f"a test left a socket listening beyond loopback: {wide}"
+
+
+@pytest.fixture
+def gloo_world1(eager_areal, tmp_path):
+    """A world-size-1 gloo group for FSDPEngine, rendezvous through a file (env:// would start
+    a TCPStore listening on every interface, which outlives the group in this process)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def engine_config(path, n_seqs, cls=TrainEngineConfig, **kw):
@@ -272,7 +290,7 @@ def test_record_conversion_round_trip(records):
     assert torch.equal(torch.roll(plain["loss_mask"], -1, -1), rolled["loss_mask"])
 
 
-def test_train_batch_matches_fsdp_engine_float32(model_dir, records, eager_areal):
+def test_train_batch_matches_fsdp_engine_float32(model_dir, records, gloo_world1):
     """FSDPEngine itself vs DTATrainEngine, float32, one grpo step (AdamW eps 1e-5: Adam's
     first step amplifies float32 rounding near |g| ~ eps, see dta/verify.py)."""
     from areal.engine.fsdp_engine import FSDPEngine
