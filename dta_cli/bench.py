@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "also treemask-flex on a GPU)")
     a("--repeats", type=int, default=3, help="rounds of all modes (default: 3)")
     a("--threads", type=int, default=2, help="torch threads in every child (default: 2)")
-    a("--no-warmup", action="store_true", help="skip the small warm-up step in each child")
+    a("--warmup", choices=("small", "full", "none"), default="small",
+      help="warm-up step before the timed one: on a 2-sequence cut of the batch (default), "
+           "on the full batch (GPU: autotuning, FlexAttention compilation), or none")
+    a("--in-process", action="store_true",
+      help="all runs of a point in one worker process (no model load per run; CUDA peaks stay "
+           "per run, CPU RSS peaks do not): the GPU script's setting")
     a("--microbatch-tokens", type=int, default=None,
       help="padded-token budget of a micro-batch (default: the longest sequence: one at a time)")
     a("--pad-batch", type=int, default=0,
@@ -60,7 +65,7 @@ def config_from_args(args: argparse.Namespace):
         workload=args.workload, scale=args.scale, seed=args.seed, family=args.family,
         size=args.model_size, dtype=args.dtype, device=args.device, attn=args.attn,
         loss=args.loss, modes=modes, repeats=args.repeats, threads=args.threads,
-        warmup=not args.no_warmup, microbatch_tokens=args.microbatch_tokens,
+        warmup=args.warmup, in_process=args.in_process, microbatch_tokens=args.microbatch_tokens,
         pad_batch=args.pad_batch, tree_tokens=args.tree_tokens, logits_chunk=args.logits_chunk,
         timeout=args.timeout, grad_tol=args.grad_tol, sweep=args.sweep,
         sweep_values=args.sweep_values, overrides=overrides, out=args.out)

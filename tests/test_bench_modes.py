@@ -2,12 +2,15 @@
 (dta.reference.unpacked_gradients) to 1e-10 in true float64 on a tiny model."""
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
 from dta import Batch, build_model, make_loss, make_truly_float64
 from dta.reference import unpacked_gradients
+from dta.train import accumulate_gradients
 from experiments.bench.modes import MODES, microbatches, pack_tree, run_mode, tree_packs
 
 VOCAB = 512
@@ -65,6 +68,8 @@ def batch():
 
 CPU_MODES = [m for m in MODES if m != "treemask-flex"]  # FlexAttention: no CPU backward
 OPTS = [dict(), dict(pad_batch=3, microbatch_tokens=64, tree_tokens=30, logits_chunk=7)]
+if "leaf_batch_rows" in inspect.signature(accumulate_gradients).parameters:
+    OPTS.append(dict(leaf_batch_rows=12, logits_chunk=5))
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "nll"])

@@ -8,8 +8,9 @@ ignored, so the harness passes one option dict to all of them.
 All modes share the loss side: the per-occurrence weights and fields come from
 :class:`dta.objective.Objective` (computed from the whole batch before any forward), and the
 LM head runs only on the rows that carry a loss term, ``logits_chunk`` rows at a time, each
-chunk checkpointed -- exactly as the DFS walker does -- so that the baselines are as lean
-as the walker on the head and the comparison measures packing and sharing alone.
+chunk checkpointed -- as the DFS walker does -- with a one-pass log-prob backward, so that
+the baselines are at least as lean as the walker on the head and the comparison measures
+packing and sharing alone.
 
 Modes:
     padded         right-padded [B, S_max] batches of ``pad_batch`` sequences (0: all at once)
@@ -73,6 +74,22 @@ def _objective(batch: Batch, loss, opts) -> Objective:
     return obj
 
 
+class _TargetLogprob(torch.autograd.Function):
+    """log_softmax(z)[t] with a one-pass backward: dz = g * (onehot(t) - softmax(z))."""
+
+    @staticmethod
+    def forward(ctx, z, t):
+        lse = torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(z, t, lse)
+        return z.gather(-1, t[:, None])[:, 0] - lse
+
+    @staticmethod
+    def backward(ctx, g):
+        z, t, lse = ctx.saved_tensors
+        grad = torch.sub(z, lse[:, None]).exp_().mul_(-g[:, None])
+        return grad.scatter_add_(1, t[:, None], g[:, None]), None
+
+
 def _head(model, hidden, rows, targets, need_entropy: bool, chunk: int, temperature: float):
     """Log-prob (and entropy) of each (row, target) pair, ``chunk`` rows of logits at a time,
     each chunk checkpointed (backward recomputes its logits instead of keeping them)."""
@@ -85,11 +102,13 @@ def _head(model, hidden, rows, targets, need_entropy: bool, chunk: int, temperat
             z = head(h)
             if z.dtype in (torch.float16, torch.bfloat16):
                 z = z.float()
-            z = z / temperature
+            if temperature != 1.0:
+                z = z / temperature
+            if not need_entropy:
+                logp = _TargetLogprob.apply(z, t)
+                return logp, logp.detach().new_zeros(0)
             lse = torch.logsumexp(z, dim=-1)
             logp = z.gather(-1, t[:, None])[:, 0] - lse
-            if not need_entropy:
-                return logp, logp.new_zeros(0)
             return logp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
         h = hidden[rows[a:a + chunk]]
@@ -311,12 +330,19 @@ def treemask_flex(model, batch: Batch, loss, **opts) -> float:
 # ------------------------------------------------------------------------- DFS --
 def _dfs(policy: str):
     def fn(model, batch: Batch, loss, **opts) -> float:
+        import inspect
+
         from dta.train import accumulate_gradients
 
+        kw = {}
+        if opts.get("leaf_batch_rows"):  # walker option, where this version of dta has it
+            if "leaf_batch_rows" not in inspect.signature(accumulate_gradients).parameters:
+                raise ValueError("leaf_batch_rows: this dta.train.accumulate_gradients lacks it")
+            kw["leaf_batch_rows"] = int(opts["leaf_batch_rows"])
         res = accumulate_gradients(model, batch, loss, reduction=opts.get("reduction", "token_mean"),
                                    totals=opts.get("totals"), policy=policy,
                                    temperature=float(opts.get("temperature", 1.0)),
-                                   logits_chunk=int(opts.get("logits_chunk", 1024)))
+                                   logits_chunk=int(opts.get("logits_chunk", 1024)), **kw)
         return float(res.loss)
     return fn
 

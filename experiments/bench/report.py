@@ -48,8 +48,11 @@ def markdown(results: dict) -> str:
     head = [f"# DTA benchmark: {c['workload']} (scale {c['scale']}, seed {c['seed']})", "",
             f"Model {c['family']}-{c['size']} ({c['dtype']}, {c['attn']}) on {c['device']}, "
             f"{c['threads']} threads, loss {c['loss']} (global token mean); {c['repeats']} "
-            f"repeats, modes interleaved, each run in a fresh process"
-            f"{' after a warm-up step on a 2-sequence batch' if c['warmup'] else ''}. "
+            f"repeats, modes interleaved, "
+            + ("all runs in one process" if c.get("in_process") else "each run in a fresh process")
+            + {"small": ", each after a warm-up step on a 2-sequence batch",
+               "full": ", each mode after a warm-up step on the full batch"}.get(c["warmup"], "")
+            + ". "
             "Speed-up: median over rounds of (best unpacked baseline's step time / the mode's); "
             "peak memory: "
             + ("peak RSS growth over the loaded model and batch (CPU)." if c["device"] == "cpu"

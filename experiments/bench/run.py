@@ -44,7 +44,8 @@ class BenchConfig:
     modes: tuple = DEFAULT_MODES
     repeats: int = 3
     threads: int = 2
-    warmup: bool = True
+    warmup: str = "small"  # small | full | none (see experiments.bench.worker)
+    in_process: bool = False  # all runs of a point in one worker process (GPU script)
     microbatch_tokens: int | None = None
     pad_batch: int = 0
     tree_tokens: int = 32768
@@ -111,30 +112,37 @@ def point_info(cfg: BenchConfig, overrides: dict) -> dict:
     return info
 
 
-def _spawn(cfg: BenchConfig, spec: dict, tmp: str, tag: str) -> dict:
-    spec = dict(spec, result_path=os.path.join(tmp, f"{tag}.json"),
-                grad_path=os.path.join(tmp, f"{tag}.npy"))
+def _spawn(cfg: BenchConfig, spec: dict, tmp: str, tag: str, timeout: float) -> list[dict]:
+    """Run a worker on ``spec`` (one run, or ``runs``); its results, failures included."""
+    runs = spec.get("runs") or [dict(mode=spec["mode"], repeat=spec["repeat"],
+                                     grad_path=spec["grad_path"])]
+    spec = dict(spec, result_path=os.path.join(tmp, f"{tag}.json"))
     spec_path = os.path.join(tmp, f"{tag}.spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads), MKL_NUM_THREADS=str(cfg.threads),
                TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    t = time.perf_counter()
+    t, why = time.perf_counter(), None
     try:
         proc = subprocess.run([sys.executable, "-m", "experiments.bench.worker", spec_path],
-                              cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=cfg.timeout)
-        if os.path.exists(spec["result_path"]):
-            with open(spec["result_path"]) as f:
-                res = json.load(f)
-        else:  # killed (out of memory) before writing a result
-            res = dict(ok=False, error=f"worker exited {proc.returncode}: {proc.stderr[-800:]}")
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        why = f"worker exited {proc.returncode}: {proc.stderr[-600:]}"
     except subprocess.TimeoutExpired:
-        res = dict(ok=False, error=f"timed out after {cfg.timeout:.0f} s")
-    res.update(mode=spec["mode"], repeat=spec["repeat"], wall_s=time.perf_counter() - t,
-               grad_path=spec["grad_path"] if res.get("ok") else None)
-    return res
+        why = f"timed out after {timeout:.0f} s"
+    done = []
+    if os.path.exists(spec["result_path"]):
+        with open(spec["result_path"]) as f:
+            done = json.load(f)
+        done = done if isinstance(done, list) else [done]
+    wall = (time.perf_counter() - t) / max(len(done), 1)
+    out = []
+    for k, r in enumerate(runs):  # a killed worker (memory, timeout) leaves runs undone
+        res = done[k] if k < len(done) else dict(ok=False, error=why)
+        res.update(mode=r["mode"], repeat=r["repeat"], wall_s=wall)
+        res["grad_path"] = r["grad_path"] if res.get("ok") else None
+        out.append(res)
+    return out
 
 
 def _rel_err(path: str, ref: np.ndarray) -> float:
@@ -149,15 +157,24 @@ def run_point(cfg: BenchConfig, label: str, overrides: dict, tmp: str, bar) -> l
                 family=cfg.family, size=cfg.size, dtype=cfg.dtype, device=cfg.device,
                 attn=cfg.attn, loss=cfg.loss, threads=cfg.threads, warmup=cfg.warmup,
                 opts=cfg.opts(), sample_ms=cfg.sample_ms, grad_full_max=cfg.grad_full_max)
+    order = [dict(mode=m, repeat=r, grad_path=os.path.join(tmp, f"{label}-{m}-{r}.npy"))
+             for r in range(cfg.repeats) for m in cfg.modes]
+    if cfg.in_process:
+        bar.set_postfix_str(f"{label}: {len(order)} runs in one process")
+        batches = [_spawn(cfg, dict(base, runs=order), tmp, f"{label}-all",
+                          cfg.timeout * len(order))]
+    else:
+        batches = (_spawn(cfg, dict(base, **o), tmp, f"{label}-{o['mode']}-{o['repeat']}",
+                          cfg.timeout) for o in order)
     runs, ref = [], None
-    for r in range(cfg.repeats):
-        for mode in cfg.modes:
-            bar.set_postfix_str(f"{label} {mode} #{r}")
-            res = _spawn(cfg, dict(base, mode=mode, repeat=r), tmp, f"{label}-{mode}-{r}")
+    for batch in batches:
+        for res in batch:
             res["point"] = label
             runs.append(res)
             bar.update(1)
-            if ref is None and mode == ref_mode and res["ok"]:
+            bar.set_postfix_str(f"{label} {res['mode']} #{res['repeat']} "
+                                f"{res.get('step_s', float('nan')):.1f}s")
+            if ref is None and res["mode"] == ref_mode and res["ok"]:
                 ref = np.load(res["grad_path"]).astype(np.float64)
             if ref is not None:  # compare every pending gradient, then drop its file
                 for x in runs:
@@ -167,8 +184,8 @@ def run_point(cfg: BenchConfig, label: str, overrides: dict, tmp: str, bar) -> l
                         x["grad_path"] = None
     for x in runs:
         x["grad_reference"] = ref_mode
-        if x.get("grad_path"):
-            os.remove(x.pop("grad_path"))
+        if x.get("grad_path") and os.path.exists(x["grad_path"]):
+            os.remove(x["grad_path"])
         x.pop("grad_path", None)
     return runs
 

@@ -5,10 +5,12 @@ and where to write the result (JSON) and the flattened gradient (``.npy``). The 
 
 1. sets ``torch.set_num_threads(threads)``, builds the batch and the model (same seeds in
    every run, so every mode trains the same parameters on the same batch);
-2. warm-up: one step of the same mode on a 2-sequence batch cut from the real one (the last
-   96 tokens of one sequence, and a copy forked 8 tokens before its end): it pays one-time
-   costs (lazy initialization, first-call dispatch, allocator growth) on every code path the
-   mode uses (fork, padding, mask, chunked head) for about 1 % of a step; then
+2. warm-up (``warmup``: small | full | none): by default one step of the same mode on a
+   2-sequence batch cut from the real one (the last 96 tokens of one sequence, and a copy
+   forked 8 tokens before its end): it pays one-time costs (lazy initialization, first-call
+   dispatch, allocator growth) on every code path the mode uses (fork, padding, mask,
+   chunked head) for about 1 % of a step on CPU. ``full`` warms up on the real batch (the
+   GPU script: kernel autotuning and FlexAttention compilation depend on the shapes). Then
    ``zero_grad(set_to_none=True)``, as a training loop would;
 3. baseline memory (RSS, or CUDA allocated), then the timed step, with a background thread
    sampling RSS every ``sample_ms``; the peak growth is the larger of the sampled peak and,
@@ -101,77 +103,115 @@ def flat_grad(model, full_max: int):
     return np.concatenate([x.numpy() for x in parts]), stride
 
 
-def measure(spec: dict) -> dict:
+class Context:
+    """The loaded model, batch and loss of a worker (built once, used by every run)."""
+
+    def __init__(self, spec: dict):
+        import torch
+
+        torch.set_num_threads(int(spec.get("threads", 2)))
+        from dta.losses import make_loss
+        from dta.models import build_config, build_model
+
+        self.spec, self.device = spec, spec.get("device", "cpu")
+        self.cuda = self.device.startswith("cuda")
+        config = build_config(spec["family"], spec["size"])
+        self.batch, _ = load_batch(spec, config.vocab_size)
+        with torch.device(self.device):  # initialize on the device (fast for 1B+ models)
+            self.model = build_model(spec["family"], spec["size"], dtype=spec.get("dtype", "float32"),
+                                     seed=spec.get("model_seed", 0),
+                                     attn_implementation=spec.get("attn", "sdpa"))
+        self.loss = make_loss(spec.get("loss", "ppo"))
+        self.opts = dict(spec.get("opts", {}))
+        self.warmed: set = set()
+
+    def sync(self):
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+
+
+def measure(ctx: Context, mode: str, repeat: int, grad_path: str) -> dict:
     import numpy as np
     import torch
 
-    torch.set_num_threads(int(spec.get("threads", 2)))
-    from dta.losses import make_loss
-    from dta.models import build_config, build_model
     from experiments.bench.modes import run_mode
 
-    device = spec.get("device", "cpu")
-    config = build_config(spec["family"], spec["size"])
-    batch, _ = load_batch(spec, config.vocab_size)
-    model = build_model(spec["family"], spec["size"], dtype=spec.get("dtype", "float32"),
-                        seed=spec.get("model_seed", 0),
-                        attn_implementation=spec.get("attn", "sdpa")).to(device)
-    loss = make_loss(spec.get("loss", "ppo"))
-    opts = dict(spec.get("opts", {}))
-    cuda = device.startswith("cuda")
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
+    spec, model, batch = ctx.spec, ctx.model, ctx.batch
+    warm = spec.get("warmup", "small")
+    warm = {True: "small", False: "none"}.get(warm, warm)
     t = time.perf_counter()
-    if spec.get("warmup", True):
-        run_mode(spec["mode"], model, warmup_batch(batch), loss, **opts)
-        sync()
+    if warm != "none" and (mode not in ctx.warmed or warm == "full"):
+        run_mode(mode, model, warmup_batch(batch) if warm == "small" else batch, ctx.loss, **ctx.opts)
+        ctx.sync()
+        ctx.warmed.add(mode)
     warm_s = time.perf_counter() - t
     model.zero_grad(set_to_none=True)
     gc.collect()
-    if cuda:
+    if ctx.cuda:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     base_rss, maxrss0 = rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sampler = PeakSampler(float(spec.get("sample_ms", 2)) / 1000)
     sampler.start()
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    value = run_mode(spec["mode"], model, batch, loss, **opts)
-    sync()
+    value = run_mode(mode, model, batch, ctx.loss, **ctx.opts)
+    ctx.sync()
     step_s = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     peak_rss = sampler.stop()
     maxrss1 = ru1.ru_maxrss * 1024
     peak_cpu = max(peak_rss, maxrss1 if maxrss1 > maxrss0 else 0) - base_rss
-    peak = (torch.cuda.max_memory_allocated() - base) if cuda else peak_cpu
+    peak = (torch.cuda.max_memory_allocated() - base) if ctx.cuda else peak_cpu
     grad, stride = flat_grad(model, int(spec.get("grad_full_max", 64_000_000)))
-    np.save(spec["grad_path"], grad)
+    np.save(grad_path, grad)
+    model.zero_grad(set_to_none=True)
     tokens = int(batch.lengths.sum())
     return dict(
-        mode=spec["mode"], repeat=spec.get("repeat", 0), ok=True, loss=float(value),
+        mode=mode, repeat=repeat, ok=True, loss=float(value),
         step_s=step_s, warmup_s=warm_s, tokens=tokens, tokens_per_s=tokens / step_s,
         peak_mem_mb=peak / 2**20, peak_rss_growth_mb=peak_cpu / 2**20,
         baseline_rss_mb=base_rss / 2**20, maxrss_exact=maxrss1 > maxrss0,
         user_s=ru1.ru_utime - ru0.ru_utime, sys_s=ru1.ru_stime - ru0.ru_stime,
-        threads=torch.get_num_threads(), device=device, grad_stride=stride,
+        threads=torch.get_num_threads(), device=ctx.device, grad_stride=stride,
         grad_norm=float(np.linalg.norm(grad.astype(np.float64))),
-        params=sum(p.numel() for p in model.parameters()))
+        params=sum(p.numel() for p in model.parameters()), grad_path=grad_path)
+
+
+def _failure(mode, repeat, e: BaseException) -> dict:
+    return dict(mode=mode, repeat=repeat, ok=False, error=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc())
 
 
 def main(argv=None) -> int:
+    """Spec with ``mode``/``repeat``/``grad_path``: one run. With ``runs`` (a list of
+    ``{mode, repeat, grad_path}``): all of them in this process (the GPU script's way: no
+    model load per run; CUDA peaks are per run, CPU RSS peaks are not), the result file
+    (a JSON list) rewritten after each run so a killed worker leaves what it finished."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         spec = json.load(f)
+    runs = spec.get("runs") or [dict(mode=spec["mode"], repeat=spec.get("repeat", 0),
+                                     grad_path=spec["grad_path"])]
+    results = []
     try:
-        result = measure(spec)
+        ctx = Context(spec)
     except Exception as e:  # reported in the table, not fatal to the harness
-        result = dict(mode=spec.get("mode"), repeat=spec.get("repeat", 0), ok=False,
-                      error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-    with open(spec["result_path"], "w") as f:
-        json.dump(result, f)
-    return 0 if result["ok"] else 1
+        results = [_failure(r["mode"], r["repeat"], e) for r in runs]
+        ctx = None
+    for r in runs if ctx is not None else []:
+        try:
+            results.append(measure(ctx, r["mode"], r["repeat"], r["grad_path"]))
+        except Exception as e:
+            ctx.model.zero_grad(set_to_none=True)
+            results.append(_failure(r["mode"], r["repeat"], e))
+        with open(spec["result_path"], "w") as f:
+            json.dump(results if "runs" in spec else results[0], f)
+    if ctx is None or "runs" not in spec:
+        with open(spec["result_path"], "w") as f:
+            json.dump(results if "runs" in spec else results[0], f)
+    return 0 if all(x["ok"] for x in results) else 1
 
 
 if __name__ == "__main__":
