@@ -41,7 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tree-tokens", type=int, default=32768,
       help="unique-token budget of one packed tree row in mode treemask (default: 32768)")
     a("--logits-chunk", type=int, default=1024, help="LM-head rows per chunk (all modes)")
-    a("--timeout", type=float, default=600.0, help="seconds per run before it is killed")
+    a("--leaf-batch-rows", type=int, default=0,
+      help="DFS modes: let sibling leaves share one LM-head evaluation and backward up to this "
+           "many rows (needs a dta.Walker with leaf_batch_rows; default 0: off)")
+    a("--timeout", type=float, default=600.0,
+      help="seconds per worker process (one run; all runs of a point with --in-process) "
+           "before it is killed")
     a("--grad-tol", type=float, default=None,
       help="relative L2 gradient error above which a mode is WRONG (default by dtype: "
            "float32 1e-4, bfloat16 5e-2, float64 1e-10)")
@@ -67,6 +72,7 @@ def config_from_args(args: argparse.Namespace):
         loss=args.loss, modes=modes, repeats=args.repeats, threads=args.threads,
         warmup=args.warmup, in_process=args.in_process, microbatch_tokens=args.microbatch_tokens,
         pad_batch=args.pad_batch, tree_tokens=args.tree_tokens, logits_chunk=args.logits_chunk,
+        leaf_batch_rows=args.leaf_batch_rows,
         timeout=args.timeout, grad_tol=args.grad_tol, sweep=args.sweep,
         sweep_values=args.sweep_values, overrides=overrides, out=args.out)
 

@@ -50,6 +50,7 @@ class BenchConfig:
     pad_batch: int = 0
     tree_tokens: int = 32768
     logits_chunk: int = 1024
+    leaf_batch_rows: int = 0  # DFS: batch sibling leaves' head (where dta.Walker has it)
     timeout: float = 600.0
     grad_tol: float | None = None
     grad_full_max: int = 64_000_000
@@ -65,7 +66,8 @@ class BenchConfig:
 
     def opts(self) -> dict:
         return dict(microbatch_tokens=self.microbatch_tokens, pad_batch=self.pad_batch,
-                    tree_tokens=self.tree_tokens, logits_chunk=self.logits_chunk)
+                    tree_tokens=self.tree_tokens, logits_chunk=self.logits_chunk,
+                    leaf_batch_rows=self.leaf_batch_rows)
 
 
 def sweep_points(cfg: BenchConfig) -> list[tuple[str, dict]]:
@@ -161,8 +163,7 @@ def run_point(cfg: BenchConfig, label: str, overrides: dict, tmp: str, bar) -> l
              for r in range(cfg.repeats) for m in cfg.modes]
     if cfg.in_process:
         bar.set_postfix_str(f"{label}: {len(order)} runs in one process")
-        batches = [_spawn(cfg, dict(base, runs=order), tmp, f"{label}-all",
-                          cfg.timeout * len(order))]
+        batches = [_spawn(cfg, dict(base, runs=order), tmp, f"{label}-all", cfg.timeout)]
     else:
         batches = (_spawn(cfg, dict(base, **o), tmp, f"{label}-{o['mode']}-{o['repeat']}",
                           cfg.timeout) for o in order)

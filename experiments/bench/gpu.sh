@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The benchmark on the lent GPU (one H200; at most 10 minutes per command): a τ²-airline
+# per-call batch in bf16 on Qwen3-0.6B- and Qwen3-1.7B-shaped random-init models, with sdpa
+# and, where flash-attn is installed, flash_attention_2. Per (size, attention) one
+# `dta bench --in-process --warmup full` run (model loaded once, modes interleaved, CUDA peak
+# memory per run); the whole script keeps inside BUDGET_S seconds: a configuration that
+# cannot start with MIN_LEFT_S left is skipped, and a running one is stopped in time (its
+# worker writes each finished run, so what finished is reported).
+#
+#   experiments/bench/gpu.sh [DEST]     DEST default: $OUT (the device tool's folder), else
+#                                       results/gpu-<date>
+# Knobs (environment): SIZES ATTNS MODES SCALE DTYPE DEVICE REPEATS BUDGET_S MIN_LEFT_S
+#   PAD_BATCH MICROBATCH_TOKENS TREE_TOKENS PYTHON.
+# CPU check of this script (what tests/test_bench_gpu_script.py runs):
+#   DEVICE=cpu SIZES=tiny SCALE=tiny DTYPE=float32 REPEATS=1 experiments/bench/gpu.sh /tmp/g
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 2
+DEST=${1:-${OUT:-results/gpu-$(date +%Y%m%d-%H%M%S)}}
+PY=${PYTHON:-python}
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bfloat16}
+SIZES=${SIZES:-"qwen3-0.6b qwen3-1.7b"}
+SCALE=${SCALE:-0.15}            # airline per-call: ~107 sequences, ~151K tokens, sharing ~9.4x
+REPEATS=${REPEATS:-2}
+BUDGET_S=${BUDGET_S:-560}       # the device tool kills a command at 600 s
+MIN_LEFT_S=${MIN_LEFT_S:-75}
+PAD_BATCH=${PAD_BATCH:-8}       # padded mode: [8, S_max] batches
+MICROBATCH_TOKENS=${MICROBATCH_TOKENS:-16384}
+TREE_TOKENS=${TREE_TOKENS:-32768}
+mkdir -p "$DEST"
+start=$(date +%s)
+
+"$PY" - "$DEVICE" > "$DEST/env.json" <<'EOF'
+import json, sys, torch, transformers
+info = dict(torch=torch.__version__, transformers=transformers.__version__,
+            cuda=torch.version.cuda, device=sys.argv[1])
+if torch.cuda.is_available():
+    info["gpu"] = torch.cuda.get_device_name(0)
+try:
+    import flash_attn
+    info["flash_attn"] = flash_attn.__version__
+except ImportError:
+    info["flash_attn"] = None
+print(json.dumps(info))
+EOF
+cat "$DEST/env.json"
+
+if [ -z "${ATTNS:-}" ]; then
+    ATTNS=sdpa
+    if [ "$DEVICE" != cpu ] && "$PY" -c "import flash_attn" 2>/dev/null; then
+        ATTNS="sdpa flash_attention_2"
+    fi
+fi
+if [ -z "${MODES:-}" ]; then
+    MODES=padded,microbatch,treemask,dfs-retain,dfs-recompute
+    [ "$DEVICE" != cpu ] && MODES=padded,microbatch,treemask,treemask-flex,dfs-retain,dfs-recompute
+fi
+
+status=0
+for attn in $ATTNS; do
+    for size in $SIZES; do
+        left=$(( BUDGET_S - ($(date +%s) - start) ))
+        name="$size-$attn"
+        if [ "$left" -lt "$MIN_LEFT_S" ]; then
+            echo "skip $name: ${left}s left" | tee -a "$DEST/skipped.txt"
+            continue
+        fi
+        modes=$MODES
+        # tree-mask modes run sdpa / flex whatever --attn says: measure them once, with sdpa
+        [ "$attn" != sdpa ] && modes=$(echo "$MODES" | tr , '\n' | grep -v '^treemask' | paste -sd,)
+        echo "== $name (${left}s left): $modes"
+        timeout --kill-after=10 "$left" "$PY" -m dta_cli.main bench --device "$DEVICE" \
+            --dtype "$DTYPE" --model-size "$size" --attn "$attn" --scale "$SCALE" \
+            --modes "$modes" --repeats "$REPEATS" --in-process --warmup full \
+            --pad-batch "$PAD_BATCH" --microbatch-tokens "$MICROBATCH_TOKENS" \
+            --tree-tokens "$TREE_TOKENS" --timeout $(( left - 15 )) --out "$DEST/$name" \
+            --json > "$DEST/$name.log" 2>&1
+        rc=$?
+        tail -n 1 "$DEST/$name.log" > "$DEST/$name.json"
+        echo "   rc=$rc; $(head -c 300 "$DEST/$name.json")"
+        [ "$rc" -gt 1 ] && status=$rc   # 1: a mode WRONG or FAILED (reported in the table)
+    done
+done
+
+{
+    echo "# GPU benchmark ($(date -u +%Y-%m-%dT%H:%MZ)), $(cat "$DEST/env.json")"
+    for f in "$DEST"/*/results.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+} > "$DEST/summary.md"
+echo "done in $(( $(date +%s) - start ))s: $DEST/summary.md"
+exit $status

@@ -1,0 +1,83 @@
+"""The benchmark harness end to end: `dta bench` (slow), the GPU script's CPU path, and the
+FlexAttention tree mask (forward only: no FlexAttention backward on CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODE_KEYS = {"tokens_per_s", "step_s", "peak_mem_mb", "grad_rel_err", "speedup",
+             "mem_ratio_padded", "mem_ratio_baseline", "status"}
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def check_summary(d: dict, modes):
+    assert set(d["modes"]) == set(modes)
+    assert d["sharing_ratio"] > 1 and d["ideal_speedup"] > 1
+    assert d["best_baseline"] in ("padded", "microbatch")
+    for m, v in d["modes"].items():
+        assert MODE_KEYS <= set(v), m
+        assert v["status"] == "ok", (m, v)
+        assert v["step_s"] > 0 and v["tokens_per_s"] > 0 and v["peak_mem_mb"] >= 0
+        assert v["grad_rel_err"] <= 1e-4, (m, v["grad_rel_err"])
+
+
+@pytest.mark.slow
+def test_dta_bench_small_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dta_cli.main", "bench", "--workload", "tau2-airline", "--scale",
+         "small", "--model-size", "small", "--repeats", "1", "--threads", "2", "--out", str(out),
+         "--json"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(proc.stdout.strip().splitlines()[-1])
+    check_summary(d, ["padded", "microbatch", "treemask", "dfs-retain", "dfs-recompute"])
+    assert d["sequences"] > 20 and 5 < d["sharing_ratio"] < 15
+    assert d["policy"]["recompute_time_over_retain"] > 0
+    assert (out / "results.json").exists() and (out / "results.md").exists()
+    assert (out / "modes.png").exists()
+    full = json.loads((out / "results.json").read_text())
+    assert len(full["points"][0]["runs"]) == 5
+
+
+def test_gpu_script_cpu_path(tmp_path):
+    """The GPU script, on CPU with tiny sizes: it runs, writes a summary and per-size JSON."""
+    env = dict(_env(), DEVICE="cpu", SIZES="tiny", SCALE="tiny", DTYPE="float32", REPEATS="1",
+               MODES="microbatch,treemask,dfs-retain", PYTHON=sys.executable, BUDGET_S="240")
+    proc = subprocess.run(["bash", str(ROOT / "experiments/bench/gpu.sh"), str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    d = json.loads((tmp_path / "tiny-sdpa.json").read_text())
+    check_summary(d, ["microbatch", "treemask", "dfs-retain"])
+    assert "tiny-sdpa" in (tmp_path / "summary.md").read_text() or "qwen3-tiny" in (
+        tmp_path / "summary.md").read_text()
+    assert json.loads((tmp_path / "env.json").read_text())["device"] == "cpu"
+
+
+@pytest.mark.slow
+def test_flex_block_mask_forward_matches_dense():
+    import torch
+
+    from dta import build_model
+    from experiments.bench.modes import attention, pack_tree
+    from tests.test_bench_modes import tree_batch
+
+    model = build_model("qwen3", "tiny", seed=0)
+    batch = tree_batch()
+    packed = pack_tree(batch, list(range(len(batch))))
+    ids, pos = torch.as_tensor(packed.ids)[None], torch.as_tensor(packed.pos)[None]
+    with torch.no_grad():
+        dense = model(input_ids=ids, position_ids=pos, attention_mask=packed.dense_mask("cpu")).logits
+        with attention(model, "flex_attention"):
+            flex = model(input_ids=ids, position_ids=pos,
+                         attention_mask=packed.block_mask("cpu")).logits
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert (dense - flex).abs().max() < 1e-5
