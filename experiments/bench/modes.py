@@ -7,8 +7,8 @@ ignored, so the harness passes one option dict to all of them.
 
 All modes share the loss side: the per-occurrence weights and fields come from
 :class:`dta.objective.Objective` (computed from the whole batch before any forward), and the
-LM head runs only on the rows that carry a loss term, ``logits_chunk`` rows at a time, each
-chunk checkpointed -- as the DFS walker does -- with a one-pass log-prob backward, so that
+LM head runs only on the rows that carry a loss term, ``logits_chunk`` rows at a time
+(checkpointed when there are several chunks), with a one-pass log-prob backward, so that
 the baselines are at least as lean as the walker on the head and the comparison measures
 packing and sharing alone.
 
@@ -92,7 +92,8 @@ class _TargetLogprob(torch.autograd.Function):
 
 def _head(model, hidden, rows, targets, need_entropy: bool, chunk: int, temperature: float):
     """Log-prob (and entropy) of each (row, target) pair, ``chunk`` rows of logits at a time,
-    each chunk checkpointed (backward recomputes its logits instead of keeping them)."""
+    each chunk checkpointed when there are several (backward recomputes its logits instead of
+    keeping them all)."""
     head = model.get_output_embeddings()
     outs = []
     for a in range(0, len(rows), chunk):
@@ -112,7 +113,9 @@ def _head(model, hidden, rows, targets, need_entropy: bool, chunk: int, temperat
             return logp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
         h = hidden[rows[a:a + chunk]]
-        outs.append(checkpoint(fn, h, use_reentrant=False) if h.requires_grad else fn(h))
+        # one chunk: backward follows at once, so checkpointing would only add a head matmul
+        ckpt = h.requires_grad and len(rows) > chunk
+        outs.append(checkpoint(fn, h, use_reentrant=False) if ckpt else fn(h))
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
