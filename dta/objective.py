@@ -22,13 +22,17 @@ from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights, token_
 class NodeTerms:
     rows: torch.Tensor  # [P] local row of each unique (row, target) pair
     targets: torch.Tensor  # [P] target token of each pair
-    occ_pair: torch.Tensor  # [K] pair of each occurrence
+    occ_pair: torch.Tensor  # [K] pair of each occurrence, sorted
     weight: torch.Tensor  # [K] weight of each occurrence
     fields: dict[str, torch.Tensor]  # [K] each
     # for recording log-probs per sequence: pair of each (sequence, position)
     rec_seq: np.ndarray | None = None
     rec_pos: np.ndarray | None = None
     rec_pair: np.ndarray | None = None
+
+    @property
+    def occ_pair_np(self) -> np.ndarray:
+        return self.occ_pair.cpu().numpy()
 
     @property
     def empty(self) -> bool:
@@ -86,6 +90,10 @@ class Objective:
         rows, targets = uniq // width, uniq % width
         occ_key = (occ["pos"] - 1 - s) * width + occ["tgt"]
         occ_pair = np.searchsorted(uniq, occ_key)
+        by_pair = np.argsort(occ_pair, kind="stable")  # a chunk of pairs: a slice of occurrences
+        occ_pair = occ_pair[by_pair]
+        occ["w"] = occ["w"][by_pair]
+        vals = {k: [np.concatenate(v)[by_pair]] if v else [] for k, v in vals.items()}
         weight = occ["w"].astype(np.float64)
         fields = {k: torch.as_tensor(np.concatenate(v) if v else np.zeros(0), device=device, dtype=dtype)
                   for k, v in vals.items()}
@@ -97,12 +105,15 @@ class Objective:
             t.rec_pos, t.rec_pair = all_pos, inverse.reshape(-1)
         return t
 
-    def node_loss(self, terms: NodeTerms, pair_logp: torch.Tensor,
+    def node_loss(self, terms: NodeTerms, occ: slice, first_pair: int, pair_logp: torch.Tensor,
                   pair_entropy: torch.Tensor | None) -> torch.Tensor:
-        """Sum over the node's occurrences of weight * loss(own log-prob, own fields)."""
-        logp = pair_logp[terms.occ_pair]
-        ent = pair_entropy[terms.occ_pair] if self.loss.uses_entropy else None
-        return (terms.weight * self.loss.values(logp, ent, terms.fields)).sum()
+        """Sum over the occurrences `occ` (those of pairs first_pair, first_pair + 1, ...) of
+        weight * loss(own log-prob, own entropy, own fields)."""
+        idx = terms.occ_pair[occ] - first_pair
+        logp = pair_logp[idx]
+        ent = pair_entropy[idx] if self.loss.uses_entropy else None
+        fields = {k: v[occ] for k, v in terms.fields.items()}
+        return (terms.weight[occ] * self.loss.values(logp, ent, fields)).sum()
 
     def sequence_loss(self, i: int, logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """Sequence i's loss from its full per-token log-probs (the unpacked reference)."""

@@ -10,9 +10,12 @@ Why it is exact: a descendant depends on u's parameters only through u's K/V, so
 d(loss)/dθ = Σ_u [∂ own_loss_u/∂θ + (∂ K/V_u/∂θ)ᵀ · Σ_desc ∂ loss_desc/∂ K/V_u]; the second
 sum is what accumulates in the leaves' ``.grad`` (children's backward passes add into it).
 
+The LM head runs once per node at push (``dta/head.py``): it evaluates the node's own loss
+terms and keeps only ∂L/∂hidden, so no [tokens, vocab] graph ever waits on the path.
+
 Memory policies: *retain* keeps each node's graph along the current path; *recompute* keeps
-only the detached K/V and re-forwards the node with grad at pop (AReaL-DTA's choice). Either
-way at most one graph per node of the current path is alive.
+only the detached K/V (and ∂L/∂hidden) and re-forwards the node with grad at pop
+(AReaL-DTA's choice). Either way at most one graph per node of the current path is alive.
 """
 from __future__ import annotations
 
@@ -21,9 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from dta.head import LMHead
 from dta.objective import NodeTerms, Objective
 from dta.tree import PrefixTree
 
@@ -34,9 +36,8 @@ POLICIES = ("retain", "recompute")
 class Frame:
     node: int
     kv: list  # the node's own (k, v) per layer, detached leaves its descendants attend to
-    graph_kv: list | None = None  # retain: the same K/V still attached to the node's graph
-    loss: torch.Tensor | None = None  # retain: the node's own loss terms, with graph
-    terms: NodeTerms | None = None  # recompute: the node's loss terms, to re-evaluate at pop
+    dhidden: torch.Tensor | None = None  # ∂(own loss terms)/∂(hidden states), from the head
+    graph: tuple | None = None  # retain: (hidden, K/V) still attached to the node's graph
 
 
 @dataclass
@@ -67,8 +68,7 @@ class Walker:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model, self.policy = model, policy
         self.decoder = model.get_decoder()
-        self.head = model.get_output_embeddings()
-        self.chunk, self.temperature = int(logits_chunk), float(temperature)
+        self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
@@ -89,38 +89,11 @@ class Walker:
                     for layer in range(len(path[0].kv))]
             assert past[0][0].shape[2] == s, "ancestors' K/V must cover positions 0..start-1"
         cache = DynamicCache(ddp_cache_data=past, config=self.model.config)
-        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_kwarg: cache})
+        out = self.decoder(position_ids=pos, use_cache=True, **self.head.embed(ids),
+                           **{self.cache_kwarg: cache})
         cache = getattr(out, "cache", None) or out.past_key_values
         kv = [(layer.keys[:, :, s:], layer.values[:, :, s:]) for layer in cache.layers]
         return out.last_hidden_state[0], kv
-
-    def _head(self, hidden: torch.Tensor, terms: NodeTerms, need_entropy: bool, minmax: bool):
-        """Log-prob of every (row, target) pair and the entropy of its row, computing the
-        ``[rows, vocab]`` logits at most `logits_chunk` rows at a time. With grad, each chunk
-        is checkpointed: backward recomputes its logits instead of keeping them."""
-        rows = terms.rows
-        bounds = list(range(0, len(rows), self.chunk)) + [len(rows)]
-        outs = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            r, t = rows[a:b], terms.targets[a:b]
-
-            def chunk(h, t=t):
-                z = self.head(h)
-                if z.dtype in (torch.float16, torch.bfloat16):
-                    z = z.float()
-                z = z / self.temperature
-                lse = torch.logsumexp(z, dim=-1)
-                logp = z.gather(-1, t[:, None])[:, 0] - lse
-                ent = lse - (F.softmax(z, dim=-1) * z).sum(-1)
-                if not need_entropy:
-                    ent = ent.detach()
-                mm = (z.min(-1).values.detach(), z.max(-1).values.detach()) if minmax else ()
-                return (logp, ent) + mm
-
-            h = hidden[r]  # a pair per row, except fork rows with several targets
-            use_ckpt = torch.is_grad_enabled() and h.requires_grad
-            outs.append(checkpoint(chunk, h, use_reentrant=False) if use_ckpt else chunk(h))
-        return [torch.cat(parts) for parts in zip(*outs)]
 
     # ---------------------------------------------------------------------- the walk --
     def train(self, tree: PrefixTree, objective: Objective, *, record: bool = False,
@@ -132,27 +105,30 @@ class Walker:
         need_ent = objective.loss.uses_entropy
         path: list[Frame] = []
 
-        def evaluate(u, terms, hidden):
+        def head(terms, hidden):
+            """u's own loss terms through the LM head: (loss value, ∂L/∂hidden)."""
             if terms.empty:
-                return None
-            logp, ent, *_ = self._head(hidden, terms, need_ent, False)
+                return None, None
+            out = self.head.evaluate(hidden, terms, lambda *a: objective.node_loss(terms, *a),
+                                     need_entropy=need_ent)
             if rec is not None:
-                rec.add(terms, logp, ent)
-            if len(terms.occ_pair) == 0:
-                return None
-            return objective.node_loss(terms, logp, ent)
+                rec.add(terms, out.logp, out.entropy)
+            if out.loss is not None:
+                res.loss += out.loss
+            return out.loss, out.dhidden
 
-        def backward(loss, graph_kv, frame_kv):
-            outs, grads = ([loss], [None]) if loss is not None else ([], [])
-            for (k, v), (k_leaf, v_leaf) in zip(graph_kv, frame_kv or []):
+        def backward(hidden, dhidden, kv, frame_kv):
+            """Backpropagate a node: its own terms (∂L/∂hidden) and its descendants' (the
+            gradients they left in its K/V leaves)."""
+            outs, grads = ([hidden], [dhidden]) if dhidden is not None else ([], [])
+            for (k, v), (k_leaf, v_leaf) in zip(kv, frame_kv or []):
                 for out, leaf in ((k, k_leaf), (v, v_leaf)):
                     if leaf.grad is not None:
                         outs.append(out)
                         grads.append(leaf.grad)
             if outs:
                 torch.autograd.backward(outs, grads)
-            if loss is not None:
-                res.loss += float(loss.detach())
+            self.head.collect_embedding_grads()
 
         def push(u):
             terms = objective.terms(tree, u, self.device, self.dtype, record=record)
@@ -161,36 +137,30 @@ class Walker:
             res.tokens += tree.length(u)
             if is_leaf or self.policy == "retain":
                 hidden, kv = self._forward(tree, u, path)
-                loss = evaluate(u, terms, hidden)
                 res.max_live_graphs = max(res.max_live_graphs, len(path) + 1
                                           if self.policy == "retain" else 1)
-                if is_leaf:
-                    backward(loss, [], None)
-                    return False
-                frame = Frame(u, [(k.detach().requires_grad_(), v.detach().requires_grad_())
-                                  for k, v in kv], graph_kv=kv, loss=loss)
             else:
                 with torch.no_grad():
                     hidden, kv = self._forward(tree, u, path)
-                    loss = evaluate(u, terms, hidden)
-                frame = Frame(u, [(k.requires_grad_(), v.requires_grad_()) for k, v in kv],
-                              terms=terms)
-            path.append(frame)
+            _, dhidden = head(terms, hidden)
+            if is_leaf:  # backpropagate at once
+                backward(hidden, dhidden, [], None)
+                return False
+            leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
+            graph = (hidden, kv) if self.policy == "retain" else None
+            path.append(Frame(u, leaves, dhidden, graph))
             res.max_path = max(res.max_path, len(path))
             return True
 
         def pop(u):
             frame = path.pop()
-            if self.policy == "recompute":
+            if self.policy == "recompute":  # re-forward with grad; the head is not re-run
                 hidden, kv = self._forward(tree, u, path)
                 res.recomputed_tokens += tree.length(u)
                 res.max_live_graphs = max(res.max_live_graphs, 1)
-                terms = frame.terms
-                loss = None if len(terms.occ_pair) == 0 else objective.node_loss(
-                    terms, *self._head(hidden, terms, need_ent, False)[:2])
-                backward(loss, kv, frame.kv)
             else:
-                backward(frame.loss, frame.graph_kv, frame.kv)
+                hidden, kv = frame.graph
+            backward(hidden, frame.dhidden, kv, frame.kv)
 
         self._dfs(tree, active, push, pop, progress)
         if rec is not None:
@@ -209,7 +179,8 @@ class Walker:
             hidden, kv = self._forward(tree, u, path)
             terms = objective.terms(tree, u, self.device, self.dtype, record=True)
             if not terms.empty:
-                rec.add(terms, *self._head(hidden, terms, False, minmax))
+                out = self.head.evaluate(hidden, terms, minmax=minmax)
+                rec.add(terms, out.logp, out.entropy, *((out.vocab_min, out.vocab_max) if minmax else ()))
             res.nodes += 1
             res.tokens += tree.length(u)
             if tree.children[u]:

@@ -107,3 +107,14 @@ def test_shared_trainable_tokens_keep_their_own_advantages(f64):
                  old_logprobs=np.full(27, -6.0)) for a in (1.0, -1.0, 0.5)]
     report = verify(model, Batch.from_records(recs), PPO(eps_clip=0.2))
     assert report.max_rel_err() <= 1e-10
+
+
+@pytest.mark.parametrize("policy", ["retain", "recompute"])
+def test_tied_embeddings_and_temperature(policy):
+    """The head and the embedding share one weight: both deferred gradients land in it."""
+    model = build_model("qwen3", "tiny", dtype="float64", seed=3, tie_word_embeddings=True)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    batch = hard_batch(model)
+    for loss in (LOSSES["ppo-decoupled"], SEQUENCE_LOSS):
+        report = verify(model, batch, loss, policy=policy, temperature=0.7, logits_chunk=5)
+        assert report.max_rel_err() <= 1e-10, report

@@ -1,0 +1,174 @@
+"""The LM head of a node, and the two vocabulary-sized weights, without a [tokens, vocab] graph.
+
+For a node's hidden states ``h`` the head computes, ``chunk`` rows at a time, the log-prob of
+each (row, target) pair and the entropy of its row, evaluates the node's loss terms on them,
+and immediately turns the loss into three gradients by hand (no autograd graph over logits):
+
+    z = (h Wᵀ) / T,   logp_p = z[r_p, t_p] − lse_r,   H_r = lse_r − Σ_v softmax(z_r)_v z_rv
+    a_p = ∂L/∂logp_p,  b_r = Σ_{p in row r} ∂L/∂H_p,  A_r = Σ_{p in row r} a_p       (tiny autograd)
+    ∂L/∂z_r = −softmax(z_r) ⊙ (A_r + b_r (z_r − lse_r + H_r)) + Σ_{p in row r} a_p e_{t_p}
+    ∂L/∂h = (∂L/∂z / T) W,      ∂L/∂W += (∂L/∂z / T)ᵀ h
+
+so only ∂L/∂h ([rows, hidden]) is kept for the node's backward: the logits are computed once
+(never re-computed at backward), and at most one chunk of them exists at a time.
+
+Vocabulary-sized weight gradients are accumulated directly instead of through autograd, which
+would allocate and add a dense [vocab, hidden] tensor per node: ∂L/∂W is buffered up to a
+chunk of rows and added with one in-place GEMM, and the input embedding is fed as a leaf
+(``inputs_embeds``) whose gradient rows are index-added into the embedding's ``.grad``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class HeadOutput:
+    loss: float | None  # the node's loss value (None: no loss terms)
+    dhidden: torch.Tensor | None  # ∂L/∂h, [rows, hidden]
+    logp: torch.Tensor  # per pair, detached
+    entropy: torch.Tensor
+    vocab_min: torch.Tensor | None = None
+    vocab_max: torch.Tensor | None = None
+
+
+class LMHead:
+    def __init__(self, model, *, temperature: float, chunk: int):
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise TypeError(f"the walker needs a linear LM head, got {type(head).__name__}")
+        emb = model.get_input_embeddings()
+        self.weight, self.bias = head.weight, head.bias
+        self.embedding = emb if _plain_embedding(emb) else None
+        self.temperature, self.chunk = float(temperature), int(chunk)
+        self._pending_embeds: list = []  # (ids, leaf embeddings) waiting for their gradient
+        self._pending_head: list = []  # (h, ∂L/∂z_raw) waiting to be added into W.grad
+        self._pending_rows = 0
+
+    # ------------------------------------------------------------------ embeddings --
+    def embed(self, ids: torch.Tensor) -> dict:
+        """Decoder inputs for `ids`: a gradient-collecting embedding leaf when training."""
+        if self.embedding is None or not torch.is_grad_enabled() \
+                or not self.embedding.weight.requires_grad:
+            return {"input_ids": ids}
+        with torch.no_grad():
+            x = self.embedding(ids)
+        x.requires_grad_()
+        self._pending_embeds.append((ids, x))
+        return {"inputs_embeds": x}
+
+    def collect_embedding_grads(self) -> None:
+        """Index-add the gradients of the embedding leaves that have one (after a backward)."""
+        keep = []
+        for ids, x in self._pending_embeds:
+            if x.grad is None:
+                keep.append((ids, x))
+                continue
+            w = self.embedding.weight
+            g = x.grad.reshape(-1, x.shape[-1]).to(w.dtype)
+            flat = ids.reshape(-1)
+            if self.embedding.padding_idx is not None:
+                g = g.masked_fill((flat == self.embedding.padding_idx)[:, None], 0)
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            w.grad.index_add_(0, flat, g)
+        self._pending_embeds = keep
+
+    # ------------------------------------------------------------------------ head --
+    def evaluate(self, hidden: torch.Tensor, terms, loss_fn=None, *, need_entropy: bool = False,
+                 minmax: bool = False) -> HeadOutput:
+        """Log-probs/entropies of `terms`' pairs; with `loss_fn(occ_slice, logp, entropy)`
+        (the node's loss restricted to the occurrences of a chunk's pairs) also the loss
+        value and ∂L/∂hidden, adding ∂L/∂W (and ∂L/∂bias) into the head's ``.grad``."""
+        rows, targets = terms.rows, terms.targets
+        train = loss_fn is not None
+        h_all = hidden.detach()
+        dhidden = torch.zeros_like(h_all) if train else None
+        outs, total = [], None
+        bounds = list(range(0, len(rows), self.chunk)) + [len(rows)]
+        occ_bounds = np.searchsorted(terms.occ_pair_np, bounds) if train else None
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            r, t = rows[a:b], targets[a:b]
+            first, u_of = _unique_sorted(r)  # fork rows hold one pair per target
+            r_u = r[first]
+            h = h_all[r_u]
+            with torch.no_grad():
+                z_raw = torch.nn.functional.linear(h, self.weight, self.bias)
+                z = z_raw.float() if z_raw.dtype in (torch.float16, torch.bfloat16) else z_raw
+                z = z / self.temperature
+                lse = torch.logsumexp(z, dim=-1)
+                logp = z[u_of, t] - lse[u_of]
+                p = torch.exp(z - lse[:, None])
+                ent_row = lse - (p * z).sum(-1)
+                mm = (z.min(-1).values[u_of], z.max(-1).values[u_of]) if minmax else (None, None)
+            outs.append((logp, ent_row[u_of]) + mm)
+            if not train:
+                continue
+            oa, ob = int(occ_bounds[i]), int(occ_bounds[i + 1])
+            if oa == ob:
+                continue
+            with torch.enable_grad():  # the only autograd: scalars per pair
+                lp = logp.detach().requires_grad_()
+                en = ent_row[u_of].detach().requires_grad_()
+                value = loss_fn(slice(oa, ob), a, lp, en if need_entropy else None)
+                total = value.detach() if total is None else total + value.detach()
+                if not value.requires_grad:
+                    continue
+                ga, gb = torch.autograd.grad(value, [lp, en], allow_unused=True)
+            with torch.no_grad():
+                n_u = len(r_u)
+                ga = torch.zeros_like(lp) if ga is None else ga
+                A = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, ga)
+                if gb is not None:  # entropy: ∂H/∂z = −p (z − lse + H)
+                    B = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, gb)
+                    ent_term = z.sub_(lse[:, None]).add_(ent_row[:, None]).mul_(p).mul_(B[:, None])
+                g = p.mul_(-A[:, None])  # −p A, in place of p
+                if gb is not None:
+                    g.sub_(ent_term)
+                g.index_put_((u_of, t), ga, accumulate=True)
+                g = g.div_(self.temperature).to(h.dtype)
+                dhidden.index_add_(0, r_u, g @ self.weight)
+                self._add_head_grad(h, g)
+        self._flush_head()
+        logp, ent, vmin, vmax = (torch.cat(x) if x[0] is not None else None for x in zip(*outs)) \
+            if outs else (hidden.new_zeros(0),) * 2 + (None, None)
+        return HeadOutput(None if total is None else float(total), dhidden, logp, ent, vmin, vmax)
+
+    def _add_head_grad(self, h: torch.Tensor, g: torch.Tensor) -> None:
+        if not self.weight.requires_grad:
+            return
+        self._pending_head.append((h, g))
+        self._pending_rows += len(h)
+        if self._pending_rows >= self.chunk:
+            self._flush_head()
+
+    def _flush_head(self) -> None:
+        if not self._pending_head:
+            return
+        h = torch.cat([x for x, _ in self._pending_head])
+        g = torch.cat([y for _, y in self._pending_head])
+        self._pending_head, self._pending_rows = [], 0
+        w = self.weight
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        w.grad.addmm_(g.t(), h)  # ∂L/∂W += gᵀ h, in place: no [vocab, hidden] temporary
+        if self.bias is not None and self.bias.requires_grad:
+            if self.bias.grad is None:
+                self.bias.grad = torch.zeros_like(self.bias)
+            self.bias.grad.add_(g.sum(0))
+
+
+def _unique_sorted(r: torch.Tensor):
+    """For a sorted index vector: positions of each value's first occurrence, and for every
+    entry the rank of its value among the distinct ones."""
+    keep = torch.ones(len(r), dtype=torch.bool, device=r.device)
+    keep[1:] = r[1:] != r[:-1]
+    return torch.nonzero(keep)[:, 0], torch.cumsum(keep, 0) - 1
+
+
+def _plain_embedding(emb) -> bool:
+    return (isinstance(emb, torch.nn.Embedding) and emb.max_norm is None
+            and not emb.scale_grad_by_freq and not emb.sparse)
