@@ -81,3 +81,33 @@ def test_flex_block_mask_forward_matches_dense():
                          attention_mask=packed.block_mask("cpu")).logits
     assert model.config._attn_implementation == "sdpa"  # restored
     assert (dense - flex).abs().max() < 1e-5
+
+
+def test_summary_flags_wrong_and_failed_modes():
+    """A fast mode with a wrong gradient is WRONG; a crashed one FAILED; ratios per round."""
+    from experiments.bench.run import BenchConfig, summarize
+
+    cfg = BenchConfig(modes=("padded", "microbatch", "treemask", "dfs-retain"), repeats=2)
+    info = dict(total_tokens=1000, sharing_ratio=4.0, ideal_speedup=3.0,
+                flops={m: 1e9 for m in cfg.modes})
+
+    def run(mode, r, step, err, mem=100.0):
+        return dict(mode=mode, repeat=r, ok=True, step_s=step, peak_mem_mb=mem, grad_rel_err=err)
+
+    runs = [run("padded", 0, 4.0, 1e-7, 400), run("microbatch", 0, 2.0, 0.0, 100),
+            run("treemask", 0, 0.5, 0.3), run("padded", 1, 8.0, 1e-7, 400),
+            run("microbatch", 1, 4.0, 0.0, 100), run("treemask", 1, 1.0, 0.3),
+            dict(mode="dfs-retain", repeat=0, ok=False, error="RuntimeError: boom")]
+    s = summarize(cfg, runs, info)
+    m = s["modes"]
+    assert s["best_baseline"] == "microbatch"
+    assert m["treemask"]["status"] == "WRONG" and m["treemask"]["speedup"] == 4.0
+    assert m["dfs-retain"]["status"] == "FAILED" and "boom" in m["dfs-retain"]["error"]
+    assert m["microbatch"]["status"] == "ok" and m["microbatch"]["tokens_per_s"] == 1000 / 3.0
+    assert m["padded"]["mem_ratio_baseline"] == 4.0 and m["microbatch"]["mem_ratio_padded"] == 0.25
+    from experiments.bench.report import table
+
+    md = table(dict(label="x", summary=s, info=dict(info, sequences=3, unique_tokens=250,
+                                                     trainable_tokens=10,
+                                                     ideal_baseline="microbatch")))
+    assert "WRONG" in md and "FAILED" in md
