@@ -68,10 +68,8 @@ def run_mode(name: str, model, batch: Batch, loss, **opts) -> float:
 
 # ------------------------------------------------------------------ the loss side --
 def _objective(batch: Batch, loss, opts) -> Objective:
-    obj = opts.get("_objective")  # built once per step from the whole batch
-    if obj is None:
-        obj = Objective(batch, loss, opts.get("reduction", "token_mean"), opts.get("totals"))
-    return obj
+    """Per-occurrence weights and fields, from the whole batch, before any forward."""
+    return Objective(batch, loss, opts.get("reduction", "token_mean"), opts.get("totals"))
 
 
 class _TargetLogprob(torch.autograd.Function):
