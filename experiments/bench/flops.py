@@ -4,8 +4,10 @@ Coefficients (per token of the decoder body, per attention (query, key) pair, fo
 backward = 3 x forward) come from :class:`dta.planning.cost.CostModel.from_config` with the
 vocabulary set to 0 (its LM-head term is per token, but every mode here runs the head only on
 rows that carry a loss term); a fallback formula is used when ``dta.planning`` is absent.
-The LM head costs 4 x 2·H·V per (row, target) pair it evaluates: forward, checkpoint
-recompute, and a backward of twice the forward.
+The LM head costs 3 x 2·H·V per (row, target) pair it evaluates (forward, and a backward of
+twice the forward: ∂h and ∂W), plus one more forward where it is checkpointed: the baselines
+checkpoint it when the rows of one forward span several ``logits_chunk`` chunks; the DFS
+walker (dta.head) computes the logits once and differentiates them by hand.
 
 Attention pairs are counted as a dense kernel executes them: a causal row without a mask
 (one unpadded sequence) computes its causal half, an explicit mask (padding, a tree mask)
@@ -28,12 +30,16 @@ from experiments.bench import modes as M
 class Coefs:
     token: float  # decoder body, forward + backward, per token
     attention: float  # forward + backward, per (query, key) pair
-    head: float  # LM head, per evaluated (row, target) pair, incl. the checkpoint recompute
+    head: float  # LM head, per evaluated (row, target) pair: forward + backward
     source: str
 
     @property
     def head_forward(self) -> float:
-        return self.head / 4
+        return self.head / 3
+
+    def head_rows(self, rows: int, chunk: int) -> float:
+        """Head FLOPs of one forward over ``rows`` pairs (checkpointed above one chunk)."""
+        return rows * (self.head + (self.head_forward if rows > chunk else 0.0))
 
 
 def coefficients(config) -> Coefs:
@@ -43,14 +49,14 @@ def coefficients(config) -> Coefs:
 
         body = {**config.to_dict(), "vocab_size": 0}
         cm = CostModel.from_config(body)
-        return Coefs(cm.token, cm.attention, 4 * 2 * hidden * vocab, "dta.planning.cost")
+        return Coefs(cm.token, cm.attention, 3 * 2 * hidden * vocab, "dta.planning.cost")
     except ImportError:
         heads, kv = config.num_attention_heads, config.num_key_value_heads
         hd = getattr(config, "head_dim", None) or hidden // heads
         params = config.num_hidden_layers * (hidden * hd * (2 * heads + 2 * kv)
                                              + 3 * hidden * config.intermediate_size)
         return Coefs(3 * 2 * params, 3 * 4 * config.num_hidden_layers * heads * hd,
-                     4 * 2 * hidden * vocab, "experiments.bench.flops")
+                     3 * 2 * hidden * vocab, "experiments.bench.flops")
 
 
 def _trainable(batch: Batch) -> list[np.ndarray]:
@@ -81,7 +87,11 @@ def tree_head_pairs(batch: Batch, ids: list[int]) -> int:
     return n
 
 
-def _padded_flops(batch: Batch, groups, c: Coefs) -> float:
+def _chunk(opts) -> int:
+    return int(opts.get("logits_chunk") or 1024)
+
+
+def _padded_flops(batch: Batch, groups, c: Coefs, chunk: int) -> float:
     masks, total = _trainable(batch), 0.0
     for g in groups:
         g = [i for i in g if masks[i].any()]
@@ -91,17 +101,19 @@ def _padded_flops(batch: Batch, groups, c: Coefs) -> float:
         S = max(lens)
         pairs = S * (S + 1) / 2 if min(lens) == S else S * S  # no padding: no mask, causal
         total += len(g) * (c.token * S + c.attention * pairs)
-        total += c.head * sum(int(masks[i].sum()) for i in g)
+        total += c.head_rows(sum(int(masks[i].sum()) for i in g), chunk)
     return total
 
 
 def padded_flops(batch, c, opts):
     n, size = len(batch), int(opts.get("pad_batch") or len(batch))
-    return _padded_flops(batch, [range(a, min(a + size, n)) for a in range(0, n, size)], c)
+    return _padded_flops(batch, [range(a, min(a + size, n)) for a in range(0, n, size)], c,
+                         _chunk(opts))
 
 
 def microbatch_flops(batch, c, opts):
-    return _padded_flops(batch, M.microbatches(batch.lengths, opts.get("microbatch_tokens")), c)
+    return _padded_flops(batch, M.microbatches(batch.lengths, opts.get("microbatch_tokens")), c,
+                         _chunk(opts))
 
 
 def treemask_flops(batch, c, opts):
@@ -110,7 +122,8 @@ def treemask_flops(batch, c, opts):
     for pack in M.tree_packs([batch.input_ids[i] for i in active], budget):
         ids = [active[k] for k in pack]
         T = PrefixTree([batch.input_ids[i] for i in ids]).stats().unique_tokens
-        total += c.token * T + c.attention * T * T + c.head * tree_head_pairs(batch, ids)
+        total += (c.token * T + c.attention * T * T
+                  + c.head_rows(tree_head_pairs(batch, ids), _chunk(opts)))
     return total
 
 
