@@ -25,14 +25,11 @@ class NodeTerms:
     occ_pair: torch.Tensor  # [K] pair of each occurrence, sorted
     weight: torch.Tensor  # [K] weight of each occurrence
     fields: dict[str, torch.Tensor]  # [K] each
+    occ_pair_np: np.ndarray | None = None  # occ_pair on the host (chunk bounds, no device sync)
     # for recording log-probs per sequence: pair of each (sequence, position)
     rec_seq: np.ndarray | None = None
     rec_pos: np.ndarray | None = None
     rec_pair: np.ndarray | None = None
-
-    @property
-    def occ_pair_np(self) -> np.ndarray:
-        return self.occ_pair.cpu().numpy()
 
     @property
     def empty(self) -> bool:
@@ -65,41 +62,37 @@ class Objective:
     def terms(self, tree, u: int, device, dtype, record: bool = False) -> NodeTerms:
         s, e = int(tree.start[u]), int(tree.end[u])
         seq_ids = tree.through(u)
-        cols = {"seq": [], "pos": [], "tgt": [], "w": []}
-        vals = {k: [] for k in self.fields}
+        cols = {"pos": [], "tgt": [], "w": [], **{f"field:{k}": [] for k in self.fields}}
         rec = {"seq": [], "pos": [], "tgt": []}
         for i in seq_ids:
             seq = self.batch.input_ids[i]
             pos = np.arange(s + 1, min(e + 1, len(seq)))  # target positions this node predicts
             w = self.weights[i][pos]
             nz = pos[w != 0]
-            cols["seq"].append(np.full(len(nz), i)), cols["pos"].append(nz), cols["tgt"].append(seq[nz])
-            cols["w"].append(w[w != 0])
+            cols["pos"].append(nz), cols["tgt"].append(seq[nz]), cols["w"].append(w[w != 0])
             for k, v in self.fields.items():
-                vals[k].append(v[i][nz])
+                cols[f"field:{k}"].append(v[i][nz])
             if record:
                 rec["seq"].append(np.full(len(pos), i)), rec["pos"].append(pos), rec["tgt"].append(seq[pos])
-        occ = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in cols.items()}
-        keys_src = rec if record else cols
-        all_pos = np.concatenate(keys_src["pos"]) if keys_src["pos"] else np.zeros(0, np.int64)
-        all_tgt = np.concatenate(keys_src["tgt"]) if keys_src["tgt"] else np.zeros(0, np.int64)
+        occ = {k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}
+        occ["pos"], occ["tgt"] = occ["pos"].astype(np.int64), occ["tgt"].astype(np.int64)
+        # pairs: those the occurrences need, or (recording) every target through the node
+        all_pos = np.concatenate(rec["pos"]) if record else occ["pos"]
+        all_tgt = np.concatenate(rec["tgt"]).astype(np.int64) if record else occ["tgt"]
         # unique (row, target) pairs, row = local index of the predicting position
-        key = (all_pos - 1 - s) * (int(all_tgt.max(initial=0)) + 1) + all_tgt
-        uniq, inverse = np.unique(key, return_inverse=True)
         width = int(all_tgt.max(initial=0)) + 1
+        uniq, inverse = np.unique((all_pos - 1 - s) * width + all_tgt, return_inverse=True)
         rows, targets = uniq // width, uniq % width
-        occ_key = (occ["pos"] - 1 - s) * width + occ["tgt"]
-        occ_pair = np.searchsorted(uniq, occ_key)
+        occ_pair = np.searchsorted(uniq, (occ["pos"] - 1 - s) * width + occ["tgt"])
         by_pair = np.argsort(occ_pair, kind="stable")  # a chunk of pairs: a slice of occurrences
         occ_pair = occ_pair[by_pair]
-        occ["w"] = occ["w"][by_pair]
-        vals = {k: [np.concatenate(v)[by_pair]] if v else [] for k, v in vals.items()}
-        weight = occ["w"].astype(np.float64)
-        fields = {k: torch.as_tensor(np.concatenate(v) if v else np.zeros(0), device=device, dtype=dtype)
-                  for k, v in vals.items()}
-        t = NodeTerms(torch.as_tensor(rows, device=device), torch.as_tensor(targets, device=device),
-                      torch.as_tensor(occ_pair, device=device),
-                      torch.as_tensor(weight, device=device, dtype=dtype), fields)
+
+        def tensor(x, **kw):
+            return torch.as_tensor(x, device=device, **kw)
+
+        fields = {k: tensor(occ[f"field:{k}"][by_pair], dtype=dtype) for k in self.fields}
+        t = NodeTerms(tensor(rows), tensor(targets), tensor(occ_pair),
+                      tensor(occ["w"][by_pair], dtype=dtype), fields, occ_pair_np=occ_pair)
         if record:
             t.rec_seq = np.concatenate(rec["seq"]).astype(np.int64)
             t.rec_pos, t.rec_pair = all_pos, inverse.reshape(-1)

@@ -20,7 +20,7 @@ only the detached K/V (and ∂L/∂hidden) and re-forwards the node with grad at
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,7 +52,6 @@ class WalkResult:
     entropy: list | None = None
     vocab_min: list | None = None
     vocab_max: list | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Walker:
