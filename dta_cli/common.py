@@ -48,3 +48,15 @@ def emit_json(obj: dict) -> None:
     """The last line of output: one JSON object."""
     sys.stdout.flush()
     print(json.dumps(obj, default=float))
+
+
+def load_run_config(args, command: str):
+    """The run config from --config and key=value overrides, or None after printing the
+    error (which names the key) for `command`."""
+    from dta.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"dta {command}: {exc}", file=sys.stderr)
+        return None

@@ -92,12 +92,11 @@ def _wait(client, job_id: str, timeout: float | None) -> str:
 
 
 def run_submit(args) -> int:
-    from dta.config import ConfigError, load_config, to_yaml
+    from dta.config import to_yaml
+    from dta_cli.common import load_run_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"dta submit: {exc}", file=sys.stderr)
+    cfg = load_run_config(args, "submit")
+    if cfg is None:
         return 2
     client = _client(args.address)
     workdir = tempfile.mkdtemp(prefix="dta-job-")

@@ -65,12 +65,11 @@ def print_summary(summary: dict, file=None) -> None:
 
 
 def run(args) -> int:
-    from dta.config import ConfigError, load_config, to_yaml
+    from dta.config import to_yaml
+    from dta_cli.common import load_run_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"dta train: {exc}", file=sys.stderr)
+    cfg = load_run_config(args, "train")
+    if cfg is None:
         return 2
     if args.print_config:
         print(to_yaml(cfg), end="")
