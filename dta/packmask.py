@@ -68,10 +68,8 @@ def dense_mask(layout, device, window: int | None = None) -> torch.Tensor:
     return mask[None, None]
 
 
-def block_mask(layout, device, window: int | None = None):
-    """The same visibility as a FlexAttention ``BlockMask`` (Q_LEN T, KV_LEN prefix + T)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def flex_mask_mod(layout, device, window: int | None = None):
+    """FlexAttention's ``mask_mod(b, h, q, kv)`` of the pack: the dense mask's rule on indices."""
     pos, node, exit_ = _index_tensors(layout, device)
     P = layout.prefix
 
@@ -84,8 +82,15 @@ def block_mask(layout, device, window: int | None = None):
             vis = vis & ((pos[q] - kpos) < window)
         return vis
 
-    return create_block_mask(mask_mod, None, None, layout.tokens, P + layout.tokens,
-                             device=str(device))
+    return mask_mod
+
+
+def block_mask(layout, device, window: int | None = None):
+    """The same visibility as a FlexAttention ``BlockMask`` (Q_LEN T, KV_LEN prefix + T)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(flex_mask_mod(layout, device, window), None, None, layout.tokens,
+                             layout.prefix + layout.tokens, device=str(device))
 
 
 def _materialize(layout, device, window, kind: str, dtype):

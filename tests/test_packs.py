@@ -228,3 +228,44 @@ def test_head_skips_the_entropy_pass():
     assert out.entropy is None and out.dhidden is not None
     with_ent = head.evaluate(hidden, terms, entropy=True)
     assert with_ent.entropy is not None and torch.equal(with_ent.logp, out.logp)
+
+
+def test_flex_mask_rule_equals_dense(tree):
+    """The FlexAttention mask_mod (the GPU path) gives the dense mask, windows included."""
+    from dta.packmask import flex_mask_mod
+
+    plan = plan_packs(tree, "subtrees", cap=CAP)
+    for i, p in enumerate(plan.packs):
+        lay = plan.layout(i)
+        q = torch.arange(lay.tokens)[:, None]
+        kv = torch.arange(lay.prefix + lay.tokens)[None, :]
+        for window in (None, 4):
+            got = flex_mask_mod(lay, "cpu", window)(0, 0, q, kv)
+            assert torch.equal(got, dense_mask(lay, "cpu", window)[0, 0]), (i, window)
+
+
+@pytest.mark.slow
+def test_flex_pack_forward_matches_sdpa_cpu(tree):
+    """A masked pack over a cached prefix through HF's flex_attention (forward only: no
+    FlexAttention backward on CPU; compiles, minutes on a loaded 2-core machine)."""
+    from dta.attention import path_cache
+    from experiments.bench.modes import attention
+
+    model = build_model("qwen3", "tiny", seed=0)
+    plan = plan_packs(tree, "subtrees", cap=CAP)
+    i = next(i for i, p in enumerate(plan.packs) if not p.chain and p.prefix > 0)
+    lay, p = plan.layout(i), plan.packs[i]
+    dec = model.get_decoder()
+    prefix = torch.as_tensor(np.concatenate([tree.tokens(u) for u in tree.path(p.parent)]))[None]
+    ids = torch.as_tensor(np.concatenate([tree.tokens(int(u)) for u in lay.tree_nodes]))[None]
+    pos = torch.as_tensor(lay.positions)[None]
+    with torch.no_grad():
+        cache = dec(input_ids=prefix, use_cache=True).past_key_values
+        pieces = [[(layer.keys, layer.values)] for layer in cache.layers]
+        out = {}
+        for impl in ("sdpa", "flex_attention"):
+            with attention(model, impl):
+                out[impl] = dec(input_ids=ids, position_ids=pos, use_cache=True,
+                                attention_mask=pack_mask(lay, model.config, "cpu"),
+                                cache=path_cache(pieces, 2)).last_hidden_state
+    assert (out["sdpa"] - out["flex_attention"]).abs().max() < 1e-5
