@@ -4,8 +4,9 @@ The fields of a line are those of :mod:`dta.records` (``input_ids`` required; ``
 ``advantages``, ``logprobs``/``old_logprobs``, ``prox_logprobs``/``prox_logp``, ``reward``,
 ``weight``, ``group_id``; metadata ``id``, ``uid``, ``episode``, ``task``, ``call``,
 ``calls``, ``meta``). Any other field is an error naming it and listing the allowed ones; so
-are a pair of aliases given together, a ``loss_mask`` flag other than 0/1, a non-finite number, a positive log-prob and an
-id beyond int64 (or, given ``vocab_size``, outside the vocabulary).
+are a pair of aliases given together, a ``loss_mask`` flag other than 0/1, a non-finite
+number, a positive log-prob and an id beyond int64 (or, given ``vocab_size``, outside the
+vocabulary).
 
 :func:`read_jsonl` returns dicts of numpy arrays: ``input_ids`` int64, ``loss_mask`` int8,
 ``advantages`` and the log-probs float64 (a scalar advantage is broadcast); fields absent from
