@@ -151,8 +151,9 @@ def make_train_batch(records, current_logp: torch.Tensor, seed: int = 0):
     mask = batch["loss_mask"].bool()
     prox = current_logp.float() + 0.3 * torch.randn(mask.shape, generator=g)
     delta = -0.8 + 3.0 * torch.rand(mask.shape, generator=g)  # log weight in [-0.8, 2.2]
+    prox = prox.clamp_max(0.0)  # log-probs are <= 0 (dta.records rejects positive ones)
     batch["prox_logp"] = torch.where(mask, prox, 0.0)
-    batch["logprobs"] = torch.where(mask, prox - delta, 0.0)
+    batch["logprobs"] = torch.where(mask, (prox - delta).clamp_max(0.0), 0.0)
     batch["versions"] = torch.where(mask, 0, -1).to(torch.int32)
     return batch
 
