@@ -109,3 +109,11 @@ def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
         config(tmp_path, smoke_model, "t", "+actor.dta.polcy=recompute")
     with pytest.raises(ValueError, match="unknown DTA policy"):
         config(tmp_path, smoke_model, "t", "actor.dta.policy=keep")
+
+
+def test_real_mode_config_loads():
+    """configs/areal-tau2-grpo.yaml (SGLang on GPUs; not run here) is a valid DTAPPOConfig."""
+    cfg, _ = load_dta_ppo_config(["--config", os.path.join(ROOT, "configs",
+                                                           "areal-tau2-grpo.yaml")])
+    assert cfg.rollout.backend == "sglang:d1" and cfg.actor.weight_update_mode == "xccl"
+    assert cfg.actor.dta.policy == "recompute" and cfg.recover.mode == "on"
