@@ -12,6 +12,8 @@ sum is what accumulates in the leaves' ``.grad`` (children's backward passes add
 
 The LM head runs once per node at push (``dta/head.py``): it evaluates the node's own loss
 terms and keeps only ∂L/∂hidden, so no [tokens, vocab] graph ever waits on the path.
+Everything the walk assumes about the model (embedding leaves, the per-node cache built from
+the path's per-layer states, the logit transform) lives in ``dta/modeling.py``.
 
 Memory policies: *retain* keeps each node's graph along the current path; *recompute* keeps
 only the detached K/V (and ∂L/∂hidden) and re-forwards the node with grad at pop
@@ -19,13 +21,13 @@ only the detached K/V (and ∂L/∂hidden) and re-forwards the node with grad at
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dta.head import LMHead
+from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective
 from dta.tree import PrefixTree
 
@@ -35,9 +37,9 @@ POLICIES = ("retain", "recompute")
 @dataclass
 class Frame:
     node: int
-    kv: list  # the node's own (k, v) per layer, detached leaves its descendants attend to
+    state: NodeState  # the node's own per-layer state (K/V): detached leaves its descendants read
     dhidden: torch.Tensor | None = None  # ∂(own loss terms)/∂(hidden states), from the head
-    graph: tuple | None = None  # retain: (hidden, K/V) still attached to the node's graph
+    graph: tuple | None = None  # retain: (hidden, state) still attached to the node's graph
 
 
 @dataclass
@@ -58,46 +60,32 @@ class Walker:
     """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache."""
 
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, router_aux_loss: str = "refuse"):
+        """router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for
+        the router's load-balancing loss; "exclude" trains the policy loss without it
+        (see ``dta.modeling.check_router_aux_loss``)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown memory policy {policy!r}; choose one of {POLICIES}")
-        if getattr(model.config, "final_logit_softcapping", None):
-            raise ValueError("models with logit soft-capping are not supported by the walker")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.model, self.policy = model, policy
-        self.decoder = model.get_decoder()
+        check_router_aux_loss(model, "exclude")  # validates the option's value only
+        self.model, self.policy, self.router_aux_loss = model, policy, router_aux_loss
+        self.io = ModelInterface(model)
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
-        params = inspect.signature(self.decoder.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, u: int, path: list[Frame]):
-        """u's last hidden states [L, H] and its own new K/V per layer."""
-        from transformers import DynamicCache
-
-        s, e = int(tree.start[u]), int(tree.end[u])
-        ids = torch.as_tensor(tree.tokens(u), device=self.device).unsqueeze(0)
-        pos = torch.arange(s, e, device=self.device).unsqueeze(0)
-        past = None
-        if path:  # a fresh cache per node: a forward mutates its cache in place
-            past = [tuple(_cat([f.kv[layer][j] for f in path]) for j in (0, 1))
-                    for layer in range(len(path[0].kv))]
-            assert past[0][0].shape[2] == s, "ancestors' K/V must cover positions 0..start-1"
-        cache = DynamicCache(ddp_cache_data=past, config=self.model.config)
-        out = self.decoder(position_ids=pos, use_cache=True, **self.head.embed(ids),
-                           **{self.cache_kwarg: cache})
-        cache = getattr(out, "cache", None) or out.past_key_values
-        kv = [(layer.keys[:, :, s:], layer.values[:, :, s:]) for layer in cache.layers]
-        return out.last_hidden_state[0], kv
+        """u's last hidden states [L, H] and its own new per-layer state."""
+        ids = torch.as_tensor(tree.tokens(u), device=self.device)
+        return self.io.forward(ids, int(tree.start[u]), [f.state for f in path])
 
     # ---------------------------------------------------------------------- the walk --
     def train(self, tree: PrefixTree, objective: Objective, *, record: bool = False,
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
+        check_router_aux_loss(self.model, self.router_aux_loss)
         res = WalkResult()
         active = self._active(tree, objective)
         rec = _Recorder(tree, self.device, self.dtype) if record else None
@@ -116,18 +104,18 @@ class Walker:
                 res.loss += out.loss
             return out.loss, out.dhidden
 
-        def backward(hidden, dhidden, kv, frame_kv):
+        def backward(hidden, dhidden, state, leaves):
             """Backpropagate a node: its own terms (∂L/∂hidden) and its descendants' (the
-            gradients they left in its K/V leaves)."""
+            gradients they left in its state leaves)."""
             outs, grads = ([hidden], [dhidden]) if dhidden is not None else ([], [])
-            for (k, v), (k_leaf, v_leaf) in zip(kv, frame_kv or []):
-                for out, leaf in ((k, k_leaf), (v, v_leaf)):
+            for layer, layer_leaves in zip(state, leaves or []):
+                for out, leaf in zip(layer, layer_leaves):
                     if leaf.grad is not None:
                         outs.append(out)
                         grads.append(leaf.grad)
             if outs:
                 torch.autograd.backward(outs, grads)
-            self.head.collect_embedding_grads()
+            self.io.collect_embedding_grads()
 
         def push(u):
             terms = objective.terms(tree, u, self.device, self.dtype, record=record)
@@ -135,18 +123,18 @@ class Walker:
             res.nodes += 1
             res.tokens += tree.length(u)
             if is_leaf or self.policy == "retain":
-                hidden, kv = self._forward(tree, u, path)
+                hidden, state = self._forward(tree, u, path)
                 res.max_live_graphs = max(res.max_live_graphs, len(path) + 1
                                           if self.policy == "retain" else 1)
             else:
                 with torch.no_grad():
-                    hidden, kv = self._forward(tree, u, path)
+                    hidden, state = self._forward(tree, u, path)
             _, dhidden = head(terms, hidden)
             if is_leaf:  # backpropagate at once
                 backward(hidden, dhidden, [], None)
                 return False
-            leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
-            graph = (hidden, kv) if self.policy == "retain" else None
+            leaves = [tuple(x.detach().requires_grad_() for x in layer) for layer in state]
+            graph = (hidden, state) if self.policy == "retain" else None
             path.append(Frame(u, leaves, dhidden, graph))
             res.max_path = max(res.max_path, len(path))
             return True
@@ -154,12 +142,12 @@ class Walker:
         def pop(u):
             frame = path.pop()
             if self.policy == "recompute":  # re-forward with grad; the head is not re-run
-                hidden, kv = self._forward(tree, u, path)
+                hidden, state = self._forward(tree, u, path)
                 res.recomputed_tokens += tree.length(u)
                 res.max_live_graphs = max(res.max_live_graphs, 1)
             else:
-                hidden, kv = frame.graph
-            backward(hidden, frame.dhidden, kv, frame.kv)
+                hidden, state = frame.graph
+            backward(hidden, frame.dhidden, state, frame.state)
 
         self._dfs(tree, active, push, pop, progress)
         if rec is not None:
@@ -175,7 +163,7 @@ class Walker:
         path: list[Frame] = []
 
         def push(u):
-            hidden, kv = self._forward(tree, u, path)
+            hidden, state = self._forward(tree, u, path)
             terms = objective.terms(tree, u, self.device, self.dtype, record=True)
             if not terms.empty:
                 out = self.head.evaluate(hidden, terms, minmax=minmax)
@@ -183,7 +171,7 @@ class Walker:
             res.nodes += 1
             res.tokens += tree.length(u)
             if tree.children[u]:
-                path.append(Frame(u, kv))
+                path.append(Frame(u, state))
                 res.max_path = max(res.max_path, len(path))
                 return True
             return False
@@ -222,10 +210,6 @@ class Walker:
             if active[u]:
                 active[tree.parent[u]] = True
         return active
-
-
-def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
-    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=2)
 
 
 class _Recorder:

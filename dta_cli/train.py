@@ -76,12 +76,14 @@ def run(args) -> int:
         return 0
 
     from dta.batch import BatchError
-    from runtime.ray_runtime import run_training
+    from dta_cli.batches import BatchSource
+    from runtime.ray_runtime import TrainingError, run_training
     from runtime.ray_runtime.cluster import ClusterError
-    from runtime.ray_runtime.driver import TrainingError
+    from runtime.ray_runtime.model_info import model_limits
 
     try:
-        summary = run_training(cfg, address=args.address,
+        source = BatchSource(cfg, model_limits(cfg)[0])
+        summary = run_training(cfg, source, address=args.address,
                                progress=not args.no_progress)
     except (BatchError, TrainingError, ClusterError, ValueError, FileNotFoundError) as exc:
         print(f"dta train: error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ import importlib
 
 _EXPORTS = {
     "DTATrainEngine": "runtime.areal.engine",
-    "DTAOptions": "runtime.areal.engine",
+    "DTAOptions": "runtime.areal.options",
     "DTAPPOActor": "runtime.areal.actor",
     "actor_config_from_dta": "runtime.areal.config",
 }
