@@ -159,3 +159,26 @@ def gdn_config_defaults(kw: dict) -> dict:
     if "layer_types" not in kw:
         out["full_attention_interval"] = 4 if int(kw.get("num_hidden_layers", 4)) >= 4 else 2
     return out
+
+
+RANDOM_INIT_A = (0.01, 1.0)  # HF draws A from (0.01, 16)
+
+
+def init_decay(model, seed: int = 0, low: float = RANDOM_INIT_A[0], high: float = RANDOM_INIT_A[1]) -> int:
+    """Random-init models only (``dta.models.build_model``): draw each GDN head's decay rate A
+    from [low, high] instead of HF's [0.01, 16]. With A up to 16 a head's decay over a 64-token
+    chunk reaches exp(-1000): the chunked delta rule (exp of cumulative decays, a triangular
+    solve) then rounds the tiny gradients of A_log / dt_bias differently for different chunk
+    boundaries — ~5e-10 relative between DFS and whole-sequence training, and ~5e-12 between
+    HF's own chunked and token-by-token kernels on the same sequence — while every other
+    gradient stays at 1e-14. A property of the kernel's conditioning, not of the walk; with the
+    milder range every gradient agrees to round-off. Returns the number of layers set."""
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log") and hasattr(m, "dt_bias"):
+                a = torch.empty(m.A_log.shape, dtype=torch.float64).uniform_(low, high, generator=g)
+                m.A_log.copy_(a.log().to(m.A_log.dtype))
+                n += 1
+    return n
