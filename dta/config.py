@@ -245,7 +245,9 @@ def to_yaml(cfg) -> str:
 # dta.walk.POLICIES, dta.losses.REDUCTIONS / LOSSES; tests/test_config.py checks that they
 # agree) so that loading a config does not import torch.
 CHOICES: dict[str, tuple] = {
-    "model.family": ("llama", "qwen2", "qwen3"),
+    "model.family": ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "phi3",
+                     "gemma", "gemma2", "gemma3", "granite", "cohere", "starcoder2", "olmo2",
+                     "gpt2", "gpt_neox", "opt"),
     "model.size": ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b"),
     "model.dtype": ("float32", "float64", "bfloat16", "float16"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),

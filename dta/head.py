@@ -4,18 +4,22 @@ For a node's hidden states ``h`` the head computes, ``chunk`` rows at a time, th
 each (row, target) pair and the entropy of its row, evaluates the node's loss terms on them,
 and immediately turns the loss into three gradients by hand (no autograd graph over logits):
 
-    z = (h Wᵀ) / T,   logp_p = z[r_p, t_p] − lse_r,   H_r = lse_r − Σ_v softmax(z_r)_v z_rv
+    z = t(h Wᵀ + b),  logp_p = z[r_p, t_p] − lse_r,   H_r = lse_r − Σ_v softmax(z_r)_v z_rv
     a_p = ∂L/∂logp_p,  b_r = Σ_{p in row r} ∂L/∂H_p,  A_r = Σ_{p in row r} a_p       (tiny autograd)
     ∂L/∂z_r = −softmax(z_r) ⊙ (A_r + b_r (z_r − lse_r + H_r)) + Σ_{p in row r} a_p e_{t_p}
-    ∂L/∂h = (∂L/∂z / T) W,      ∂L/∂W += (∂L/∂z / T)ᵀ h
+    ∂L/∂z_raw = ∂L/∂z · t'(z_raw),   ∂L/∂h = ∂L/∂z_raw W,   ∂L/∂W += ∂L/∂z_rawᵀ h
+
+where t is the model's logit transform and the temperature (``dta.modeling.LogitTransform``:
+t(x) = softcap(scale · x) / T, t' = scale (1 − tanh²(scale · x / cap)) / T; Granite's
+``logits_scaling``, Cohere's ``logit_scale``, Gemma 2/3's ``final_logit_softcapping``)
 
 so only ∂L/∂h ([rows, hidden]) is kept for the node's backward: the logits are computed once
 (never re-computed at backward), and at most one chunk of them exists at a time.
 
 Vocabulary-sized weight gradients are accumulated directly instead of through autograd, which
 would allocate and add a dense [vocab, hidden] tensor per node: ∂L/∂W is buffered up to a
-chunk of rows and added with one in-place GEMM, and the input embedding is fed as a leaf
-(``inputs_embeds``) whose gradient rows are index-added into the embedding's ``.grad``.
+chunk of rows and added with one in-place GEMM (the input embedding's gradient rows are
+index-added by ``dta.modeling.EmbeddingInput``).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from dta.modeling import LogitTransform
 
 
 @dataclass
@@ -40,42 +46,11 @@ class LMHead:
         head = model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear):
             raise TypeError(f"the walker needs a linear LM head, got {type(head).__name__}")
-        emb = model.get_input_embeddings()
         self.weight, self.bias = head.weight, head.bias
-        self.embedding = emb if _plain_embedding(emb) else None
+        self.transform = LogitTransform.from_model(model, temperature)
         self.temperature, self.chunk = float(temperature), int(chunk)
-        self._pending_embeds: list = []  # (ids, leaf embeddings) waiting for their gradient
         self._pending_head: list = []  # (h, ∂L/∂z_raw) waiting to be added into W.grad
         self._pending_rows = 0
-
-    # ------------------------------------------------------------------ embeddings --
-    def embed(self, ids: torch.Tensor) -> dict:
-        """Decoder inputs for `ids`: a gradient-collecting embedding leaf when training."""
-        if self.embedding is None or not torch.is_grad_enabled() \
-                or not self.embedding.weight.requires_grad:
-            return {"input_ids": ids}
-        with torch.no_grad():
-            x = self.embedding(ids)
-        x.requires_grad_()
-        self._pending_embeds.append((ids, x))
-        return {"inputs_embeds": x}
-
-    def collect_embedding_grads(self) -> None:
-        """Index-add the gradients of the embedding leaves that have one (after a backward)."""
-        keep = []
-        for ids, x in self._pending_embeds:
-            if x.grad is None:
-                keep.append((ids, x))
-                continue
-            w = self.embedding.weight
-            g = x.grad.reshape(-1, x.shape[-1]).to(w.dtype)
-            flat = ids.reshape(-1)
-            if self.embedding.padding_idx is not None:
-                g = g.masked_fill((flat == self.embedding.padding_idx)[:, None], 0)
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            w.grad.index_add_(0, flat, g)
-        self._pending_embeds = keep
 
     # ------------------------------------------------------------------------ head --
     def evaluate(self, hidden: torch.Tensor, terms, loss_fn=None, *, need_entropy: bool = False,
@@ -84,8 +59,9 @@ class LMHead:
         `loss_fn(occ_slice, first_pair, logp, entropy)` (the loss restricted to the occurrences
         of a chunk's pairs) also the loss value and ∂L/∂hidden, adding ∂L/∂W (and ∂L/∂bias)
         into the head's ``.grad``. ``need_entropy``: the loss reads the entropy (and is
-        differentiated through it). ``entropy`` defaults to ``need_entropy``: without it no
-        entropy pass is made over the logits."""
+        differentiated through it); ``entropy`` (default: ``need_entropy``) asks for the
+        entropies too. Without either, no entropy pass is made over the logits, and the
+        softmax is formed in place of the logits."""
         rows, targets = terms.rows, terms.targets
         train = loss_fn is not None
         with_ent = need_entropy if entropy is None else (entropy or need_entropy)
@@ -100,20 +76,17 @@ class LMHead:
             r_u = r[first]
             h = h_all[r_u]
             with torch.no_grad():
-                z = torch.nn.functional.linear(h, self.weight, self.bias)  # a fresh tensor
-                if z.dtype in (torch.float16, torch.bfloat16):
-                    z = z.float()
-                if self.temperature != 1.0:
-                    z.div_(self.temperature)  # in place: no copy of the logits
+                z_raw = torch.nn.functional.linear(h, self.weight, self.bias)
+                z = z_raw.float() if z_raw.dtype in (torch.float16, torch.bfloat16) else z_raw
+                z, cap_tanh = self.transform.apply(z)  # no copy without scale, cap, temperature
                 lse = torch.logsumexp(z, dim=-1)
                 logp = z[u_of, t] - lse[u_of]
                 mm = (z.min(-1).values[u_of], z.max(-1).values[u_of]) if minmax else (None, None)
+                ent = ent_row = None
                 if with_ent:
                     p = torch.exp(z - lse[:, None])
                     ent_row = lse - (p * z).sum(-1)
                     ent = ent_row[u_of]
-                else:
-                    ent = None
             outs.append((logp, ent) + mm)
             if not train:
                 continue
@@ -134,7 +107,7 @@ class LMHead:
                 n_u = len(r_u)
                 ga = torch.zeros_like(lp) if ga is None else ga
                 A = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, ga)
-                if not with_ent:  # p = softmax(z), in place of the logits
+                if not with_ent:  # softmax(z), in place of the logits (not needed any more)
                     p = z.sub_(lse[:, None]).exp_()
                 if gb is not None:  # entropy: ∂H/∂z = −p (z − lse + H)
                     B = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, gb)
@@ -143,9 +116,7 @@ class LMHead:
                 if gb is not None:
                     g.sub_(ent_term)
                 g.index_put_((u_of, t), ga, accumulate=True)
-                if self.temperature != 1.0:
-                    g.div_(self.temperature)
-                g = g.to(h.dtype)
+                g = self.transform.backward_(g, cap_tanh).to(h.dtype)
                 dhidden.index_add_(0, r_u, g @ self.weight)
                 self._add_head_grad(h, g)
         self._flush_head()
@@ -185,13 +156,6 @@ def _unique_sorted(r: torch.Tensor):
     keep = torch.ones(len(r), dtype=torch.bool, device=r.device)
     keep[1:] = r[1:] != r[:-1]
     return torch.nonzero(keep)[:, 0], torch.cumsum(keep, 0) - 1
-
-
-def _plain_embedding(emb) -> bool:
-    return (isinstance(emb, torch.nn.Embedding) and emb.max_norm is None
-            and not emb.scale_grad_by_freq and not emb.sparse)
-
-
 class HeadJob:
     """One pack's head rows in a :class:`HeadQueue`; ``dhidden`` is set when flushed."""
 

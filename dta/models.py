@@ -5,11 +5,14 @@ reads a local directory only. Families live in a registry so a new one is one en
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import types
-from dataclasses import dataclass
 
 import torch
+
+from dta import recurrent
+from dta.families import FAMILIES, config_kwargs
 
 # Sizes are keyword overrides of the family's config. "tiny" is for tests, "small" for CPU
 # benchmarks (hidden >= 256, >= 4 layers, 32K vocabulary), the Qwen3 shapes for the GPU script.
@@ -29,18 +32,6 @@ SIZES: dict[str, dict] = {
 }
 
 
-@dataclass(frozen=True)
-class Family:
-    config_class: str
-    model_class: str
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM"),
-}
-
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -53,7 +44,9 @@ def resolve_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def build_config(family: str, size: str | dict = "tiny", **overrides):
+def build_config(family: str, size: str | dict = "tiny", *, matrix: bool = False, **overrides):
+    """`family`'s config at `size`; with `matrix`, the configuration the family tests use
+    (a sliding window shorter than the test sequences, logit scaling, soft-capping, ...)."""
     import transformers
 
     if family not in FAMILIES:
@@ -62,25 +55,26 @@ def build_config(family: str, size: str | dict = "tiny", **overrides):
         if size not in SIZES:
             raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
         size = SIZES[size]
-    kw = {**size, **overrides}
-    if family == "qwen2":
-        kw.pop("head_dim", None)  # Qwen2 derives head_dim from hidden / heads
-    kw.setdefault("attention_dropout", 0.0)
-    kw.setdefault("tie_word_embeddings", False)
+    kw = config_kwargs(family, size, matrix, overrides)
     return getattr(transformers, FAMILIES[family].config_class)(**kw)
 
 
 def build_model(family: str = "qwen3", size: str | dict = "tiny", *, dtype="float32", seed: int = 0,
-                attn_implementation: str = "sdpa", **overrides):
-    """A random-initialized model of `family` (llama | qwen2 | qwen3) in eval mode
-    (no dropout: DFS and unpacked training must see the same deterministic forward)."""
+                attn_implementation: str | None = None, matrix: bool = False, **overrides):
+    """A random-initialized model of `family` (see ``dta.families.FAMILIES``) in eval mode
+    (no dropout: DFS and unpacked training must see the same deterministic forward).
+    attn_implementation: default sdpa (eager where the family needs it, e.g. Gemma 2)."""
     import transformers
 
-    config = build_config(family, size, **overrides)
-    config._attn_implementation = attn_implementation
+    config = build_config(family, size, matrix=matrix, **overrides)
+    config._attn_implementation = attn_implementation or FAMILIES[family].attn_implementation
+    if resolve_dtype(dtype) == torch.float64 and FAMILIES[family].moe:
+        config._experts_implementation = "eager"  # torch's grouped_mm has no float64 kernel
     torch.manual_seed(seed)
     cls = getattr(transformers, FAMILIES[family].model_class)
     model = cls(config).to(resolve_dtype(dtype))
+    if recurrent.is_hybrid(config):  # GDN decays in [0.01, 1]: see recurrent.init_decay
+        recurrent.init_decay(model, seed)
     return model.eval()
 
 
@@ -97,21 +91,59 @@ def load_model(path: str, *, dtype="float32", attn_implementation: str = "sdpa")
     return model.eval()
 
 
-def make_truly_float64(model):
-    """Make every norm compute in its input dtype, so a float64 model is float64 throughout.
+_LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
-    HF's RMSNorm upcasts to float32 and casts back, which caps DFS-vs-unpacked agreement near
-    1e-7 even in float64. Verification needs a truly float64 model; training never uses this.
-    """
-    def rms_forward(self, hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
-    patched = 0
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(rms_forward, module)
-            patched += 1
-    if model.config._attn_implementation == "eager":
-        raise ValueError("eager attention runs softmax in float32; use sdpa for float64 checks")
-    return patched
+class _KeepFloat64(torch.overrides.TorchFunctionMode):
+    """Inside a float64 model's forward, casts of float64 tensors down to float32 (``.float()``,
+    ``.to(torch.float32)``, ``softmax(..., dtype=torch.float32)``) are no-ops.
+
+    HF norms (RMSNorm, Gemma's ``(1 + w)`` norm, Cohere's LayerNorm, OLMo 2's) and eager
+    attention's softmax (Gemma 2) upcast to float32 and cast back, whatever their formula or
+    their ``eps`` attribute's name; that rounding caps DFS-vs-unpacked agreement near 1e-7
+    even in float64. Neutralizing the cast itself covers every such form at once."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16) and not kwargs \
+                and len(args) == 1 and args[0].dtype == torch.float64:
+            return args[0]
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.float64:
+            target = kwargs.get("dtype", args[1] if len(args) == 2 else None)
+            if isinstance(target, torch.Tensor):
+                target = target.dtype
+            if target in _LOWER_FLOATS and (len(args) == 2) != ("dtype" in kwargs) \
+                    and set(kwargs) <= {"dtype", "memory_format"}:
+                # the GDN delta rule: .to(torch.float32, memory_format=contiguous_format)
+                fmt = kwargs.get("memory_format")
+                return args[0] if fmt is None else args[0].contiguous(memory_format=fmt)
+        if func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax,
+                    torch.log_softmax, torch.nn.functional.log_softmax) \
+                and kwargs.get("dtype") in _LOWER_FLOATS and args[0].dtype == torch.float64:
+            kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+        return func(*args, **kwargs)
+
+
+def _float64_forward(self, *args, **kwargs):
+    with _KeepFloat64():
+        return type(self).forward(self, *args, **kwargs)
+
+
+def make_truly_float64(model) -> int:
+    """Make a float64 model compute in float64 throughout (verification only; training never
+    uses this). The decoder's forward runs under ``_KeepFloat64``: every float32 upcast inside
+    it (norms of any form, eager softmax, MoE router softmax) stays in float64 (tensors of
+    other dtypes are untouched, so on a float32 model it changes nothing). Idempotent,
+    and survives ``copy.deepcopy`` (the patch is a method bound to the module). Returns the
+    number of modules patched."""
+    decoder = model.get_decoder()
+    decoder.forward = types.MethodType(_float64_forward, decoder)
+    return 1
+
+
+@contextlib.contextmanager
+def keep_float64():
+    """The same no-downcast rule for code outside the decoder (the self-check's probe)."""
+    with _KeepFloat64():
+        yield

@@ -6,6 +6,7 @@ between it and the optimizer step); ``DFSTrainer`` is the single-process loop.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +18,14 @@ from dta.tree import PrefixTree, TreeStats
 from dta.walk import Walker, WalkResult
 
 
+class NoTrainedTokenWarning(UserWarning):
+    """A batch without any trained token: the optimizer was not stepped."""
+
+
 @dataclass
 class StepResult:
     loss: float
-    walk: WalkResult
+    walk: WalkResult | None  # None when nothing was walked (no trained token)
     tree: TreeStats
     grad_norm: float | None = None
     updated: bool | None = None
@@ -80,13 +85,27 @@ class DFSTrainer:
         self.walk_kw = walk_kw
 
     def step(self, batch: Batch, progress=None) -> StepResult:
+        """One update. A batch with no trained token (every loss-mask flag 0) changes
+        nothing — no gradient, no optimizer step (AdamW would still decay the weights and
+        move its moments) — warns, and returns ``updated=False``."""
         validate_for_model(batch, self.model, self.loss)  # before any gradient is touched
+        if batch.trained_tokens() == 0:
+            warn_no_trained_token(len(batch))
+            tree = PrefixTree(batch.input_ids)
+            return StepResult(0.0, None, tree.stats(), grad_norm=0.0, updated=False)
         self.optimizer.zero_grad(set_to_none=True)
         result = accumulate_gradients(self.model, batch, self.loss, reduction=self.reduction,
                                       policy=self.policy, progress=progress, **self.walk_kw)
         result.grad_norm, result.updated = clip_and_step(self.model, self.optimizer,
                                                          self.max_grad_norm)
         return result
+
+
+def warn_no_trained_token(sequences: int, step: int | None = None) -> None:
+    where = f"step {step}: " if step is not None else ""
+    warnings.warn(f"{where}the batch ({sequences} sequences) has no trained token (every "
+                  "loss_mask flag is 0): the optimizer was not stepped, nothing changed",
+                  NoTrainedTokenWarning, stacklevel=3)
 
 
 def clip_and_step(model, optimizer, max_grad_norm: float | None) -> tuple[float, bool]:

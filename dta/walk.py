@@ -18,7 +18,11 @@ through the rows of P that lie on their path).
 
 The LM head (``dta/head.py``) evaluates the queued rows of several packs in one call --
 flushed before a pop needs them, or at ``head_rows`` -- and keeps only ∂L/∂hidden, so no
-[tokens, vocab] graph ever waits on the path.
+[tokens, vocab] graph ever waits on the path. Everything the walk assumes about the model
+(embedding leaves, per-layer states, the logit transform) lives in ``dta/modeling.py``; a
+pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/attention.py`` and
+``dta/packmask.py``. A model with recurrent layers (Gated DeltaNet) is walked node by node
+through the model interface: a recurrent state cannot branch inside one call.
 
 Memory policies: *retain* keeps each pack's graph along the current path; *recompute* keeps
 only the detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's
@@ -27,7 +31,6 @@ packs waiting for a head flush (bounded by ``head_rows``).
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +38,7 @@ import torch
 
 from dta.attention import native_gqa, path_cache
 from dta.head import HeadQueue, LMHead
+from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective
 from dta.packmask import pack_mask
 from dta.planning.packs import DEFAULT_CAP, PackCost, PackLayout, PackPlan, plan_packs
@@ -47,7 +51,7 @@ POLICIES = ("retain", "recompute")
 class Frame:
     pack: int
     layout: PackLayout
-    kv: list  # the pack's own (k, v) per layer, detached leaves its descendants attend to
+    state: NodeState  # the pack's own per-layer state (K/V): detached leaves its descendants read
     job: object  # its head rows (∂L/∂hidden once flushed)
     graph: tuple | None = None  # retain: (hidden, K/V) still attached to the pack's graph
     pieces: tuple | None = None  # (tree node, per-layer (k, v) rows on the path through it)
@@ -84,32 +88,35 @@ class Walker:
     packing: a pack policy of :func:`dta.planning.packs.plan_packs` (``node`` walks node by
     node, ``tree`` forwards the whole tree in one masked call); pack_tokens: the cap of a pack;
     head_rows: queued head rows that force a flush (default ``logits_chunk``; 0: every pack's
-    head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs).
+    head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs);
+    native_gqa: run SDPA's grouped-query path (``dta.attention``) during the walk.
+    router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for the
+    router's load-balancing loss; "exclude" trains the policy loss without it (see
+    ``dta.modeling.check_router_aux_loss``).
     """
 
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
-                 temperature: float = 1.0, packing: str = "auto", pack_tokens: int = DEFAULT_CAP,
+                 temperature: float = 1.0, router_aux_loss: str = "refuse",
+                 packing: str = "auto", pack_tokens: int = DEFAULT_CAP,
                  head_rows: int | None = None, pack_cost: PackCost | None = None,
                  native_gqa: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown memory policy {policy!r}; choose one of {POLICIES}")
-        if getattr(model.config, "final_logit_softcapping", None):
-            raise ValueError("models with logit soft-capping are not supported by the walker")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.model, self.policy = model, policy
-        self.decoder = model.get_decoder()
+        check_router_aux_loss(model, "exclude")  # validates the option's value only
+        self.model, self.policy, self.router_aux_loss = model, policy, router_aux_loss
+        self.io = ModelInterface(model)
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.n_layers = int(model.config.num_hidden_layers)
-        self.packing, self.pack_tokens = packing, int(pack_tokens)
+        # recurrent layers cannot branch inside a call: node by node (each node one path)
+        self.recurrent = any(kind != "attention" for kind in self.io.layer_kinds)
+        self.packing = "node" if self.recurrent else packing
+        self.pack_tokens = int(pack_tokens)
         self.head_rows = int(logits_chunk if head_rows is None else head_rows)
         self.pack_cost = pack_cost or PackCost.from_config(model.config)
         self.native_gqa = native_gqa
-        # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
-        params = inspect.signature(self.decoder.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def plan(self, tree: PrefixTree, active: np.ndarray | None = None) -> PackPlan:
         return plan_packs(tree, self.packing, cap=self.pack_tokens, cost=self.pack_cost,
@@ -117,18 +124,18 @@ class Walker:
 
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
-        """The pack's last hidden states [T, H] and its own new K/V per layer."""
+        """The pack's last hidden states [T, H] and its own new per-layer state."""
         ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])
-        ids = torch.as_tensor(ids, device=self.device).unsqueeze(0)
+        ids = torch.as_tensor(ids, device=self.device)
+        if self.recurrent:  # one node (a path) per call, through the model interface
+            return self.io.forward(ids, layout.prefix, [f.state for f in path])
         pos = torch.as_tensor(layout.positions, device=self.device).unsqueeze(0)
-        pieces = self._path_pieces(tree, layout, path)
-        cache = path_cache(pieces, self.n_layers)
+        cache = path_cache(self._path_pieces(tree, layout, path), len(self.io.layer_kinds))
         mask = pack_mask(layout, self.model.config, self.device, self.dtype)
-        out = self.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
-                           **self.head.embed(ids), **{self.cache_kwarg: cache})
+        out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
+                              **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
         P = layout.prefix
-        kv = [(layer.keys[:, :, P:], layer.values[:, :, P:]) for layer in cache.layers]
-        return out.last_hidden_state[0], kv
+        return out.last_hidden_state[0], self.io.node_state(cache, P, P + layout.tokens)
 
     def _path_pieces(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
         """Per layer, the path's K/V pieces covering positions 0..prefix-1: in each frame, the
@@ -146,20 +153,20 @@ class Walker:
                 rows = f.layout.path_rows(local)
                 with torch.enable_grad():  # kept for later forwards with grad (recompute)
                     if len(rows) == f.layout.tokens:
-                        kv = f.kv
+                        kv = f.state
                     elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
                         a, b = int(rows[0]), int(rows[0]) + len(rows)
-                        kv = [(k[:, :, a:b], v[:, :, a:b]) for k, v in f.kv]
+                        kv = [(k[:, :, a:b], v[:, :, a:b]) for k, v in f.state]
                     else:
                         idx = torch.as_tensor(rows, device=self.device)
-                        kv = [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in f.kv]
+                        kv = [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in f.state]
                 f.pieces = (node, kv)
             per_frame.append(f.pieces[1])
         covered = sum(kv[0][0].shape[2] for kv in per_frame)
         if covered != layout.prefix:
             raise RuntimeError(f"the path's K/V cover {covered} positions, the pack starts at "
                                f"{layout.prefix}")
-        return [[kv[layer] for kv in per_frame] for layer in range(self.n_layers)]
+        return [[kv[layer] for kv in per_frame] for layer in range(len(self.io.layer_kinds))]
 
     def _terms(self, tree, layout: PackLayout, objective: Objective, record: bool) -> NodeTerms:
         return NodeTerms.concat([
@@ -170,6 +177,7 @@ class Walker:
     def train(self, tree: PrefixTree, objective: Objective, *, record: bool = False,
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
+        check_router_aux_loss(self.model, self.router_aux_loss)
         with native_gqa(self.model, self.native_gqa):
             return self._train(tree, objective, record, progress)
 
@@ -198,7 +206,7 @@ class Walker:
             if outs:
                 torch.autograd.backward(outs, grads)
                 res.backward_calls += 1
-            self.head.collect_embedding_grads()
+            self.io.collect_embedding_grads()
 
         def flush():
             """Evaluate the queued head rows, then leaf() every waiting leaf pack."""
@@ -220,7 +228,7 @@ class Walker:
             res.tokens += layout.tokens
             res.forward_calls += 1
             with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
-                hidden, kv = self._forward(tree, layout, path)
+                hidden, state = self._forward(tree, layout, path)
             job = queue.add(hidden, self._terms(tree, layout, objective, record))
             live = (len(path) if self.policy == "retain" else 0) + len(waiting) + 1
             res.max_live_graphs = max(res.max_live_graphs, live)
@@ -229,8 +237,8 @@ class Walker:
                 if queue.rows >= self.head_rows or sum(w[2] for w in waiting) >= max(self.head_rows, 1):
                     flush()
                 return
-            leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
-            graph = (hidden, kv) if self.policy == "retain" else None
+            leaves = [tuple(x.detach().requires_grad_() for x in layer) for layer in state]
+            graph = (hidden, state) if self.policy == "retain" else None
             path.append(Frame(i, layout, leaves, job, graph))
             res.max_path = max(res.max_path, len(path))
             if self.head_rows <= 0:
@@ -240,15 +248,15 @@ class Walker:
             flush()  # the pack's own head rows, and its leaf packs' backward passes
             frame = path.pop()
             if self.policy == "recompute":  # re-forward with grad; the head is not re-run
-                hidden, kv = self._forward(tree, frame.layout, path)
+                hidden, state = self._forward(tree, frame.layout, path)
                 res.recomputed_tokens += frame.layout.tokens
                 res.forward_calls += 1
                 res.max_live_graphs = max(res.max_live_graphs, 1)
             else:
-                hidden, kv = frame.graph
+                hidden, state = frame.graph
             outs, grads = ([hidden], [frame.job.dhidden]) if frame.job.dhidden is not None else ([], [])
-            for (k, v), (k_leaf, v_leaf) in zip(kv, frame.kv):
-                for out, lf in ((k, k_leaf), (v, v_leaf)):
+            for layer, layer_leaves in zip(state, frame.state):
+                for out, lf in zip(layer, layer_leaves):
                     if lf.grad is not None:
                         outs.append(out)
                         grads.append(lf.grad)
@@ -278,7 +286,7 @@ class Walker:
                     path.pop()
                     continue
                 layout = plan.layout(i)
-                hidden, kv = self._forward(tree, layout, path)
+                hidden, state = self._forward(tree, layout, path)
                 terms = self._terms(tree, layout, objective, True)
                 if not terms.empty:
                     out = self.head.evaluate(hidden, terms, entropy=True, minmax=minmax)
@@ -290,7 +298,7 @@ class Walker:
                 res.nodes += len(plan.packs[i].nodes)
                 res.tokens += layout.tokens
                 if plan.packs[i].children:
-                    path.append(Frame(i, layout, kv, None))
+                    path.append(Frame(i, layout, state, None))
                     res.max_path = max(res.max_path, len(path))
                 if progress is not None:
                     progress(layout.tokens)

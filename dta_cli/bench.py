@@ -5,8 +5,9 @@ dense tree mask, DFS node by node, packed DFS retain/recompute) on one τ²-shap
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from dta_cli.common import emit_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     summary = compact(results)
     if args.json:
-        print(json.dumps(summary))
+        emit_json(summary)
     else:
         from pathlib import Path
 

@@ -76,19 +76,23 @@ def run(args) -> int:
         return 0
 
     from dta.batch import BatchError
-    from runtime.ray_runtime import run_training
+    from dta_cli.batches import BatchSource
+    from runtime.ray_runtime import TrainingError, run_training
     from runtime.ray_runtime.cluster import ClusterError
-    from runtime.ray_runtime.driver import TrainingError
+    from runtime.ray_runtime.model_info import model_limits
 
     try:
-        summary = run_training(cfg, address=args.address,
+        source = BatchSource(cfg, model_limits(cfg)[0])
+        summary = run_training(cfg, source, address=args.address,
                                progress=not args.no_progress)
     except (BatchError, TrainingError, ClusterError, ValueError, FileNotFoundError) as exc:
         print(f"dta train: error: {exc}", file=sys.stderr)
         return 1
     print_summary(summary)
     if args.json:
-        print(json.dumps(summary, default=float))
+        from dta_cli.common import emit_json
+
+        emit_json(summary)
     return 0
 
 
@@ -97,9 +101,12 @@ def main(argv=None) -> int:
     (used as a Ray job's entrypoint, where only this command is needed)."""
     import argparse
 
+    from dta_cli.common import add_debug_argument, run_guarded
+
     parser = argparse.ArgumentParser(prog="dta train", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    add_debug_argument(parser)
+    return run_guarded(run, parser.parse_args(argv), "train")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Projected data-parallel scaling of DFS training on τ²-shaped batches, W = 1 ... 64.
 
 For each W, the batch's prefix tree is balanced over W workers (``dta.planning.balance``
-through :func:`runtime.ray_runtime.plan.assign_workers`) under the planning cost model
+through :func:`dta.planning.workers.assign_workers`) under the planning cost model
 (``dta.planning.cost``: analytic FLOPs of the model, linear work per unique token plus
 attention work per context token). A worker's compute time is its planned FLOPs divided by
 an effective throughput; a step adds the gradient all-reduce (ring: 2 (W-1)/W x gradient
@@ -68,7 +68,7 @@ def simulate(args) -> dict:
     from dta.planning.cost import CostModel, flops, flops_unpacked
     from dta.tree import PrefixTree
     from experiments.workloads import make_workload
-    from runtime.ray_runtime.plan import assign_workers
+    from dta.planning.workers import assign_workers
 
     hf = build_config(args.family, args.size)
     model = CostModel.from_config(hf, name=args.size)

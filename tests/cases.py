@@ -43,9 +43,10 @@ def make_records(seqs, *, prompt: int = 12, seed: int = 1, old_logprobs=None):
         mask[: min(prompt, len(s) - 1)] = 0
         mask[0] = 0
         old = (old_logprobs[i] if old_logprobs is not None else -rng.random(len(s)) * 3)
-        old = old + rng.normal(0, 0.15, len(s))
+        old = np.minimum(old + rng.normal(0, 0.15, len(s)), 0.0)  # log-probs are <= 0
         recs.append(dict(input_ids=s, loss_mask=mask, advantages=rng.normal(size=len(s)),
-                         old_logprobs=old, prox_logprobs=old + rng.normal(0, 0.05, len(s))))
+                         old_logprobs=old,
+                         prox_logprobs=np.minimum(old + rng.normal(0, 0.05, len(s)), 0.0)))
     return recs
 
 

@@ -151,8 +151,9 @@ def make_train_batch(records, current_logp: torch.Tensor, seed: int = 0):
     mask = batch["loss_mask"].bool()
     prox = current_logp.float() + 0.3 * torch.randn(mask.shape, generator=g)
     delta = -0.8 + 3.0 * torch.rand(mask.shape, generator=g)  # log weight in [-0.8, 2.2]
+    prox = prox.clamp_max(0.0)  # log-probs are <= 0 (dta.records rejects positive ones)
     batch["prox_logp"] = torch.where(mask, prox, 0.0)
-    batch["logprobs"] = torch.where(mask, prox - delta, 0.0)
+    batch["logprobs"] = torch.where(mask, (prox - delta).clamp_max(0.0), 0.0)
     batch["versions"] = torch.where(mask, 0, -1).to(torch.int32)
     return batch
 
@@ -273,7 +274,7 @@ def test_every_abstract_member_is_defined():
     assert len(names) == 30
     assert not inspect.isabstract(DTATrainEngine)
     assert not inspect.isabstract(DTAPPOActor)
-    missing = sorted(n for n in names if n not in vars(DTATrainEngine))
+    missing = sorted(n for n in names if getattr(DTATrainEngine, n) is getattr(TrainEngine, n))
     assert not missing, f"inherited from TrainEngine, not defined: {missing}"
 
 
@@ -625,15 +626,15 @@ def test_bfloat16_compute_with_float32_master_weights(model_dir, records, eager_
     n = len(records)
     eng = new_engine(engine_config(model_dir, n, dtype="bfloat16"))
     assert next(eng.model.parameters()).dtype == torch.bfloat16
-    assert all(m.dtype == torch.float32 for m in eng._master)
+    assert all(m.dtype == torch.float32 for m in eng.master.master)
     base = convert.from_records(records)
     lp = eng.forward_batch(ids_only(base))
     assert lp.dtype == torch.float32  # AReaL's log-probs are float32 whatever the model dtype
-    before = [m.detach().clone() for m in eng._master]
+    before = [m.detach().clone() for m in eng.master.master]
     stats = eng.train_batch(make_train_batch(records, lp), grpo(), loss_weight_fn)
     assert stats["update_successful"] == 1.0
-    assert any(not torch.equal(a, m) for a, m in zip(before, eng._master))
-    for m, p in zip(eng._master, eng.model.parameters()):
+    assert any(not torch.equal(a, m) for a, m in zip(before, eng.master.master))
+    for m, p in zip(eng.master.master, eng.model.parameters()):
         assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
     state = next(iter(eng.optimizer.state.values()))
     assert state["exp_avg"].dtype == torch.float32

@@ -30,7 +30,7 @@ from dta.config import load_config
 from runtime.ray_runtime import (StepFailed, StreamingBatcher, Trainer, check_loopback,
                                  listening_addresses, start_or_join)
 from runtime.ray_runtime.cluster import ClusterError
-from runtime.ray_runtime.driver import BatchSource
+from dta_cli.batches import BatchSource
 from runtime.ray_runtime.stream import END
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -184,10 +184,10 @@ def test_jsonl_round_trip(tmp_path):
 def test_jsonl_optional_fields(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text('{"input_ids": [5, 6, 7], "advantages": 0.5, "group_id": "g1"}\n\n'
-                    '{"input_ids": [1], "loss_mask": [true], "extra": {"k": 1}}\n')
+                    '{"input_ids": [1], "loss_mask": [true], "meta": {"k": 1}}\n')
     a, b = read_jsonl(path)
     assert np.array_equal(a["advantages"], [0.5, 0.5, 0.5]) and a["group_id"] == "g1"
-    assert "loss_mask" not in a and b["loss_mask"].tolist() == [1] and b["extra"] == {"k": 1}
+    assert "loss_mask" not in a and b["loss_mask"].tolist() == [1] and b["meta"] == {"k": 1}
 
 
 @pytest.mark.parametrize("line, message", [

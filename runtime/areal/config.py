@@ -14,7 +14,7 @@ import math
 from areal.api.cli_args import (MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig,
                                 RejectionSamplingConfig)
 
-from runtime.areal.engine import DTAOptions
+from runtime.areal.options import DTAOptions
 
 __all__ = ["actor_config_from_dta"]
 

@@ -1,0 +1,250 @@
+"""The walker's interface to a Hugging Face causal LM: everything DTA assumes about a model.
+
+The walker never touches a model's internals except through ``ModelInterface``:
+
+  embed(ids)            decoder inputs for a node's tokens. A plain lookup, or a lookup times a
+                        constant (Gemma's √hidden), becomes an autograd *leaf* (``inputs_embeds``)
+                        whose gradient rows are later index-added into the embedding weight,
+                        times that constant (``collect_embedding_grads``); any other embedding
+                        module (max_norm, a custom forward, ...) is fed ``input_ids`` and
+                        differentiated by autograd through the module itself.
+  forward(ids, s, path) one decoder call for a node at tree positions s..s+n-1 attending to
+                        its ancestors: the path's per-layer states are concatenated into a
+                        fresh cache built *without* the model config (plain full layers, never
+                        HF's sliding layers that keep only the last window), and the true
+                        ``position_ids`` are passed, so HF's own masks enforce every window
+                        (all layers, some layers, interleaved). Returns the node's last hidden
+                        states [n, H] and its own new per-layer states.
+  logits                ``LogitTransform``: what the CausalLM forward does to ``lm_head(h)``
+                        (``logit_scale`` ×, ``logits_scaling`` ÷, ``final_logit_softcapping``
+                        tanh), then the sampling temperature ÷. ``dta/head.py`` applies it and
+                        differentiates it by hand.
+
+Per-layer state. A node's state is a list over layers of tuples of tensors (``NodeState``);
+for an attention layer the tuple is (keys, values) of the node's own positions, shaped
+[1, heads, n, head_dim]. Each layer has a *kind* (``layer_kinds``); how a kind's states
+are combined along a path into a cache layer and read back after a forward is one entry in
+``_KINDS``, so a recurrent kind (a convolution and a recurrent state that a child continues
+from its parent's last value) is one more entry, not a change to the walk. The walker
+treats state tensors opaquely: it detaches them into leaves for the descendants and pairs
+their ``.grad`` with the graph outputs at backward.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from dta import recurrent
+
+NodeState = list  # per layer: a tuple of tensors (attention: (keys, values))
+
+
+class ModelInterfaceError(ValueError):
+    """The model breaks an assumption the walker needs; raised before training."""
+
+
+# ------------------------------------------------------------------------ logits --
+@dataclass(frozen=True)
+class LogitTransform:
+    """z = softcap(scale · z_raw) / temperature, with softcap(y) = cap · tanh(y / cap)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    @classmethod
+    def from_model(cls, model, temperature: float = 1.0) -> "LogitTransform":
+        cfg = model.config
+        scale = 1.0
+        if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0):  # Granite: divides
+            scale /= float(cfg.logits_scaling)
+        logit_scale = getattr(model, "logit_scale", None)  # Cohere: multiplies
+        if logit_scale is not None and not isinstance(logit_scale, torch.nn.Module):
+            scale *= float(logit_scale)
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        return cls(scale=scale, softcap=float(cap) if cap else None, temperature=float(temperature))
+
+    def apply(self, z_raw: torch.Tensor):
+        """(z, c): the transformed logits and the cap's tanh (None without soft-capping)."""
+        y = z_raw * self.scale if self.scale != 1.0 else z_raw
+        c = None
+        if self.softcap is not None:
+            c = torch.tanh(y / self.softcap)
+            y = c * self.softcap
+        return (y / self.temperature if self.temperature != 1.0 else y), c
+
+    def backward_(self, g: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+        """∂L/∂z_raw from ∂L/∂z, in place of `g`: dz/dz_raw = scale (1 − c²) / T."""
+        if c is not None:
+            g.mul_(1 - c * c)
+        factor = self.scale / self.temperature
+        return g.mul_(factor) if factor != 1.0 else g
+
+
+# -------------------------------------------------------------------- embeddings --
+def embedding_scale(emb) -> torch.Tensor | float | None:
+    """The constant `emb`'s forward multiplies a plain lookup by (1.0 for nn.Embedding
+    itself), or None when its forward is anything else (then autograd runs through it)."""
+    if not isinstance(emb, torch.nn.Embedding) or emb.max_norm is not None \
+            or emb.scale_grad_by_freq or emb.sparse:
+        return None
+    if type(emb).forward is torch.nn.Embedding.forward:
+        return 1.0
+    scale = getattr(emb, "embed_scale", None)  # Gemma 1/2/3: super().forward(ids) * embed_scale
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and "embed_scale" in \
+            inspect.getsource(type(emb).forward):
+        return scale
+    return None
+
+
+class EmbeddingInput:
+    """Embeds node tokens as gradient-collecting leaves (see the module docstring)."""
+
+    def __init__(self, model):
+        self.module = model.get_input_embeddings()
+        self.scale = embedding_scale(self.module)
+        self._pending: list = []  # (ids, leaf embeddings) waiting for their gradient
+
+    @property
+    def as_leaf(self) -> bool:
+        return self.scale is not None
+
+    def inputs(self, ids: torch.Tensor) -> dict:
+        if self.scale is None or not torch.is_grad_enabled() or not self.module.weight.requires_grad:
+            return {"input_ids": ids}
+        with torch.no_grad():
+            x = self.module(ids)  # the module's own forward: the values are the model's
+        x.requires_grad_()
+        self._pending.append((ids, x))
+        return {"inputs_embeds": x}
+
+    def collect_grads(self) -> None:
+        """Index-add the gradients of the leaves that have one (after a backward)."""
+        keep = []
+        w = self.module.weight
+        for ids, x in self._pending:
+            if x.grad is None:
+                keep.append((ids, x))
+                continue
+            g = x.grad.reshape(-1, x.shape[-1]).to(w.dtype)
+            if isinstance(self.scale, torch.Tensor):  # the forward multiplied by it
+                g = g * self.scale.to(w.dtype)
+            flat = ids.reshape(-1)
+            if self.module.padding_idx is not None:
+                g = g.masked_fill((flat == self.module.padding_idx)[:, None], 0)
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            w.grad.index_add_(0, flat, g)
+        self._pending = keep
+
+
+# ------------------------------------------------------------------ layer states --
+def _attention_cache_layer(states: list[tuple]) -> tuple:
+    """An attention layer's cache entry for a path: its nodes' K/V, in position order."""
+    if len(states) == 1:
+        return states[0]
+    return tuple(torch.cat([s[j] for s in states], dim=2) for j in (0, 1))
+
+
+def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
+    if layer.keys.shape[2] != end:  # a sliding (or otherwise truncating) cache layer
+        raise ModelInterfaceError(
+            f"{where}: the cache layer {type(layer).__name__} holds {layer.keys.shape[2]} "
+            f"positions after a forward of positions 0..{end - 1}; the walker needs every "
+            "position's keys and values (a full cache layer)")
+    return layer.keys[:, :, start:], layer.values[:, :, start:]
+
+
+# kind -> (path states -> cache data, (cache layer, start, end, where) -> node state);
+# "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the parent's
+# final state (dta/recurrent.py)
+_KINDS = {"attention": (_attention_cache_layer, _attention_node_state),
+          recurrent.RECURRENT: (recurrent.path_state, recurrent.node_state)}
+
+
+class ModelInterface:
+    """How the walker embeds, forwards and reads one node of `model` (module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.name = type(model).__name__
+        self.decoder = model.get_decoder()
+        self.embedding = EmbeddingInput(model)
+        # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
+        params = inspect.signature(type(self.decoder).forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.layer_kinds = (recurrent.layer_kinds(model.config) if recurrent.is_hybrid(model)
+                            else ["attention"] * _num_layers(model.config))
+
+    # ------------------------------------------------------------------ forward --
+    def embed(self, ids: torch.Tensor) -> dict:
+        return self.embedding.inputs(ids)
+
+    def collect_embedding_grads(self) -> None:
+        self.embedding.collect_grads()
+
+    def path_cache(self, path: list[NodeState]):
+        """A fresh cache holding the path's states (positions 0..start-1): a forward
+        mutates its cache, so every node gets its own. No config: full layers only."""
+        from transformers import DynamicCache
+
+        data = [_KINDS[kind][0]([node[i] for node in path])
+                for i, kind in enumerate(self.layer_kinds)] if path else None
+        if recurrent.RECURRENT in self.layer_kinds:  # per-kind layers, roots included
+            return recurrent.build_cache(self.layer_kinds, data)
+        return DynamicCache(ddp_cache_data=data) if path else DynamicCache()
+
+    def node_state(self, cache, start: int, end: int) -> NodeState:
+        """The node's own slice (positions start..end-1) of every layer after its forward."""
+        layers = cache.layers
+        if len(layers) != len(self.layer_kinds):
+            raise ModelInterfaceError(f"{self.name}: the cache has {len(layers)} layers, the "
+                                      f"config {len(self.layer_kinds)}")
+        return [_KINDS[kind][1](layer, start, end, f"{self.name} layer {i}")
+                for i, (kind, layer) in enumerate(zip(self.layer_kinds, layers))]
+
+    def forward(self, ids: torch.Tensor, start: int, path: list[NodeState]):
+        """One node: `ids` [n] at positions start..start+n-1 after the path's states.
+        Returns (last hidden states [n, H], the node's own NodeState)."""
+        cache = self.path_cache(path)
+        seen = cache.get_seq_length()
+        if seen != start:
+            raise ModelInterfaceError(f"{self.name}: the path's cache holds {seen} positions, "
+                                      f"the node starts at {start}")
+        end = start + len(ids)
+        pos = torch.arange(start, end, device=ids.device).unsqueeze(0)
+        out = self.decoder(position_ids=pos, use_cache=True, **self.embed(ids.unsqueeze(0)),
+                           **{self.cache_kwarg: cache})
+        cache = getattr(out, "cache", None) or out.past_key_values
+        return out.last_hidden_state[0], self.node_state(cache, start, end)
+
+
+def _num_layers(config) -> int:
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = getattr(cfg, "num_hidden_layers", None)
+    if n is None:
+        raise ModelInterfaceError(f"{type(config).__name__} has no num_hidden_layers")
+    return int(n)
+
+
+ROUTER_AUX_LOSS = ("refuse", "exclude")
+
+
+def check_router_aux_loss(model, router_aux_loss: str = "refuse") -> None:
+    """MoE: DTA trains the policy loss only (the router is trained through it, exactly);
+    the router's auxiliary load-balancing loss is not computed. A config that asks for it
+    (``output_router_logits=True`` with ``router_aux_loss_coef > 0``, which makes HF's
+    CausalLM add it to a labelled loss) is refused, unless ``router_aux_loss="exclude"``
+    says explicitly to train without it."""
+    if router_aux_loss not in ROUTER_AUX_LOSS:
+        raise ValueError(f"unknown router_aux_loss {router_aux_loss!r}; choose one of {ROUTER_AUX_LOSS}")
+    cfg = model.config
+    coef = getattr(cfg, "router_aux_loss_coef", 0) or 0
+    if router_aux_loss == "refuse" and getattr(cfg, "output_router_logits", False) and coef > 0:
+        raise ModelInterfaceError(
+            f"{type(model).__name__}: config.output_router_logits=True with router_aux_loss_coef="
+            f"{coef} asks for the router's auxiliary load-balancing loss, which DTA does not "
+            "compute; pass router_aux_loss='exclude' to train the policy loss alone, or set "
+            "config.output_router_logits=False")

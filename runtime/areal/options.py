@@ -1,0 +1,33 @@
+"""``DTAOptions``: the walker's options, beside AReaL's ``TrainEngineConfig``."""
+from __future__ import annotations
+
+import dataclasses
+
+from dta.walk import POLICIES
+
+__all__ = ["DTAOptions"]
+
+
+@dataclasses.dataclass
+class DTAOptions:
+    """The walker's options, beside AReaL's ``TrainEngineConfig``.
+
+    policy: ``retain`` keeps each node's graph along the current path; ``recompute`` keeps
+        only K/V and re-forwards a node at pop (less memory, one more forward). Default:
+        ``recompute`` when ``config.gradient_checkpointing`` is set, else ``retain``.
+    logits_chunk: rows of ``[rows, vocab]`` logits materialized at a time.
+    min_shared: the shortest prefix worth sharing in the tree.
+    dtype: the model's and the optimizer's dtype, overriding ``config.dtype`` and
+        ``config.optimizer_dtype`` (e.g. ``float64`` for verification, which AReaL rejects).
+    """
+
+    policy: str | None = None
+    logits_chunk: int = 1024
+    min_shared: int = 1
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"unknown DTA policy {self.policy!r}; choose one of {POLICIES}")
+        if self.logits_chunk < 1 or self.min_shared < 1:
+            raise ValueError("logits_chunk and min_shared must be >= 1")

@@ -1,0 +1,134 @@
+"""``DataParallel``: how a ``DTATrainEngine`` is laid out over processes.
+
+Every rank holds a full replica of the model; gradients are averaged over the ranks before the
+step. This class is the engine's only contact with ``torch.distributed``: the groups AReaL's
+``TrainEngine`` API exposes (data-parallel, model-parallel, the gloo CPU group), the rank and
+world size, the model placement (:meth:`prepare_model`) and the gradient reduction
+(:meth:`reduce_gradients`). A sharded layout (``fsdp:dN`` with FSDP2) replaces these two
+methods; the engine calls nothing else.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DataParallel", "init_default_group", "strategy_of"]
+
+_REFUSED = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+            "expert_parallel_size")
+
+
+def strategy_of(backend, parallel_strategy=None):
+    """AReaL's ``ParallelStrategy`` from an explicit one or the ``backend`` string
+    (``"fsdp:d2"``); refuses model parallelism, which the DFS walker does not do."""
+    strategy = parallel_strategy
+    if strategy is None and isinstance(backend, str) and ":" in backend:
+        from areal.api.alloc_mode import ModelAllocation
+
+        strategy = ModelAllocation.from_str(backend).parallel
+    if strategy is not None:
+        for name in _REFUSED:
+            if getattr(strategy, name, 1) > 1:
+                raise NotImplementedError(
+                    f"DTATrainEngine is data-parallel only; {name}="
+                    f"{getattr(strategy, name)} (from {backend or parallel_strategy!r})")
+    return strategy
+
+
+def init_default_group() -> bool:
+    """Initialize ``torch.distributed`` if it is not: ``env://`` with the platform's backend
+    when ``WORLD_SIZE`` > 1 (as FSDPEngine does), else a one-process group through a file
+    store in a fresh temporary directory (nothing listens on a socket). Returns whether it
+    initialized the group (then the caller owns it)."""
+    if dist.is_initialized():
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from areal.infra.platforms import current_platform
+
+        dist.init_process_group(backend=current_platform.communication_backend)
+    else:
+        store = os.path.join(tempfile.mkdtemp(prefix="dta-areal-pg-"), "store")
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return True
+
+
+class DataParallel:
+    """Data-parallel replicas: the whole world when ``torch.distributed`` is initialized (it
+    is initialized here, as FSDPEngine does, when ``WORLD_SIZE`` > 1), else none — a single
+    process needs no process group (then the groups are ``None`` and the rank is 0)."""
+
+    def __init__(self):
+        self.rank, self.world_size = 0, 1
+        self.dp_group = self.mp_group = self.cpu_group = None
+        self.own_global_group = False
+        self.ready = False
+
+    def create(self, backend, parallel_strategy=None) -> None:
+        strategy = strategy_of(backend, parallel_strategy)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and init_default_group():
+            self.own_global_group = True
+        self._make_groups()
+        dp = getattr(strategy, "data_parallel_size", None)
+        if dp not in (None, self.world_size):
+            raise ValueError(f"data-parallel size {dp} (from {backend!r}) differs from the "
+                             f"{self.world_size} process(es) running")
+        self.ready = True
+
+    def ensure_group(self) -> None:
+        """Process groups even for one process (what AReaL's rollout coordination and
+        barriers need): initialize a one-process group when there is none."""
+        if self.dp_group is not None:
+            return
+        if init_default_group():
+            self.own_global_group = True
+        self._make_groups()
+
+    def _make_groups(self) -> None:
+        if dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.dp_group = dist.group.WORLD
+            self.cpu_group = dist.new_group(backend="gloo")
+            for r in range(self.world_size):  # every rank creates every group
+                group = dist.new_group([r])
+                if r == self.rank:
+                    self.mp_group = group
+
+    @property
+    def head(self) -> int:
+        """The rank that heads this rank's replica: itself (no model parallelism)."""
+        return self.rank
+
+    def prepare_model(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """Place the model for training: a full replica on ``device``."""
+        return model.to(device)
+
+    def reduce_gradients(self, params) -> None:
+        """Average the gradients of ``params`` over the data-parallel ranks (a parameter
+        without a gradient contributes zeros)."""
+        if self.dp_group is None or self.world_size == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.dp_group)
+            p.grad.div_(self.world_size)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks, in place (no-op on one process)."""
+        if self.dp_group is not None:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.cpu_group is not None:
+            dist.barrier(group=self.cpu_group)
+
+    def destroy(self) -> None:
+        if dist.is_initialized() and self.own_global_group:
+            self.barrier()
+            dist.destroy_process_group()
+            self.own_global_group = False

@@ -1,0 +1,131 @@
+"""The depth-first walks behind ``DTATrainEngine``'s ``train_batch`` / ``eval_batch`` /
+``forward_batch``, and AReaL's logits-level ``forward_backward_batch``.
+
+A batch is walked as one prefix tree, so a prefix shared by many sequences is forwarded once:
+
+1. a forward-only walk records every sequence's log-probs, entropies and logit min/max;
+2. each sequence's AReaL loss is evaluated on them (``loss_fn`` once per sequence, in AReaL's
+   packed layout, inside a :class:`dta.losses.SequenceLoss`) and linearized (its gradient with
+   respect to the log-probs and entropies: ``dta.objective.linearize``);
+3. a training walk backpropagates that linear surrogate, which has the same gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from dta.losses import SequenceLoss
+from dta.objective import linearize
+from dta.tree import PrefixTree
+from dta.walk import Walker
+
+from runtime.areal import convert
+
+__all__ = ["WalksMixin"]
+
+
+class WalksMixin:
+    """The walks (needs ``model``, ``config``, ``dta``, ``policy``, ``device``,
+    ``parallel``)."""
+
+    def _sequences(self, input_):
+        batched, _ = convert.normalize_input(input_)
+        return convert.split_sequences(batched, model_type=self._model_type(), device=self.device)
+
+    def _loss_scales(self, mbs, loss_weight_fn, multiplier: int) -> list[float]:
+        """``loss_weight_fn(mb) / Σ_all loss_weight_fn × multiplier`` per sequence, computed
+        as FSDPEngine does (the total in float32, all-reduced over data-parallel ranks)."""
+        weights = [loss_weight_fn(mb) for mb in mbs]
+        total = torch.stack([torch.as_tensor(w) for w in weights]).sum().detach().clone().to(
+            dtype=torch.float32, device=self.device)
+        self.parallel.all_reduce(total)
+        if not total > 0:
+            raise ValueError(f"the total loss weight of the batch is {float(total)}; it must be "
+                             "positive (does any sequence have a trainable token?)")
+        return [0.0 if w == 0 else float(w / total * multiplier) for w in weights]
+
+    def _walk_batch(self, ids, scales=None):
+        cfg = self.config
+        labels = [convert.wrap_label(s, pad_to_maximum=cfg.pad_to_maximum,
+                                     max_tokens_per_mb=cfg.mb_spec.max_tokens_per_mb) for s in ids]
+        batch = convert.walk_batch(ids, scales, labels=labels, max_positions=self._max_positions())
+        batch.validate(vocab_size=self.model.config.vocab_size,
+                       max_positions=self._max_positions(), required=(convert.SEQ_INDEX,))
+        return batch
+
+    def _walk(self, ids, mbs, loss_fn, scales, *, train: bool) -> list[torch.Tensor]:
+        """Evaluate ``loss_fn`` once per sequence (scaled) on the forward walk's tensors; with
+        ``train``, accumulate the exact gradient of the scaled sum by a training walk."""
+        batch = self._walk_batch(ids, scales)
+        walker = self._walker()
+        tree = PrefixTree(batch.input_ids, min_shared=self.dta.min_shared)
+        fwd = walker.forward(tree, batch, minmax=True)
+        temperature = float(self.config.temperature)
+        lengths = [len(s) for s in ids]
+        values: list[torch.Tensor] = []
+
+        def per_sequence(lp, ent, fields):
+            i = int(fields[convert.SEQ_INDEX][0])
+            if scales[i] == 0:  # FSDPEngine skips loss_fn for a zero-weight micro-batch
+                return lp.sum() * 0.0
+            n = lengths[i]
+            # AReaL reports the min/max of the raw logits; the walker's are divided by T
+            vmin = (convert.areal_view(fwd.vocab_min[i], n) * temperature).float()
+            vmax = (convert.areal_view(fwd.vocab_max[i], n) * temperature).float()
+            loss = loss_fn(convert.areal_view(lp, n), convert.areal_view(ent, n), mbs[i],
+                           vocab_min_logits=vmin, vocab_max_logits=vmax)
+            values.append((loss * scales[i]).detach())
+            return loss
+
+        loss = SequenceLoss(per_sequence, (convert.SEQ_INDEX,))
+        forwarded = fwd.tokens
+        if train:
+            with torch.enable_grad():
+                objective, total = linearize(batch, loss, "sum", fwd.logprobs, fwd.entropy)
+                res = walker.train(tree, objective)
+            forwarded += res.tokens + res.recomputed_tokens
+        else:
+            _, total = linearize(batch, loss, "sum", fwd.logprobs, fwd.entropy)
+        self._record_tree(ids, tree, forwarded, loss=total)
+        return values or [torch.zeros((), device=self.device)]
+
+    def _walker(self) -> Walker:
+        return Walker(self.model, policy=self.policy, logits_chunk=self.dta.logits_chunk,
+                      temperature=float(self.config.temperature))
+
+    def _record_tree(self, ids, walked: PrefixTree, forwarded: int, loss: float | None = None):
+        stats = PrefixTree(ids, min_shared=self.dta.min_shared).stats()
+        self._last = dict(tree_token_ratio=float(stats.sharing_ratio),
+                          tree_total_tokens=float(stats.total_tokens),
+                          tree_unique_tokens=float(stats.unique_tokens),
+                          tree_sequences=float(stats.sequences),
+                          tree_depth=float(stats.depth),
+                          dta_forwarded_tokens=float(forwarded))
+        if loss is not None:
+            self._last["dta_loss"] = float(loss)
+
+    def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False):
+        """AReaL's micro-batch interface, without prefix sharing: for each micro-batch the
+        packed logits ``[T, V]`` (every packed segment, padding included, forwarded on its own,
+        so sequences never attend to each other), then ``process_output_fn(logits, ctx)`` with
+        FSDPEngine's context keys, and ``backward()`` on its result unless ``forward_only``.
+        ``train_batch`` / ``forward_batch`` / ``eval_batch`` are the DFS paths."""
+        self._require_model()
+        for item in mb_list:
+            padded = item.padded_mb
+            ids = padded["input_ids"].reshape(-1).to(self.device)
+            pos = padded.get("position_ids")
+            pos = None if pos is None else pos.reshape(-1).to(self.device)
+            cu = [int(c) for c in padded["cu_seqlens"]]
+            with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+                parts = []
+                for a, b in zip(cu[:-1], cu[1:]):
+                    if b > a:
+                        p = torch.arange(b - a, device=self.device) if pos is None else pos[a:b]
+                        parts.append(self.model(input_ids=ids[a:b][None],
+                                                position_ids=p[None]).logits[0])
+                logits = torch.cat(parts)
+                ctx = dict(model_inputs=padded, mb_input=item.orig_mb,
+                           pad_length=item.padding_length, ulysses_pad_size=0, trie_node=None)
+                loss = process_output_fn(logits, ctx)
+                if not forward_only and loss is not None:
+                    loss.backward()
