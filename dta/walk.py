@@ -24,10 +24,11 @@ pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/attenti
 ``dta/packmask.py``. A model with recurrent layers (Gated DeltaNet) is walked node by node
 through the model interface: a recurrent state cannot branch inside one call.
 
-Memory policies: *retain* keeps each pack's graph along the current path; *recompute* keeps
-only the detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's
-choice). Either way at most one graph per pack of the current path is alive, plus the leaf
-packs waiting for a head flush (bounded by ``head_rows``).
+Memory policies: *retain* keeps each pack's graph along the current path, plus the leaf packs
+waiting for a head flush (at most ``head_rows`` tokens of them); *recompute* keeps only the
+detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's choice):
+one graph alive at a time (its leaf packs are flushed at once; the detached head rows of the
+open packs are still batched).
 """
 from __future__ import annotations
 
@@ -230,11 +231,13 @@ class Walker:
             with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
                 hidden, state = self._forward(tree, layout, path)
             job = queue.add(hidden, self._terms(tree, layout, objective, record))
-            live = (len(path) if self.policy == "retain" else 0) + len(waiting) + 1
+            live = (len(path) + len(waiting) if self.policy == "retain" else 0) + 1
             res.max_live_graphs = max(res.max_live_graphs, live)
             if is_leaf:
                 waiting.append((hidden, job, layout.tokens))
-                if queue.rows >= self.head_rows or sum(w[2] for w in waiting) >= max(self.head_rows, 1):
+                # recompute keeps one graph alive: its leaf packs do not wait for a flush
+                if self.policy == "recompute" or queue.rows >= self.head_rows \
+                        or sum(w[2] for w in waiting) >= max(self.head_rows, 1):
                     flush()
                 return
             leaves = [tuple(x.detach().requires_grad_() for x in layer) for layer in state]

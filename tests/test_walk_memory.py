@@ -1,7 +1,7 @@
 """The structural fact behind 'memory bounded by one path': walked node by node with the head
 at every push, the node graphs alive at any moment never exceed the depth of the tree
-(retain) or one (recompute); packed, with leaf packs waiting for a batched head flush, they
-never exceed what the walker reports (path + waiting leaf packs). Counted independently of
+(retain) or one (recompute, packed or not); packed with retain, leaf packs waiting for a
+batched head flush add to the path, and the count never exceeds what the walker reports. Counted independently of
 the walker's own bookkeeping: every tensor autograd saves is tagged with the pack being
 forwarded, and the distinct tags among saved tensors still alive are the live graphs."""
 import numpy as np
@@ -59,9 +59,9 @@ def test_live_graphs_bounded_by_path(monkeypatch, policy, bound, leaves, packed)
     limit = depth if bound == "depth" else bound
     print(policy, leaves, "peak live graphs", peak[0], "depth", depth)
     assert 1 <= peak[0] <= res.walk.max_live_graphs
-    if not packed:
+    if not packed or policy == "recompute":
         assert res.walk.max_live_graphs <= limit
-    else:  # waiting leaf packs: at most one per head flush's worth of rows
+    else:  # retain: plus leaf packs waiting for a head flush (at most one per leaf)
         assert res.walk.max_live_graphs <= limit + leaves
         assert res.walk.packs < res.walk.nodes or leaves == 1
     assert res.walk.max_path <= depth - 1
