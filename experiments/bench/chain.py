@@ -8,9 +8,11 @@ over an ever longer cached prefix: the copies of that prefix (concatenating the 
 Per turn count and mode (interleaved, ``--repeats`` rounds, one process, 2 threads): step
 time, and, in one extra profiled step at the largest turn count, the *copy share*: self CPU
 time of copy kernels (cat, copy_, clone, index_select, expand materialization) over all self
-CPU time. Modes: ``dfs-node`` (one call per node, SDPA native GQA), ``dfs-node-repeat-kv``
-(the same through HF's SDPA path, which ``repeat_kv``-copies the prefix), ``dfs-packed``
-(packs: the cost model's choice). The growth figure compares t(N) / t(N_min) with the FLOPs
+CPU time. Modes: ``dfs-node-before`` (one call per node, the path's K/V concatenated into a
+``DynamicCache`` -- copied there once more and again when the forward appends -- and HF's SDPA
+path, which ``repeat_kv``-copies the prefix for grouped-query heads: the walk before packs),
+``dfs-node`` (one call per node, the path's pieces joined once inside the cache, SDPA native
+GQA), ``dfs-packed`` (packs: the cost model's choice, batched head). The growth figure compares t(N) / t(N_min) with the FLOPs
 of the micro-batch baseline (every turn trained on its own) and of DFS over the same N.
 """
 from __future__ import annotations
@@ -26,8 +28,8 @@ import numpy as np
 
 COPY_OPS = ("aten::cat", "aten::copy_", "aten::clone", "aten::index_select", "aten::_to_copy",
             "aten::contiguous", "aten::expand_copy")
-MODES = {"dfs-node": dict(packing="node", head_rows=0),
-         "dfs-node-repeat-kv": dict(packing="node", head_rows=0, native_gqa=False),
+MODES = {"dfs-node-before": dict(packing="node", head_rows=0, native_gqa=False, hf_cache=True),
+         "dfs-node": dict(packing="node", head_rows=0),
          "dfs-packed": dict(packing="auto")}
 
 
@@ -47,13 +49,36 @@ def chain_batch(turns: int, *, prompt: int = 256, turn: int = 48, vocab: int = 3
     return Batch.from_records(recs)
 
 
-def _step(model, batch, loss, kw):
-    from dta.train import accumulate_gradients
+def _hf_cache_walker():
+    import torch
 
+    from dta.walk import Walker
+
+    class HFCacheWalker(Walker):
+        """Node by node through the model interface's own cache (``DynamicCache`` built from
+        the concatenated path): the copies the walk made before ``dta.attention.path_cache``."""
+
+        def _forward(self, tree, layout, path):
+            if len(layout.tree_nodes) != 1:
+                raise ValueError("HFCacheWalker walks node by node (packing='node')")
+            ids = torch.as_tensor(tree.tokens(int(layout.tree_nodes[0])), device=self.device)
+            return self.io.forward(ids, layout.prefix, [f.state for f in path])
+
+    return HFCacheWalker
+
+
+def _step(model, batch, loss, kw):
+    from dta.objective import Objective
+    from dta.tree import PrefixTree
+    from dta.walk import Walker
+
+    kw = dict(kw)
+    cls = _hf_cache_walker() if kw.pop("hf_cache", False) else Walker
     model.zero_grad(set_to_none=True)
     t = time.perf_counter()
-    res = accumulate_gradients(model, batch, loss, **kw)
-    return time.perf_counter() - t, res.walk.calls()
+    walker = cls(model, **kw)
+    res = walker.train(PrefixTree(batch.input_ids), Objective(batch, loss, "token_mean"))
+    return time.perf_counter() - t, res.calls()
 
 
 def copy_share(model, batch, loss, kw) -> dict:
