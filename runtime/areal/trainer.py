@@ -55,7 +55,8 @@ class DTAPPOTrainer(PPOTrainer):
     """``PPOTrainer`` on DTA (see the module doc)."""
 
     def __init__(self, config, train_dataset=None, valid_dataset=None, *,
-                 inference_engine: str | Callable[[InferenceEngineConfig, bool], Any] | None = None):
+                 inference_engine: str | Callable[[InferenceEngineConfig, bool], Any]
+                 | None = None):
         if getattr(config, "critic", None) is not None:
             raise NotImplementedError("DTAPPOTrainer trains actors; a critic (config.critic) "
                                       "is not supported — use GRPO-style advantages "
