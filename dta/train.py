@@ -42,15 +42,17 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
                          reduction: str = "token_mean", totals: Totals | None = None,
                          policy: str = "retain", temperature: float = 1.0,
                          logits_chunk: int = 1024, min_shared: int = 1, record: bool = False,
-                         progress=None) -> StepResult:
+                         progress=None, router_aux_loss: str = "refuse") -> StepResult:
     """Add the batch's loss gradient into the parameters' ``.grad`` by one DFS walk.
 
     totals: normalizers of the mean reductions over the whole global batch, when this call
     sees only part of it (a data-parallel worker); default: this batch's own.
+    router_aux_loss: "refuse" | "exclude", see ``dta.walk.Walker``.
     """
     validate_for_model(batch, model, loss)
     tree = PrefixTree(batch.input_ids, min_shared=min_shared)
-    walker = Walker(model, policy=policy, logits_chunk=logits_chunk, temperature=temperature)
+    walker = Walker(model, policy=policy, logits_chunk=logits_chunk, temperature=temperature,
+                    router_aux_loss=router_aux_loss)
     if isinstance(loss, SequenceLoss):
         fwd = walker.forward(tree, batch)
         objective, value = linearize(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals)
