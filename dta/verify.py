@@ -21,6 +21,11 @@ Adam's update g/(|g|+eps) amplifies an absolute gradient error by about 1/eps wh
 near eps, so with eps 1e-8 a float32 rounding error of 1e-10 in a 5e-9 gradient entry (seen
 in a zero-initialized Qwen2 key bias) moves that parameter's update by 2 %. That is the
 optimizer's conditioning, not a difference between DFS and unpacked training.
+Honesty rules: a NaN or inf anywhere in a comparison makes that error NaN/inf and the check a
+failure (never dropped by ``max``). The training walk computes log-probs only where a loss
+term needs them (sequences with no trained token are not walked, or only along a prefix they
+share), so it is compared on the sequences it walks whole; a forward-only walk of every
+sequence is compared at every position as well.
 A float64 check runs a *truly* float64 model (norms patched to stay in float64; see
 ``dta.models.make_truly_float64``); otherwise HF's float32 RMSNorm caps agreement near 1e-7.
 """
@@ -28,15 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 
 from dta.batch import Batch
-from dta.losses import SequenceLoss, TokenLoss
+from dta.losses import SequenceLoss, TokenLoss, token_weights
 from dta.models import make_truly_float64
 from dta.reference import unpacked_gradients
-from dta.train import accumulate_gradients, validate_for_model
+from dta.train import accumulate_gradients, forward_logprobs, validate_for_model
 
 
 @dataclass
@@ -60,16 +66,30 @@ class VerifyReport:
     tree_depth: int
     truly_float64: bool
     adam_eps: float
+    logprobs_sequences: int = 0  # sequences whose training-walk log-probs were compared
 
     def max_rel_err(self) -> float:
         """The figure held to the tolerance: everything in float64; outside float64 the
         update itself is left out (ill-conditioned, see the module docstring), the
-        parameters after the step are not."""
+        parameters after the step are not. NaN if any error is NaN, inf if any is inf."""
         errs = [self.logprobs_rel_err, self.loss_rel_err, self.grad_rel_err, self.params_rel_err]
-        return max(errs + [self.update_rel_err] if self.dtype == "float64" else errs)
+        return worst(errs + [self.update_rel_err] if self.dtype == "float64" else errs)
+
+    def passed(self, tolerance: float) -> bool:
+        """Every error finite and within ``tolerance``."""
+        err = self.max_rel_err()
+        return math.isfinite(err) and err <= tolerance
 
     def as_dict(self) -> dict:
         return {**asdict(self), "max_rel_err": self.max_rel_err()}
+
+
+def worst(errors) -> float:
+    """max that keeps NaN (Python's ``max`` may drop it) and inf."""
+    errors = [float(e) for e in errors]
+    if any(math.isnan(e) for e in errors):
+        return math.nan
+    return max(errors, default=0.0)
 
 
 @contextlib.contextmanager
@@ -87,6 +107,8 @@ ZERO_FLOOR = 1e-8  # see the module docstring: gradients that are zero in exact 
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.nan
     denom = max(float(b.norm()), floor)
     diff = float((a - b).norm())
     return diff / denom if denom > 0 else diff
@@ -127,10 +149,14 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
                                  temperature=temperature, progress=bar)
 
-    lp_err = 0.0
-    for a, b in zip(dfs.walk.logprobs, ref.logprobs):
-        lp_err = max(lp_err, float(((a.to(b.dtype) - b).abs() / b.abs().clamp_min(1.0)).max()))
-    grad_err = 0.0
+    # the training walk: on the sequences it walks whole (those with a loss term)
+    walked = [bool(w.any()) for w in token_weights(batch, reduction)]
+    lp_errs = [_lp_err(a, b) for a, b, k in zip(dfs.walk.logprobs, ref.logprobs, walked) if k]
+    # a forward-only walk: every sequence, every position
+    fwd = forward_logprobs(dfs_model, batch, temperature=temperature, logits_chunk=logits_chunk)
+    lp_errs += [_lp_err(a, b) for a, b in zip(fwd.logprobs, ref.logprobs)]
+    lp_err = worst(lp_errs)
+    grad_errs = []
     ref_params = dict(ref_model.named_parameters())
     g_floor = ZERO_FLOOR * _whole_norm(p.grad for p in ref_params.values() if p.grad is not None)
     noise = {n for n, p in ref_params.items() if p.grad is None or float(p.grad.norm()) < g_floor}
@@ -141,14 +167,17 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
             continue
         g_ref = torch.zeros_like(p) if g_ref is None else g_ref
         g_dfs = torch.zeros_like(p) if g_dfs is None else g_dfs
-        grad_err = max(grad_err, _rel(g_dfs, g_ref, g_floor))
+        grad_errs.append(_rel(g_dfs, g_ref, g_floor))
+    grad_err = worst(grad_errs)
     if adam_eps is None:
         adam_eps = 1e-8 if is_f64 else 1e-5
     (p_dfs, d_dfs), (p_ref, d_ref) = (_adamw_step(m, lr, adam_eps) for m in (dfs_model, ref_model))
-    params_err = max(_rel(p_dfs[n], p_ref[n]) for n in p_ref)
+    params_err = worst(_rel(p_dfs[n], p_ref[n]) for n in p_ref)
     d_all = _whole_norm(d_ref.values())
-    upd_err = max(_rel(d_dfs[n], d_ref[n], d_all if n in noise else 0.0) for n in d_ref)
+    upd_err = worst(_rel(d_dfs[n], d_ref[n], d_all if n in noise else 0.0) for n in d_ref)
     loss_err = abs(dfs.loss - ref.loss) / max(abs(ref.loss), 1e-300)
+    if not (math.isfinite(dfs.loss) and math.isfinite(ref.loss)):
+        loss_err = math.nan
     stats = dfs.tree
     return VerifyReport(
         dtype=str(next(model.parameters()).dtype).replace("torch.", ""), policy=policy,
@@ -158,4 +187,12 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         loss_rel_err=loss_err, grad_rel_err=grad_err, params_rel_err=params_err,
         update_rel_err=upd_err,
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
-        tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps)
+        tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps,
+        logprobs_sequences=int(sum(walked)))
+
+
+def _lp_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.to(b.dtype)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.nan
+    return float(((a - b).abs() / b.abs().clamp_min(1.0)).max())

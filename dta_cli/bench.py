@@ -4,8 +4,9 @@ fresh process, modes interleaved; JSON, Markdown table and plots under --out."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from dta_cli.common import emit_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     summary = compact(results)
     if args.json:
-        print(json.dumps(summary))
+        emit_json(summary)
     else:
         from pathlib import Path
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 
@@ -44,10 +45,68 @@ def load_records(args, vocab_size: int) -> list[dict]:
                          vocab_size=vocab_size).records
 
 
+def _strict(value):
+    """JSON-safe: NaN/inf become null (strict JSON has no NaN), numpy values plain."""
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalar
+        value = value.item()
+    if hasattr(value, "tolist"):
+        return _strict(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def strict_json(obj) -> str:
+    """One line of strict JSON (RFC 8259): a non-finite number is written as null."""
+    return json.dumps(_strict(obj), allow_nan=False)
+
+
 def emit_json(obj: dict) -> None:
-    """The last line of output: one JSON object."""
+    """The last line of output: one strict-JSON object (NaN/inf written as null)."""
     sys.stdout.flush()
-    print(json.dumps(obj, default=float))
+    print(strict_json(obj), flush=True)
+
+
+def add_debug_argument(parser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (default: one line)")
+
+
+def run_guarded(run, args, command: str) -> int:
+    """``run(args)`` with errors as one line on stderr (``--debug``: the traceback)."""
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        print(f"dta {command}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary: one line, not a traceback
+        if getattr(args, "debug", False):
+            raise
+        print(f"dta {command}: error: {one_line(exc)}", file=sys.stderr)
+        if not _is_input_error(exc):
+            print(f"dta {command}: (an unexpected {type(exc).__name__}; run with --debug for "
+                  "the traceback)", file=sys.stderr)
+        return 1
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split("\n")[0].split()) or type(exc).__name__
+    return text[:2000]
+
+
+def _is_input_error(exc: BaseException) -> bool:
+    """Errors about the user's input or environment (their message is the whole story)."""
+    return isinstance(exc, (ValueError, OSError, RuntimeError, KeyError, LookupError))
 
 
 def load_run_config(args, command: str):

@@ -167,8 +167,12 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_submit_arguments(sub.add_parser("submit", help="submit a training run as a Ray job"))
     add_jobs_arguments(sub.add_parser("jobs", help="status | logs | stop | list of Ray jobs"))
+    from dta_cli.common import add_debug_argument, run_guarded
+
+    for p in sub.choices.values():
+        add_debug_argument(p)
     args = parser.parse_args(argv)
-    return run_submit(args) if args.command == "submit" else run_jobs(args)
+    return run_guarded(run_submit if args.command == "submit" else run_jobs, args, args.command)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         # Command modules import their heavy dependencies (torch, ray) inside run().
         module = importlib.import_module(module_name)
+        from dta_cli.common import add_debug_argument
+
+        add_debug_argument(p)
         # A module that serves several commands (submit / jobs) picks by name.
         add = getattr(module, f"add_{name}_arguments", None) or module.add_arguments
         add(p)
@@ -46,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
-    return int(args._run(args) or 0)
+    from dta_cli.common import run_guarded
+
+    return run_guarded(args._run, args, args.command)
 
 
 if __name__ == "__main__":

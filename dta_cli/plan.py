@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from dta_cli.common import emit_json
 import time
 
 METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time)
@@ -144,5 +146,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"dta plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(out))
+        emit_json(out)
     return 0

@@ -90,7 +90,9 @@ def run(args) -> int:
         return 1
     print_summary(summary)
     if args.json:
-        print(json.dumps(summary, default=float))
+        from dta_cli.common import emit_json
+
+        emit_json(summary)
     return 0
 
 
@@ -99,9 +101,12 @@ def main(argv=None) -> int:
     (used as a Ray job's entrypoint, where only this command is needed)."""
     import argparse
 
+    from dta_cli.common import add_debug_argument, run_guarded
+
     parser = argparse.ArgumentParser(prog="dta train", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    add_debug_argument(parser)
+    return run_guarded(run, parser.parse_args(argv), "train")
 
 
 if __name__ == "__main__":

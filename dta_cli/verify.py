@@ -50,7 +50,7 @@ def run(args) -> int:
     report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
                     progress=True)
     tol = args.tolerance or (1e-10 if report.dtype == "float64" else 1e-4)
-    ok = report.max_rel_err() <= tol
+    ok = report.passed(tol)  # NaN/inf anywhere: a failure
     d = report.as_dict()
     print(f"model {args.model_path or args.family + '/' + args.size} ({report.parameters:,} params, "
           f"{report.dtype}{', norms kept in float64' if report.truly_float64 else ''}), "

@@ -3,8 +3,9 @@ optionally write it as JSONL (the format of ``dta.jsonl``)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from dta_cli.common import emit_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         wl.to_jsonl(args.out)
     st = wl.stats()
     if args.json:
-        print(json.dumps({**st, "params": wl.params, "out": args.out}))
+        emit_json({**st, "params": wl.params, "out": args.out})
     else:
         _print_table(st, wl.params, args.out)
     return 0
