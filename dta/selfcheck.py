@@ -92,7 +92,9 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
         model.eval()
         for p in params:
             p.grad = None
-        _compare(model, seqs, report)
+        # the walker may be built inside no_grad (a forward-only step): the probe needs grad
+        with torch.inference_mode(False), torch.enable_grad():
+            _compare(model, seqs, report)
     finally:
         for p, g in zip(params, saved):
             p.grad = g

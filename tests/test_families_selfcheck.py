@@ -131,3 +131,14 @@ def test_self_check_in_model_dtypes_passes_for_the_matrix():
             model = build_model(family, "tiny", dtype=dtype, seed=0, matrix=True)
             report = selfcheck.self_check(model)
             assert report.passed, report
+
+
+def test_self_check_runs_inside_no_grad():
+    """A forward-only step built under no_grad (as AReaL's engines do) still probes."""
+    model = build_model("qwen3", "tiny", seed=5)
+    from dta.train import forward_logprobs
+
+    with torch.no_grad():
+        res = forward_logprobs(model, batch_for(model))
+    assert res.nodes == 3 and selfcheck._CACHE[model].passed
+    assert all(p.grad is None for p in model.parameters())
