@@ -68,7 +68,10 @@ def run(cfg):
         trainer.train(workflow)
         after = [m.detach().clone() for m in trainer.actor.master.master]
         updates = list(trainer.rollout.updates)
-    return dict(before=before, after=after, committed=committed, updates=updates)
+        trained = {n: p.detach().float() for n, p in trainer.actor.model.named_parameters()}
+        served = {n: p.detach().clone() for n, p in trainer.rollout.model.named_parameters()}
+    return dict(before=before, after=after, committed=committed, updates=updates,
+                trained=trained, served=served)
 
 
 def test_grpo_two_steps_then_resume_bit_identical(tmp_path, smoke_model, spmd):
@@ -79,6 +82,8 @@ def test_grpo_two_steps_then_resume_bit_identical(tmp_path, smoke_model, spmd):
     assert all(u["record"].endswith(f"/update_weights_from_disk/{u['version'] - 1}")
                for u in full["updates"])
     assert not any(os.path.exists(u["path"]) for u in full["updates"])  # cleared after load
+    for name, p in full["trained"].items():  # the inference engine serves the trained weights
+        assert torch.equal(full["served"][name], p), name
     assert any(not torch.equal(a, b) for a, b in zip(full["before"], full["after"]))
     assert [s for s, _ in full["committed"]] == [0, 1]
     for _, stats in full["committed"]:
@@ -99,6 +104,22 @@ def test_grpo_two_steps_then_resume_bit_identical(tmp_path, smoke_model, spmd):
         assert torch.equal(a, b)  # step 2 bit-identical to the uninterrupted run
 
 
+def test_reference_model_is_a_dta_engine(tmp_path, smoke_model, spmd):
+    """With ``kl_ctl > 0`` and a ``ref`` block, the reference model is DTA too."""
+    from runtime.areal import DTAPPOActor
+
+    cfg = config(tmp_path, smoke_model, "ref", "total_train_steps=1", "actor.kl_ctl=0.1",
+                 "+ref.backend=fsdp:d1", "+ref.experiment_name=dta-tau2-smoke",
+                 "+ref.trial_name=ref", f"+ref.path={smoke_model}", "+ref.attn_impl=sdpa",
+                 "+ref.dta.policy=recompute")
+    trainer, workflow = build_trainer(cfg, smoke=True)
+    with trainer:
+        assert isinstance(trainer.ref, DTAPPOActor) and trainer.ref.optimizer is None
+        assert trainer.ref.policy == "recompute"
+        trainer.train(workflow)
+        assert trainer.ref.export_stats()["tree_sequences"] == 4  # ref_logp walked the tree
+
+
 def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
     from omegaconf.errors import ConfigKeyError
 
@@ -109,3 +130,11 @@ def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
         config(tmp_path, smoke_model, "t", "+actor.dta.polcy=recompute")
     with pytest.raises(ValueError, match="unknown DTA policy"):
         config(tmp_path, smoke_model, "t", "actor.dta.policy=keep")
+
+
+def test_real_mode_config_loads():
+    """configs/areal-tau2-grpo.yaml (SGLang on GPUs; not run here) is a valid DTAPPOConfig."""
+    cfg, _ = load_dta_ppo_config(["--config", os.path.join(ROOT, "configs",
+                                                           "areal-tau2-grpo.yaml")])
+    assert cfg.rollout.backend == "sglang:d1" and cfg.actor.weight_update_mode == "xccl"
+    assert cfg.actor.dta.policy == "recompute" and cfg.recover.mode == "on"
