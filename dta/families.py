@@ -30,6 +30,9 @@ class Family:
 
 
 _MOE_SMALL = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_GDN = "Gated DeltaNet (recurrent) layers"
+_HYBRID_MATRIX = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention",
+                                                        "linear_attention", "linear_attention"])
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaConfig", "LlamaForCausalLM"),
@@ -101,6 +104,18 @@ FAMILIES: dict[str, Family] = {
                   # a projected embedding (project_in / project_out) and a tied head
                   matrix=dict(word_embed_proj_dim=32, tie_word_embeddings=True),
                   features=("learned positions (offset 2)", "projected embedding", "tied head")),
+    # Hybrid linear attention (dta/recurrent.py): Gated DeltaNet layers, whose (conv, recurrent)
+    # state the walk forks, interleaved with gated full attention; GDN head sizes derive from
+    # the generic size (recurrent.gdn_config_defaults). The matrix puts attention between GDN
+    # layers (a GDN layer reads attention output and the other way round).
+    "qwen3_5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", matrix=_HYBRID_MATRIX,
+                      features=(_GDN, "gated attention", "(1 + w) norms")),
+    "qwen3_5_moe": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                          fixed=dict(_MOE_SMALL, shared_expert_intermediate_size=32),
+                          matrix=_HYBRID_MATRIX, features=(_GDN, "gated attention", "MoE")),
+    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                         fixed=dict(_MOE_SMALL, shared_expert_intermediate_size=32),
+                         matrix=_HYBRID_MATRIX, features=(_GDN, "gated attention", "MoE")),
 }
 
 TESTED_MODEL_CLASSES = frozenset(f.model_class for f in FAMILIES.values())
@@ -115,6 +130,11 @@ def config_kwargs(family: str, size: dict, matrix: bool, overrides: dict) -> dic
         kw.update(fam.matrix)
     for k, v in overrides.items():
         kw[fam.rename.get(k, k)] = v
+    if _GDN in fam.features:
+        from dta.recurrent import gdn_config_defaults
+
+        for k, v in gdn_config_defaults(kw).items():
+            kw.setdefault(k, v)
     if "attention_dropout" not in fam.drop:
         kw.setdefault("attention_dropout", 0.0)
     kw.setdefault("tie_word_embeddings", False)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dta import recurrent
+
 NodeState = list  # per layer: a tuple of tensors (attention: (keys, values))
 
 
@@ -155,8 +157,11 @@ def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
     return layer.keys[:, :, start:], layer.values[:, :, start:]
 
 
-# kind -> (path states -> cache data, (cache layer, start, end, where) -> node state)
-_KINDS = {"attention": (_attention_cache_layer, _attention_node_state)}
+# kind -> (path states -> cache data, (cache layer, start, end, where) -> node state);
+# "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the parent's
+# final state (dta/recurrent.py)
+_KINDS = {"attention": (_attention_cache_layer, _attention_node_state),
+          recurrent.RECURRENT: (recurrent.path_state, recurrent.node_state)}
 
 
 class ModelInterface:
@@ -170,7 +175,8 @@ class ModelInterface:
         # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
         params = inspect.signature(type(self.decoder).forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.layer_kinds = ["attention"] * _num_layers(model.config)
+        self.layer_kinds = (recurrent.layer_kinds(model.config) if recurrent.is_hybrid(model)
+                            else ["attention"] * _num_layers(model.config))
 
     # ------------------------------------------------------------------ forward --
     def embed(self, ids: torch.Tensor) -> dict:
@@ -184,10 +190,11 @@ class ModelInterface:
         mutates its cache, so every node gets its own. No config: full layers only."""
         from transformers import DynamicCache
 
-        if not path:
-            return DynamicCache()
-        data = [_KINDS[kind][0]([node[i] for node in path]) for i, kind in enumerate(self.layer_kinds)]
-        return DynamicCache(ddp_cache_data=data)
+        data = [_KINDS[kind][0]([node[i] for node in path])
+                for i, kind in enumerate(self.layer_kinds)] if path else None
+        if recurrent.RECURRENT in self.layer_kinds:  # per-kind layers, roots included
+            return recurrent.build_cache(self.layer_kinds, data)
+        return DynamicCache(ddp_cache_data=data) if path else DynamicCache()
 
     def node_state(self, cache, start: int, end: int) -> NodeState:
         """The node's own slice (positions start..end-1) of every layer after its forward."""

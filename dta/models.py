@@ -11,6 +11,7 @@ import types
 
 import torch
 
+from dta import recurrent
 from dta.families import FAMILIES, config_kwargs
 
 # Sizes are keyword overrides of the family's config. "tiny" is for tests, "small" for CPU
@@ -72,6 +73,8 @@ def build_model(family: str = "qwen3", size: str | dict = "tiny", *, dtype="floa
     torch.manual_seed(seed)
     cls = getattr(transformers, FAMILIES[family].model_class)
     model = cls(config).to(resolve_dtype(dtype))
+    if recurrent.is_hybrid(config):  # GDN decays in [0.01, 1]: see recurrent.init_decay
+        recurrent.init_decay(model, seed)
     return model.eval()
 
 
@@ -111,8 +114,10 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
             if isinstance(target, torch.Tensor):
                 target = target.dtype
             if target in _LOWER_FLOATS and (len(args) == 2) != ("dtype" in kwargs) \
-                    and set(kwargs) <= {"dtype"}:
-                return args[0]
+                    and set(kwargs) <= {"dtype", "memory_format"}:
+                # the GDN delta rule: .to(torch.float32, memory_format=contiguous_format)
+                fmt = kwargs.get("memory_format")
+                return args[0] if fmt is None else args[0].contiguous(memory_format=fmt)
         if func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax,
                     torch.log_softmax, torch.nn.functional.log_softmax) \
                 and kwargs.get("dtype") in _LOWER_FLOATS and args[0].dtype == torch.float64:

@@ -15,6 +15,15 @@ FLOPs per token, forward + backward = 3 x forward:
     linear    3 * (2 * non-embedding params + 2 * hidden * vocab)     [LM head included]
     attention 3 * 4 * layers * (heads * head_dim) per context token   [QK^T and AV]
 
+Hybrid models (Qwen3.5, Qwen3-Next: ``layer_types`` with ``linear_attention``): only the
+full-attention layers have attention pairs; a Gated DeltaNet layer is linear in tokens — its
+projections and conv are parameters, and its chunked delta rule (chunk C = 64, per value head
+of dims d_k, d_v) adds 4·C·d_k + C·(d_k + d_v) + 2·C·d_v + 6·d_k·d_v forward FLOPs per token
+(intra-chunk QKᵀ and KKᵀ, the two triangular solves, the intra-chunk read, the state
+read/write). Their gated attention's q projection is twice as wide (the output gate). MoE
+layers count the experts a token activates (``num_experts_per_tok`` × ``moe_intermediate_size``)
+plus the shared expert.
+
 Because positions are tree positions, the attention work of a node spanning positions
 [a, b) is Σ_{p=a}^{b-1} (p + 1) = (b(b+1) - a(a+1)) / 2, and a root path of p tokens costs
 ``token * p + attention * p(p+1)/2`` (:meth:`CostModel.prefix_cost`).
@@ -79,10 +88,23 @@ class CostModel:
         inter = int(_get(config, "intermediate_size", "n_inner", default=4 * hidden))
         act = str(_get(config, "hidden_act", "activation_function", default="silu"))
         mlp_mats = 3 if act in ("silu", "swiglu", "swish") else 2  # gated MLPs: up/gate/down
-        attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
-        params = layers * (attn_params + mlp_mats * hidden * inter)
-        token = 3.0 * (2 * params + 2 * hidden * vocab)
-        attention = 3.0 * 4 * layers * heads * head_dim
+        types = list(_get(config, "layer_types", default=["full_attention"] * layers))
+        gdn_layers = sum(t == "linear_attention" for t in types)
+        attn_layers = layers - gdn_layers
+        q_width = 2 if gdn_layers else 1  # Qwen3.5 / Qwen3-Next: q_proj also yields the gate
+        attn_params = hidden * head_dim * ((1 + q_width) * heads + 2 * kv_heads)  # q(+gate), o, k, v
+        experts = _get(config, "num_experts_per_tok", default=0)
+        if experts and _get(config, "moe_intermediate_size", default=0):
+            inter = experts * int(_get(config, "moe_intermediate_size")) + \
+                int(_get(config, "shared_expert_intermediate_size", default=0))
+        params = attn_layers * attn_params + layers * mlp_mats * hidden * inter
+        gdn_flops = 0.0
+        if gdn_layers:
+            gdn_params, gdn_flops = _gdn_layer(config, hidden)
+            params += gdn_layers * gdn_params
+            gdn_flops *= gdn_layers
+        token = 3.0 * (2 * params + gdn_flops + 2 * hidden * vocab)
+        attention = 3.0 * 4 * attn_layers * heads * head_dim
         label = name or str(_get(config, "name_or_path", "_name_or_path", "model_type",
                                  default="config"))
         return cls(token, attention, 0.0, "flop", label)
@@ -144,6 +166,24 @@ class CostModel:
 
     def __call__(self, tree, sequence_ids) -> float:
         return self.cost(tree, sequence_ids)
+
+
+GDN_CHUNK = 64  # transformers' / flash-linear-attention's delta-rule chunk
+
+
+def _gdn_layer(config: Any, hidden: int) -> tuple[int, float]:
+    """(parameters, per-token forward FLOPs of the delta rule) of one Gated DeltaNet layer."""
+    k_heads = int(_get(config, "linear_num_key_heads"))
+    v_heads = int(_get(config, "linear_num_value_heads"))
+    dk = int(_get(config, "linear_key_head_dim"))
+    dv = int(_get(config, "linear_value_head_dim"))
+    kernel = int(_get(config, "linear_conv_kernel_dim", default=4))
+    key_dim, value_dim = k_heads * dk, v_heads * dv
+    conv_dim = 2 * key_dim + value_dim
+    params = hidden * (conv_dim + value_dim + 2 * v_heads) + value_dim * hidden + conv_dim * kernel
+    c = GDN_CHUNK
+    rule = v_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
+    return params, float(rule)
 
 
 def features(tree, sequence_ids) -> tuple[int, int]:

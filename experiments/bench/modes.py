@@ -296,7 +296,19 @@ def attention(model, impl: str):
             model.set_attn_implementation(old)
 
 
+def refuse_recurrent(model_or_config, mode: str) -> None:
+    """A tree mask only restricts which keys a query sees; a recurrent (Gated DeltaNet) layer
+    has no keys: packed siblings would run through one another's state. Refuse, clearly."""
+    from dta.recurrent import is_hybrid
+
+    if is_hybrid(model_or_config):
+        raise ValueError(f"mode {mode!r} cannot train a model with recurrent (Gated DeltaNet) "
+                         "layers: a tree mask cannot fork a recurrent state; use padded, "
+                         "microbatch, dfs-retain or dfs-recompute")
+
+
 def _treemask(model, batch: Batch, loss, flex: bool, opts) -> float:
+    refuse_recurrent(model, "treemask-flex" if flex else "treemask")
     objective = _objective(batch, loss, opts)
     dev = next(model.parameters()).device
     active = [i for i in range(len(batch)) if objective.has_loss(i)]

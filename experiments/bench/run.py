@@ -252,6 +252,13 @@ def run(cfg: BenchConfig, *, progress: bool = True, log=print) -> dict:
     unknown = [m for m in cfg.modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    from dta.models import build_config
+    from experiments.bench.modes import refuse_recurrent
+
+    config = build_config(cfg.family, cfg.size)
+    for mode in cfg.modes:
+        if mode.startswith("treemask"):
+            refuse_recurrent(config, mode)  # before any process is spawned
     out = Path(cfg.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     points = sweep_points(cfg)

@@ -1,7 +1,8 @@
 """AReaL backend: DTA's depth-first prefix-tree training behind AReaL's ``TrainEngine`` API.
 
-``from runtime.areal import DTATrainEngine`` (and ``DTAPPOActor``, ``DTAOptions``, and
-``actor_config_from_dta`` for a ``dta`` run config). areal is an
+``from runtime.areal import DTATrainEngine`` (and ``DTAPPOActor``, ``DTAOptions``,
+``actor_config_from_dta`` for a ``dta`` run config, ``DTAPPOTrainer`` / ``DTAPPOConfig`` for
+AReaL's own RL loop, ``SmokeInferenceEngine`` for CPU smoke runs). areal is an
 optional extra (see README.md in this directory for the install recipe); the ``dta`` library
 never imports it. Names are imported lazily, so ``import runtime.areal`` alone costs nothing.
 """
@@ -12,6 +13,11 @@ _EXPORTS = {
     "DTAOptions": "runtime.areal.options",
     "DTAPPOActor": "runtime.areal.actor",
     "actor_config_from_dta": "runtime.areal.config",
+    "DTAPPOTrainer": "runtime.areal.trainer",
+    "DTAPPOConfig": "runtime.areal.ppo_config",
+    "DTAPPOActorConfig": "runtime.areal.ppo_config",
+    "load_dta_ppo_config": "runtime.areal.ppo_config",
+    "SmokeInferenceEngine": "runtime.areal.smoke_engine",
 }
 __all__ = sorted(_EXPORTS)
 

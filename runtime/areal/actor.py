@@ -38,3 +38,15 @@ class DTAPPOActor(DTATrainEngine):
 
     def ppo_update(self, *args, **kwargs) -> None:
         self.actor.ppo_update(*args, **kwargs)
+
+    @classmethod
+    def as_controller(cls, config: PPOActorConfig, scheduler):
+        """AReaL's single-controller actor: a ``PPOActorController`` whose workers each
+        create this class (by its import path ``runtime.areal.actor.DTAPPOActor``)."""
+        if getattr(config, "_version", "v1") == "v2":
+            from areal.trainer.ppo.actor import PPOActorControllerV2
+
+            return PPOActorControllerV2(train_engine=cls, config=config, scheduler=scheduler)
+        from areal.trainer.ppo.actor import PPOActorController
+
+        return PPOActorController(train_engine=cls, config=config, scheduler=scheduler)

@@ -1,7 +1,12 @@
-"""``save`` / ``load`` of ``DTATrainEngine`` in AReaL's ``hf`` format, as ``FSDPEngine`` writes
-it: ``save_pretrained`` on rank 0 (weights in the compute dtype) plus the tokenizer/processor
-when given; ``with_optim`` adds ``optim_world_size_{W}_rank_{r}.pt``. Loading reads a local
-directory only; nothing is ever downloaded."""
+"""``save`` / ``load`` of ``DTATrainEngine`` in AReaL's two formats, as ``FSDPEngine`` has them:
+
+* ``hf``: ``save_pretrained`` on rank 0 (weights in the compute dtype) plus the
+  tokenizer/processor when given; ``with_optim`` adds ``optim_world_size_{W}_rank_{r}.pt``.
+  Loading reads a local directory only; nothing is ever downloaded.
+* ``dcp``: ``torch.distributed.checkpoint`` of the parameters the optimizer steps (the fp32
+  masters with mixed precision), the optimizer state when ``with_optim``, and the LR
+  scheduler (``runtime/areal/dcp.py``) — what AReaL's ``RecoverHandler`` writes and reads.
+"""
 from __future__ import annotations
 
 import glob
@@ -22,14 +27,34 @@ class CheckpointMixin:
         return os.path.join(path, f"optim_world_size_{self.parallel.world_size}_rank_"
                                   f"{self.parallel.rank}.pt")
 
+    def _stepped_parameters(self):
+        """``[(name, Parameter)]`` the optimizer steps: the fp32 masters under the model's
+        parameter names with mixed precision, else the model's own trainable parameters."""
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        params = self.master.master if self.master is not None else self._trainable()
+        return list(zip(names, params))
+
     def save(self, meta: SaveLoadMeta):
-        """``hf``: ``model.save_pretrained`` (rank 0; weights in the compute dtype, as
-        FSDPEngine exports them) plus the tokenizer/processor when given; ``with_optim`` adds
-        ``optim_world_size_{W}_rank_{r}.pt`` as FSDPEngine does."""
+        """``hf`` (see the module doc) or ``dcp``."""
         self._require_model()
-        if meta.weight_format != "hf":
-            raise NotImplementedError(f"DTATrainEngine saves weight_format 'hf' only, got "
-                                      f"{meta.weight_format!r}")
+        _check_format(meta.weight_format)
+        with self._offload_aware():
+            if meta.weight_format == "dcp":
+                self._save_dcp(meta)
+            else:
+                self._save_hf(meta)
+        self.parallel.barrier()
+
+    def _save_dcp(self, meta: SaveLoadMeta):
+        from runtime.areal.dcp import save_dcp
+
+        if meta.with_optim:
+            self._require_optimizer()
+        save_dcp(str(meta.path), self._stepped_parameters(),
+                 self.optimizer if meta.with_optim else None,
+                 self.lr_scheduler if meta.with_optim else None)
+
+    def _save_hf(self, meta: SaveLoadMeta):
         os.makedirs(meta.path, exist_ok=True)
         if self.parallel.rank == 0:
             self.model.save_pretrained(meta.path)
@@ -40,15 +65,32 @@ class CheckpointMixin:
         if meta.with_optim:
             self._require_optimizer()
             torch.save(self.optimizer.state_dict(), self._optim_path(meta.path))
-        self.parallel.barrier()
 
     def load(self, meta: SaveLoadMeta):
-        """The inverse of :meth:`save`: weights from the directory's safetensors (a local
-        path only), the optimizer state when ``with_optim``."""
+        """The inverse of :meth:`save`: ``hf`` reads the directory's safetensors (a local path
+        only) and the optimizer state when ``with_optim``; ``dcp`` restores what
+        :meth:`save` wrote in place."""
         self._require_model()
-        if meta.weight_format != "hf":
-            raise NotImplementedError(f"DTATrainEngine loads weight_format 'hf' only, got "
-                                      f"{meta.weight_format!r}")
+        _check_format(meta.weight_format)
+        with self._offload_aware():
+            if meta.weight_format == "dcp":
+                self._load_dcp(meta)
+            else:
+                self._load_hf(meta)
+        self.parallel.barrier()
+
+    def _load_dcp(self, meta: SaveLoadMeta):
+        from runtime.areal.dcp import load_dcp
+
+        if meta.with_optim:
+            self._require_optimizer()
+        load_dcp(str(meta.path), self._stepped_parameters(),
+                 self.optimizer if meta.with_optim else None,
+                 self.lr_scheduler if meta.with_optim else None)
+        if self.master is not None:
+            self.master.master_to_model()
+
+    def _load_hf(self, meta: SaveLoadMeta):
         state = local_state_dict(meta.path)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = ({"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False)
@@ -62,7 +104,12 @@ class CheckpointMixin:
             self._require_optimizer()
             self.optimizer.load_state_dict(torch.load(self._optim_path(meta.path),
                                                       weights_only=False))
-        self.parallel.barrier()
+
+
+def _check_format(weight_format: str) -> None:
+    if weight_format not in ("hf", "dcp"):
+        raise ValueError(f"unknown weight_format {weight_format!r}; DTATrainEngine saves and "
+                         "loads 'hf' and 'dcp'")
 
 
 def local_tokenizer(path: str):

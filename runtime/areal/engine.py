@@ -23,7 +23,8 @@ The engine is assembled from one-thing modules: ``options.py`` (DTAOptions), ``p
 (process groups, model placement, gradient reduction — the seam for sharded layouts),
 ``optimizer.py`` (optimizer, LR scheduler, fp32 master weights, the clipped step),
 ``walks.py`` (the DFS walks), ``checkpoint.py`` (save/load), ``rollout.py`` (inference-engine
-connection, weight updates, versions).
+connection, weight updates, versions), ``offload.py`` (offload/onload), ``workers.py`` (what
+AReaL's single controller calls on a worker).
 """
 from __future__ import annotations
 
@@ -44,18 +45,21 @@ from dta.tree import PrefixTree
 
 from runtime.areal import convert
 from runtime.areal.checkpoint import CheckpointMixin, local_tokenizer
+from runtime.areal.offload import OffloadMixin
 from runtime.areal.optimizer import MasterWeights, build_lr_scheduler, build_optimizer, step
 from runtime.areal.options import DTAOptions
 from runtime.areal.parallel import DataParallel
 from runtime.areal.rollout import RolloutMixin
 from runtime.areal.walks import WalksMixin
+from runtime.areal.workers import WorkerMixin
 
 __all__ = ["DTAOptions", "DTATrainEngine"]
 
 logger = logging.getLogger("DTATrainEngine")
 
 
-class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, TrainEngine):
+class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, WorkerMixin,
+                     TrainEngine):
     """An AReaL ``TrainEngine`` that trains by depth-first prefix-tree walks (see module doc).
 
     Construct with AReaL's ``TrainEngineConfig`` (or ``PPOActorConfig``) and optional
@@ -89,6 +93,24 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, TrainEngine):
         self._initialized = False
         self._training = True
         self._last: dict[str, float] = {}
+
+    @classmethod
+    def from_pretrained(cls, model: str, experiment_name: str, trial_name: str, dp_size: int = 1,
+                        tp_size: int = 1, dtype: str = "bfloat16",
+                        learning_rate: float | None = None, use_lora: bool = False,
+                        lora_rank: int = 32, lora_alpha: int = 16,
+                        dta: DTAOptions | None = None, **kwargs) -> "DTATrainEngine":
+        """The engine on a local HF directory without assembling a ``TrainEngineConfig``, as
+        ``FSDPEngine.from_pretrained``: ``backend="fsdp:d{dp}t{tp}"``, an optimizer only when
+        ``learning_rate`` is given (else inference only); other keywords go to the config."""
+        from areal.api.cli_args import OptimizerConfig
+
+        config = TrainEngineConfig(
+            path=model, experiment_name=experiment_name, trial_name=trial_name,
+            backend=f"fsdp:d{dp_size}t{tp_size}", dtype=dtype,
+            optimizer=None if learning_rate is None else OptimizerConfig(lr=learning_rate),
+            use_lora=use_lora, lora_rank=lora_rank, lora_alpha=lora_alpha, **kwargs)
+        return cls(config, dta)
 
     # ------------------------------------------------------------ process groups --
     def create_process_group(self, parallel_strategy=None):
@@ -221,6 +243,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, TrainEngine):
         ``update_successful``, ``grad_norm``, ``lr`` and ``num_micro_batches`` (the number of
         loss_fn calls: one per sequence)."""
         self._require_optimizer()
+        self._ensure_ready()
         self.optimizer_zero_grad()
         ids, mbs = self._sequences(input_)
         scales = self._loss_scales(mbs, loss_weight_fn, multiplier=self.world_size)
@@ -235,6 +258,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, TrainEngine):
         """Σ over sequences of ``loss_fn × loss_weight_fn(mb) / Σ loss_weight_fn``,
         all-reduced over data-parallel ranks (FSDPEngine.eval_batch)."""
         self._require_model()
+        self._ensure_ready()
         ids, mbs = self._sequences(input_)
         scales = self._loss_scales(mbs, loss_weight_fn, multiplier=1)
         losses = self._walk(ids, mbs, loss_fn, scales, train=False)
@@ -248,6 +272,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, TrainEngine):
         artefact with one sequence per micro-batch); padding is 0. Dict input gives a
         ``[B, max L_i]`` tensor, list input a list of per-trajectory tensors."""
         self._require_model()
+        self._ensure_ready()
         batched, meta = convert.normalize_input(input_)
         ids, _ = convert.split_sequences(batched, model_type=self._model_type())
         lengths = [len(s) for s in ids]
@@ -278,13 +303,6 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, TrainEngine):
         out.update(self._last)
         return out
 
-    def offload(self) -> None:
-        raise NotImplementedError("DTATrainEngine does not offload (torch_memory_saver); its "
-                                  "memory is bounded by one root-to-leaf path instead")
-
-    def onload(self) -> None:
-        raise NotImplementedError("DTATrainEngine does not offload, so there is nothing to onload")
-
     def get_device_stats(self) -> DeviceRuntimeInfo:
         return DeviceRuntimeInfo.get_current()
 
@@ -297,6 +315,11 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, TrainEngine):
 
     def _max_positions(self):
         return getattr(self.model.config, "max_position_embeddings", None)
+
+    def _ensure_ready(self):
+        """Onload an offloaded engine before it computes (as FSDPEngine._ensure_ready)."""
+        if self.is_offload:
+            self.onload()
 
     def _require_model(self):
         if self.model is None:

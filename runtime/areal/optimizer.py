@@ -79,6 +79,15 @@ class MasterWeights:
             m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
 
     @torch.no_grad()
+    def master_grads_to_model(self) -> None:
+        """The masters' (clipped) gradients back into the model parameters' ``.grad``, so a
+        caller reading ``param.grad`` after the step sees the gradients the optimizer used, as
+        with FSDPEngine (whose parameters' gradients are clipped in place)."""
+        for m, p in zip(self.master, self.params):
+            if m.grad is not None:
+                p.grad = m.grad.to(p.dtype)
+
+    @torch.no_grad()
     def master_to_model(self) -> None:
         for m, p in zip(self.master, self.params):
             p.copy_(m)
@@ -91,8 +100,9 @@ class MasterWeights:
 
 def step(params, optimizer, max_norm, master: MasterWeights | None, model) -> tuple[float, bool]:
     """Clip by the global norm and step (on the masters when there are any, then copy them
-    into the model); on a non-finite norm zero the gradients and skip. Returns
-    ``(grad_norm, updated)``."""
+    and their clipped gradients into the model); on a non-finite norm zero the gradients and
+    skip. Returns ``(grad_norm, updated)``. Afterwards ``param.grad`` of the model holds the
+    clipped gradient either way, as FSDPEngine's does."""
     if master is not None:
         master.grads_to_master()
     norm, updated = clip_and_step(_Params(master.master if master is not None else params),
@@ -101,4 +111,5 @@ def step(params, optimizer, max_norm, master: MasterWeights | None, model) -> tu
         model.zero_grad(set_to_none=True)
     elif master is not None:
         master.master_to_model()
+        master.master_grads_to_model()
     return norm, updated

@@ -10,11 +10,12 @@ methods; the engine calls nothing else.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "strategy_of"]
+__all__ = ["DataParallel", "init_default_group", "strategy_of"]
 
 _REFUSED = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
             "expert_parallel_size")
@@ -37,6 +38,24 @@ def strategy_of(backend, parallel_strategy=None):
     return strategy
 
 
+def init_default_group() -> bool:
+    """Initialize ``torch.distributed`` if it is not: ``env://`` with the platform's backend
+    when ``WORLD_SIZE`` > 1 (as FSDPEngine does), else a one-process group through a file
+    store in a fresh temporary directory (nothing listens on a socket). Returns whether it
+    initialized the group (then the caller owns it)."""
+    if dist.is_initialized():
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from areal.infra.platforms import current_platform
+
+        dist.init_process_group(backend=current_platform.communication_backend)
+    else:
+        store = os.path.join(tempfile.mkdtemp(prefix="dta-areal-pg-"), "store")
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return True
+
+
 class DataParallel:
     """Data-parallel replicas: the whole world when ``torch.distributed`` is initialized (it
     is initialized here, as FSDPEngine does, when ``WORLD_SIZE`` > 1), else none — a single
@@ -50,11 +69,25 @@ class DataParallel:
 
     def create(self, backend, parallel_strategy=None) -> None:
         strategy = strategy_of(backend, parallel_strategy)
-        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from areal.infra.platforms import current_platform
-
-            dist.init_process_group(backend=current_platform.communication_backend)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and init_default_group():
             self.own_global_group = True
+        self._make_groups()
+        dp = getattr(strategy, "data_parallel_size", None)
+        if dp not in (None, self.world_size):
+            raise ValueError(f"data-parallel size {dp} (from {backend!r}) differs from the "
+                             f"{self.world_size} process(es) running")
+        self.ready = True
+
+    def ensure_group(self) -> None:
+        """Process groups even for one process (what AReaL's rollout coordination and
+        barriers need): initialize a one-process group when there is none."""
+        if self.dp_group is not None:
+            return
+        if init_default_group():
+            self.own_global_group = True
+        self._make_groups()
+
+    def _make_groups(self) -> None:
         if dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.dp_group = dist.group.WORLD
@@ -63,11 +96,6 @@ class DataParallel:
                 group = dist.new_group([r])
                 if r == self.rank:
                     self.mp_group = group
-        dp = getattr(strategy, "data_parallel_size", None)
-        if dp not in (None, self.world_size):
-            raise ValueError(f"data-parallel size {dp} (from {backend!r}) differs from the "
-                             f"{self.world_size} process(es) running")
-        self.ready = True
 
     @property
     def head(self) -> int:

@@ -1,0 +1,184 @@
+"""Recurrent (Gated DeltaNet) layers in the walk: a node's final states are what it hands on.
+
+Hybrid models (Qwen3.5 dense and MoE, Qwen3-Next) interleave linear-attention layers
+(``layer_types == "linear_attention"``, a Gated DeltaNet: a causal depthwise conv and a gated
+delta-rule recurrence) with full-attention layers. A GDN layer has no mask and no per-token
+K/V: it threads two running states token by token, a causal-conv state (the last
+``conv_kernel`` projected inputs) and a recurrent state ``[heads, d_k, d_v]``. For the walk
+they play the part K/V play for attention:
+
+- a root node starts from zero state (HF's prefill);
+- a node starts from its parent's *final* states, held as detached autograd leaves;
+- the node's own final states are its output to its children; at pop they are
+  backpropagated with the gradients the children left in the leaves.
+
+Only the parent's states are needed (not the whole path's, as for K/V), and a node's states
+do not grow with its length.
+
+Transformers' GDN forward already continues a multi-token chunk from cached states (pure
+torch on CPU; flash-linear-attention / causal-conv1d kernels where installed). Its cache
+layer, ``LinearAttentionLayer``, updates the states *in place* (``copy_``) — which breaks
+autograd when a state is a leaf or was saved for backward. :class:`ForkedStateLayer` is that
+layer with functional updates: the states are replaced, never written into, so gradients
+flow through them. The single-token decode path (an in-place ``causal_conv1d_update``) is
+bypassed by reporting ``record_past``, which makes HF take its general chunk path.
+"""
+from __future__ import annotations
+
+import torch
+
+GDN = "linear_attention"  # HF's layer type of a Gated DeltaNet layer
+ATTENTION = "full_attention"
+RECURRENT = "recurrent"  # the walker's layer kind: state (conv, recurrent), continued from the parent
+KINDS = {ATTENTION: "attention", GDN: RECURRENT}
+
+
+def layer_types(config) -> list[str]:
+    """The decoder's per-layer HF types (``full_attention`` when the config has none)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None)
+    return list(types) if types is not None else [ATTENTION] * int(config.num_hidden_layers)
+
+
+def is_hybrid(model_or_config) -> bool:
+    """Whether the model has recurrent (GDN) layers whose state the walk must fork."""
+    return GDN in layer_types(getattr(model_or_config, "config", model_or_config))
+
+
+def layer_kinds(config) -> list[str]:
+    """The walker's kind per layer of a hybrid model ("attention" | "recurrent"). Any other
+    layer type next to GDN layers (sliding windows, ...) is refused: one clear line."""
+    types = layer_types(config)
+    bad = sorted({t for t in types if t not in KINDS})
+    if bad:
+        raise ValueError(f"{type(config).__name__}: hybrid model with layer types {bad}; the walk "
+                         f"forks only {ATTENTION!r} K/V and {GDN!r} (Gated DeltaNet) states")
+    return [KINDS[t] for t in types]
+
+
+def path_state(states: list[tuple]) -> tuple:
+    """A GDN layer's cache data for a node: its parent's final (conv, recurrent) state — the
+    last node of the path (a recurrence needs no older state)."""
+    return states[-1]
+
+
+def node_state(layer, start: int, end: int, where: str) -> tuple:
+    """A GDN layer's state after a node's forward: its final (conv, recurrent) state."""
+    if not getattr(layer, "is_recurrent_states_initialized", {}).get(0):
+        raise RuntimeError(f"{where}: the GDN layer was not run; no final state to hand on")
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
+def _forked_state_layer_class():
+    from transformers.cache_utils import LinearAttentionLayer
+
+    class ForkedStateLayer(LinearAttentionLayer):
+        """HF's linear-attention cache layer, starting from given states, updated functionally."""
+
+        def __init__(self, state: tuple | None = None):
+            super().__init__(number_of_states=1)
+            # HF's single-token path updates the conv state in place; "recording" routes every
+            # forward through the general path (cat + conv), which our update keeps functional.
+            self.record_past = True
+            if state is not None:
+                conv, rec = state
+                self.conv_states[0], self.recurrent_states[0] = conv, rec
+                self.conv_kernel_size[0] = conv.shape[-1]
+                self.device, self.dtype = conv.device, conv.dtype
+                self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+                self.has_previous_state[0] = True
+
+        def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
+            kernel = conv_kernel_size or self.conv_kernel_size[state_idx]
+            if self.has_previous_state[state_idx]:
+                prev = self.conv_states[state_idx]
+            else:  # a root: zero state (what HF's prefill pads with)
+                prev = conv_states.new_zeros(*conv_states.shape[:-1], kernel)
+            full = torch.cat([prev, conv_states], dim=-1)
+            self.conv_states[state_idx] = full[..., -kernel:]
+            self.conv_kernel_size[state_idx] = kernel
+            self.device, self.dtype = conv_states.device, conv_states.dtype
+            self.is_conv_states_initialized[state_idx] = True
+            self.has_previous_state[state_idx] = True
+            return full
+
+        def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+            self.recurrent_states[state_idx] = recurrent_states
+            self.is_recurrent_states_initialized[state_idx] = True
+            return recurrent_states
+
+        def crop(self, tokens_to_remove: int):
+            raise RuntimeError("a forked GDN state cannot be cropped")
+
+    return ForkedStateLayer
+
+
+_LAYER_CLASS = None
+
+
+def forked_state_layer(state: tuple | None = None):
+    """A cache layer for one GDN layer starting from `state` = (conv, recurrent), or from zero
+    state (None: a root)."""
+    global _LAYER_CLASS
+    if _LAYER_CLASS is None:
+        _LAYER_CLASS = _forked_state_layer_class()
+    return _LAYER_CLASS(state)
+
+
+def build_cache(kinds: list[str], data: list | None):
+    """A fresh per-node cache for a hybrid model. ``data[i]`` is the path's K/V (attention) or
+    the parent's final (conv, recurrent) state (recurrent); ``data=None`` for a root. A forward
+    mutates its cache: build one per node."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    layers = []
+    for i, kind in enumerate(kinds):
+        if kind == RECURRENT:
+            layers.append(forked_state_layer(data[i] if data is not None else None))
+        else:
+            layer = DynamicLayer()
+            if data is not None:
+                layer.update(*data[i])
+            layers.append(layer)
+    cache = DynamicCache.__new__(DynamicCache)
+    Cache.__init__(cache, layers=layers)
+    return cache
+
+
+def gdn_config_defaults(kw: dict) -> dict:
+    """Gated DeltaNet sizes for a generic size (``dta.models.SIZES``): key heads = K/V heads,
+    value heads = attention heads, head dims = the attention head dim; a full-attention layer
+    every 4 layers (Qwen3.5's and Qwen3-Next's 3:1 pattern) from 4 layers up, every 2 below
+    (so a 2-layer test model has one layer of each kind)."""
+    heads = int(kw.get("num_attention_heads", 4))
+    head_dim = int(kw.get("head_dim") or int(kw.get("hidden_size", 64)) // heads)
+    out = dict(linear_num_key_heads=int(kw.get("num_key_value_heads", heads)),
+               linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+               linear_value_head_dim=head_dim, linear_conv_kernel_dim=4)
+    if "layer_types" not in kw:
+        out["full_attention_interval"] = 4 if int(kw.get("num_hidden_layers", 4)) >= 4 else 2
+    return out
+
+
+RANDOM_INIT_A = (0.01, 1.0)  # HF draws A from (0.01, 16)
+
+
+def init_decay(model, seed: int = 0, low: float = RANDOM_INIT_A[0], high: float = RANDOM_INIT_A[1]) -> int:
+    """Random-init models only (``dta.models.build_model``): draw each GDN head's decay rate A
+    from [low, high] instead of HF's [0.01, 16]. With A up to 16 a head's decay over a 64-token
+    chunk reaches exp(-1000): the chunked delta rule (exp of cumulative decays, a triangular
+    solve) then rounds the tiny gradients of A_log / dt_bias differently for different chunk
+    boundaries — ~5e-10 relative between DFS and whole-sequence training, and ~5e-12 between
+    HF's own chunked and token-by-token kernels on the same sequence — while every other
+    gradient stays at 1e-14. A property of the kernel's conditioning, not of the walk; with the
+    milder range every gradient agrees to round-off. Returns the number of layers set."""
+    g = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log") and hasattr(m, "dt_bias"):
+                a = torch.empty(m.A_log.shape, dtype=torch.float64).uniform_(low, high, generator=g)
+                m.A_log.copy_(a.log().to(m.A_log.dtype))
+                n += 1
+    return n

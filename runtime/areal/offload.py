@@ -1,0 +1,98 @@
+"""``offload`` / ``onload`` of ``DTATrainEngine``: the parameters, their gradients, the fp32
+master weights and the optimizer state move to host memory and back, so an actor can share
+its accelerator with the rollout (AReaL's colocated mode, ``enable_offload``).
+
+FSDPEngine does this with torch_memory_saver (a CUDA allocator hook); here the tensors are
+moved with ``.to()``, to pinned host memory when an accelerator is present. Operations that
+need the weights (train, forward, save, weight update) onload first and offload again after
+(:meth:`OffloadMixin._offload_aware`), as FSDPEngine's ``_offload_aware_context`` does. On a
+CPU-only machine the host *is* the device: the moves are no-ops and only the state changes.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["OffloadMixin"]
+
+
+def _move(tensor: torch.Tensor | None, device: torch.device, pin: bool):
+    if tensor is None or tensor.device == device:
+        return tensor
+    out = tensor.to(device, non_blocking=True)
+    return out.pin_memory() if pin and device.type == "cpu" else out
+
+
+class OffloadMixin:
+    """The offload members (needs ``model``, ``master``, ``optimizer``, ``device``,
+    ``parallel``)."""
+
+    is_offload = False
+    _offload_depth = 0
+
+    def _tensors(self):
+        """Every tensor slot the engine owns on the device: (holder, attribute) pairs."""
+        for p in self.model.parameters():
+            yield p, "data"
+            if p.grad is not None:
+                yield p, "grad"
+        for b_owner in self.model.modules():
+            for name, buf in b_owner._buffers.items():
+                if buf is not None:
+                    yield b_owner._buffers, name
+        if self.master is not None:
+            for m in self.master.master:
+                yield m, "data"
+                if m.grad is not None:
+                    yield m, "grad"
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        yield state, key
+
+    def _place(self, device: torch.device) -> None:
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        with torch.no_grad():
+            for holder, key in list(self._tensors()):
+                if isinstance(holder, dict):
+                    holder[key] = _move(holder[key], device, pin)
+                else:
+                    setattr(holder, key, _move(getattr(holder, key), device, pin))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def offload(self) -> None:
+        """Parameters, gradients, master weights and optimizer state to host memory."""
+        self._require_model()
+        if not self.is_offload:
+            self._place(torch.device("cpu"))
+            self.is_offload = True
+        self.parallel.barrier()
+
+    def onload(self) -> None:
+        """Everything :meth:`offload` moved back to the engine's device."""
+        self._require_model()
+        if self.is_offload:
+            self._place(self.device)
+            self.is_offload = False
+        self.parallel.barrier()
+
+    @contextlib.contextmanager
+    def _offload_aware(self):
+        """Onload for the duration of an operation that needs the weights, and offload again
+        after it if the engine was offloaded (re-entrant: only the outermost call moves)."""
+        if not self.is_offload and self._offload_depth == 0:
+            yield
+            return
+        self._offload_depth += 1
+        if self._offload_depth == 1:
+            self.onload()
+        try:
+            yield
+        finally:
+            self._offload_depth -= 1
+            if self._offload_depth == 0:
+                self.offload()
