@@ -12,7 +12,10 @@ from dta.config import (KEY_USE, NOT_IN_DTA_TRAIN, ConfigError, NormConfig, _all
 from dta_cli.batches import BatchSource, BatchSourceError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+# `dta train` configs; configs/areal-*.yaml are AReaL PPOConfig files (AReaL's own schema,
+# checked by AReaL's loader and tests/test_areal*.py)
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+                 if not os.path.basename(p).startswith("areal-"))
 
 
 def leaf_keys(node, prefix=""):

@@ -27,7 +27,7 @@ import torch
 
 from dta.batch import Batch
 from dta.config import from_dict, loss_kwargs
-from dta.losses import Totals, make_loss
+from dta.losses import Totals, batch_totals, make_loss
 from dta.models import build_model, load_model
 from dta.train import accumulate_gradients, clip_and_step, forward_logprobs
 
@@ -214,7 +214,9 @@ class DFSWorker:
         reset_peak_memory(self.device)
         stats = {"rank": self.rank, "pid": os.getpid(), "step": int(step), "sequences": 0,
                  "tokens": 0, "unique_tokens": 0, "forwarded_tokens": 0, "loss": 0.0}
-        if totals.trainable_tokens == 0:
+        if batch is not None and totals is None:
+            totals = batch_totals(batch)  # the worker sees the whole batch
+        if totals is not None and totals.trainable_tokens == 0:
             # No trained token in the whole batch (every rank sees the same totals, so every
             # rank skips, no collective is entered): no gradient, no optimizer step.
             stats.update(grad_norm=0.0, updated=False, accumulate_s=0.0, allreduce_s=0.0,
