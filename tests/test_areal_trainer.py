@@ -76,8 +76,12 @@ def run(cfg):
 
 def test_grpo_two_steps_then_resume_bit_identical(tmp_path, smoke_model, spmd):
     recover = ["recover.mode=on", "recover.freq_steps=1"]
-    # an uninterrupted 2-step run
-    full = run(config(tmp_path, smoke_model, "full", *recover))
+    # an uninterrupted 2-step run, saving HF weights every step (AReaL's Saver would import
+    # ArchonEngine -> triton here, which CPU machines lack)
+    full = run(config(tmp_path, smoke_model, "full", *recover, "saver.freq_steps=1"))
+    saved = tmp_path / "fileroot" / "checkpoints"
+    assert len(list(saved.glob("*/dta-tau2-smoke/full/default/epoch0epochstep*globalstep*"
+                               "/model.safetensors"))) == 2
     assert [u["version"] for u in full["updates"]] == [1, 2]
     assert all(u["record"].endswith(f"/update_weights_from_disk/{u['version'] - 1}")
                for u in full["updates"])
@@ -118,6 +122,25 @@ def test_reference_model_is_a_dta_engine(tmp_path, smoke_model, spmd):
         assert trainer.ref.policy == "recompute"
         trainer.train(workflow)
         assert trainer.ref.export_stats()["tree_sequences"] == 4  # ref_logp walked the tree
+
+
+def test_refusals(tmp_path, smoke_model, spmd):
+    from areal.api.alloc_mode import ModelAllocation
+
+    from runtime.areal import DTAPPOTrainer
+
+    cfg = config(tmp_path, smoke_model, "bad")
+    with pytest.raises(ValueError, match="'megatron'"):
+        DTAPPOTrainer._create_train_engine(object.__new__(DTAPPOTrainer), cfg.actor,
+                                           ModelAllocation.from_str("megatron:d1"))
+    with pytest.raises(ValueError, match="inference_engine must be"):
+        DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4, inference_engine="sglang")
+    cfg.critic = object()
+    with pytest.raises(NotImplementedError, match="critic"):
+        DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # refused before any process group was made
 
 
 def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
