@@ -277,3 +277,25 @@ def test_single_controller_members(model_dir, single):
     engine.clear_batches(["shard-a"])
     assert "shard-a" not in rtensor._fetch_buffer
     engine.destroy()
+
+
+def test_dcp_checkpoint_is_verified_before_it_is_read(model_dir, single, tmp_path):
+    """A DCP checkpoint carries a manifest (trust's checkpoint rules): a flipped byte is
+    refused, naming the file, before anything is loaded."""
+    from runtime.ray_runtime.checkpoint import CheckpointError
+
+    engine = new_engine(model_dir)
+    path = tmp_path / "dcp"
+    meta = SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True)
+    engine.save(meta)
+    assert (path / "manifest.json").is_file()
+    engine.load(meta)  # intact: loads
+    (shard,) = path.glob("*.distcp")
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    with pytest.raises(CheckpointError, match=shard.name):
+        engine.load(meta)
+    assert all(torch.equal(a, p) for a, p in zip(before, engine.model.parameters()))
+    engine.destroy()
