@@ -93,14 +93,16 @@ class Walker:
     native_gqa: run SDPA's grouped-query path (``dta.attention``) during the walk.
     router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for the
     router's load-balancing loss; "exclude" trains the policy loss without it (see
-    ``dta.modeling.check_router_aux_loss``).
+    ``dta.modeling.check_router_aux_loss``). self_check: compare the walker's path with the
+    model's own forward and backward on a small probe, once per model object, and refuse a
+    model that differs (``dta.selfcheck``); False skips it.
     """
 
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
                  temperature: float = 1.0, router_aux_loss: str = "refuse",
-                 packing: str = "auto", pack_tokens: int = DEFAULT_CAP,
-                 head_rows: int | None = None, pack_cost: PackCost | None = None,
-                 native_gqa: bool = True):
+                 self_check: bool = True, packing: str = "auto",
+                 pack_tokens: int = DEFAULT_CAP, head_rows: int | None = None,
+                 pack_cost: PackCost | None = None, native_gqa: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown memory policy {policy!r}; choose one of {POLICIES}")
         if temperature <= 0:
@@ -118,6 +120,10 @@ class Walker:
         self.head_rows = int(logits_chunk if head_rows is None else head_rows)
         self.pack_cost = pack_cost or PackCost.from_config(model.config)
         self.native_gqa = native_gqa
+        if self_check:
+            from dta.selfcheck import ensure_self_check
+
+            ensure_self_check(model)
 
     def plan(self, tree: PrefixTree, active: np.ndarray | None = None) -> PackPlan:
         return plan_packs(tree, self.packing, cap=self.pack_tokens, cost=self.pack_cost,

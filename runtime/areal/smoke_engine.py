@@ -7,6 +7,8 @@ it instead of launching ``RemoteSGLangEngine``. It is deliberately simple and *n
 engine:
 
 * one model, in this process, on the CPU (or the given device); requests run one at a time;
+  one training process (world size 1): a disk update reaches rank 0's engine only, as it
+  reaches the shared servers of a real run;
 * ``rollout_batch`` / ``prepare_batch`` run the workflow's episodes **synchronously, in data
   order** (no staleness window, no overlap with training: every trajectory is on-policy);
   ``submit`` queues an episode and ``wait`` runs the queue;

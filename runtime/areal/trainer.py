@@ -14,7 +14,8 @@ What differs from ``PPOTrainer``:
 * the train engines (above); critics are refused (DTA trains actors);
 * ``inference_engine=``: an optional factory ``(rollout_config, is_eval) -> InferenceEngine``,
   or ``"smoke"`` for :class:`~runtime.areal.smoke_engine.SmokeInferenceEngine` (CPU smoke runs
-  and tests) instead of AReaL's ``RemoteSGLangEngine`` / ``RemotevLLMEngine``;
+  and tests, one training process) instead of AReaL's ``RemoteSGLangEngine`` /
+  ``RemotevLLMEngine``;
 * in SPMD mode (``AREAL_SPMD_MODE=1``, what AReaL's launchers set) a one-process run gets a
   loopback process group (AReaL's loop needs barriers), and AReaL's name-resolve is pointed at
   ``cluster.name_resolve`` (the disk weight-update records);
@@ -55,7 +56,8 @@ class DTAPPOTrainer(PPOTrainer):
     """``PPOTrainer`` on DTA (see the module doc)."""
 
     def __init__(self, config, train_dataset=None, valid_dataset=None, *,
-                 inference_engine: str | Callable[[InferenceEngineConfig, bool], Any] | None = None):
+                 inference_engine: str | Callable[[InferenceEngineConfig, bool], Any]
+                 | None = None):
         if getattr(config, "critic", None) is not None:
             raise NotImplementedError("DTAPPOTrainer trains actors; a critic (config.critic) "
                                       "is not supported — use GRPO-style advantages "
@@ -109,6 +111,11 @@ class DTAPPOTrainer(PPOTrainer):
             raise NotImplementedError("LoRA is not supported by DTAPPOTrainer")
         if factory == "smoke":
             from runtime.areal.smoke_engine import SmokeInferenceEngine
+
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(f"the smoke inference engine serves one training process; "
+                                 f"this run has {dist.get_world_size()} (disk weight updates "
+                                 "reach rank 0's engine only, as they reach a shared server)")
 
             engine = SmokeInferenceEngine(rollout_config, self.config.actor.path,
                                           seed=self.config.seed)

@@ -58,6 +58,7 @@ class Trainer:
         self.history: list[StepStats] = []
         self.timings: dict[str, float] = {}
         self._generation = 0
+        self.run_id: str | None = None  # the checkpoint folder's run (set by run_training)
 
     # ---------------------------------------------------------------- lifecycle --
     @property
@@ -77,12 +78,22 @@ class Trainer:
         return self.group.backend if self.group is not None else None
 
     def start(self) -> "Trainer":
-        t0 = time.perf_counter()
-        self.cluster = start_or_join(self.cfg.ray, address=self.address)
-        self.timings["ray_start_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        self._start_workers()
-        self.timings["workers_start_s"] = time.perf_counter() - t1
+        """Ray, then the workers; a failure on the way undoes what was started."""
+        try:
+            t0 = time.perf_counter()
+            self.log("starting Ray" + (f" (joining {self.address})" if self.address else
+                                       " (a private local instance on 127.0.0.1)"))
+            self.cluster = start_or_join(self.cfg.ray, address=self.address)
+            self.timings["ray_start_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.log(f"Ray ready in {self.timings['ray_start_s']:.1f} s; starting "
+                     f"{self.num_workers} workers (each builds its model replica)")
+            self._start_workers()
+            self.timings["workers_start_s"] = time.perf_counter() - t1
+            self.cluster.tighten()  # the workers' session folders too
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def _start_workers(self) -> None:
@@ -138,6 +149,10 @@ class Trainer:
             raise TrainingError("the trainer is not started (use `with Trainer(cfg) as t:`)")
         step = self.completed_steps if step is None else int(step)
         self.validate(batch)
+        if batch.trained_tokens() == 0:  # the workers skip the update (see DFSWorker.step)
+            from dta.train import warn_no_trained_token
+
+            warn_no_trained_token(len(batch), step)
         t0 = time.perf_counter()
         tree = PrefixTree(batch.input_ids, min_shared=int(self.cfg.walker.min_shared))
         plan = self.plan(batch, tree)
@@ -194,8 +209,17 @@ class Trainer:
                 "plan": {"method": self.history[-1].plan_method if self.history else None,
                          "cost_model": repr(self.cost_model)},
                 "history": [s.brief() for s in self.history], **(extra or {})}
+        keep = int(getattr(self.cfg.train, "keep_last", 0) or 0) or None
         return ray.get(self.workers[0].save_checkpoint.remote(
-            os.path.abspath(directory), self.completed_steps, meta))
+            os.path.abspath(directory), self.completed_steps, meta, self.run_id, keep))
+
+    def export_hf(self, path: str) -> str:
+        """Write the trained model with ``save_pretrained`` (rank 0; replicas are identical)."""
+        import ray
+
+        if self.broken:
+            raise TrainingError(f"refusing to export unusable workers ({self.broken})")
+        return ray.get(self.workers[0].export_hf.remote(os.path.abspath(path)))
 
     def load(self, path: str) -> dict:
         import ray
