@@ -11,13 +11,17 @@ What the forward gets (:func:`pack_mask`):
   Hugging Face builds itself from the cache length and the true position ids (sliding
   windows included);
 * otherwise one mask per layer type in ``config.layer_types`` (a dict keyed by layer type
-  when the model has sliding-window layers: the decoders of transformers 5 take it as is),
+  when the model has sliding-window layers and its decoder takes such a dict; a single
+  windowed mask when every layer is sliding: Mistral, Mixtral, Phi-3, Starcoder2;
+  :func:`mask_support` reads which from the config and the decoder),
   in the form the attention implementation expects: a ``[1, 1, T, prefix + T]`` boolean
   mask (True = visible) for SDPA, an additive float mask for eager attention (eager *adds*
   a boolean mask), a FlexAttention ``BlockMask`` for ``flex_attention`` (GPU: FlexAttention
   has no backward on CPU). Other kernels (flash-attn) cannot take a tree mask: refused.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -26,23 +30,46 @@ MASKED_KINDS = SDPA_LIKE + ("eager", "flex_attention")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def layer_windows(config) -> dict[str, int | None]:
-    """Layer type -> window (None: full attention), for the layer types the model uses."""
-    n = int(getattr(config, "num_hidden_layers", 0) or 0)
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * max(n, 1))
-    out = {}
-    for t in types:
-        if t not in LAYER_TYPES:
-            raise ValueError(f"a pack with branches cannot mask layer type {t!r} "
-                             f"(supported: {', '.join(LAYER_TYPES)}); use packing='node'")
-        if t == "sliding_attention":
-            w = getattr(config, "sliding_window", None)
-            if not w:
-                raise ValueError("config has sliding_attention layers but no sliding_window")
-            out[t] = int(w)
-        else:
-            out[t] = None
-    return out
+_DICT_MASKS = "isinstance(causal_mask_mapping := attention_mask, dict)"
+_ALL_SLIDING = "create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask"
+
+
+def mask_support(model) -> tuple[dict[str, int | None] | None, str]:
+    """How a pack with branches can be masked for ``model``: ``(windows, how)`` with windows
+    mapping each layer type to its window (None: full attention) and how = "single" (one
+    mask for every layer) or "dict" (one per layer type, which the decoder takes as is);
+    ``(None, reason)`` when it cannot (the walker then packs single paths only, which need no
+    mask). Read from the config and the decoder's own mask selection (its source): a layer
+    type the decoder masks some other way is never guessed at."""
+    cfg = model.config
+    kind = getattr(cfg, "_attn_implementation", None) or "eager"
+    if kind not in MASKED_KINDS:
+        return None, f"attention implementation {kind!r} takes no tree mask"
+    try:
+        src = inspect.getsource(type(model.get_decoder()).forward)
+    except (OSError, TypeError):
+        return None, "the decoder's forward source is not readable"
+    types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    if types:
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            return None, f"layer types {unknown} have no tree mask"
+        windows = {t: (int(window) if t == "sliding_attention" else None) for t in types}
+        if "sliding_attention" in windows and not window:
+            return None, "sliding_attention layers without a sliding_window"
+        if set(windows) == {"full_attention"} and _ALL_SLIDING not in src:
+            return windows, "single"
+        if _DICT_MASKS in src:
+            return windows, "dict"
+        return None, "the decoder does not take one mask per layer type"
+    if window and _ALL_SLIDING in src:
+        return {"sliding_attention": int(window)}, "single"
+    if window:
+        return None, "a sliding_window the decoder applies in a way DTA does not model"
+    if "create_causal_mask" not in src:
+        return None, "the decoder builds its attention mask in a way DTA does not model"
+    return {"full_attention": None}, "single"
 
 
 def _index_tensors(layout, device):
@@ -106,13 +133,17 @@ def _materialize(layout, device, window, kind: str, dtype):
                      f"branches needs one of {', '.join(MASKED_KINDS)} (or packing='node')")
 
 
-def pack_mask(layout, config, device, dtype=torch.float32):
-    """The ``attention_mask`` argument for a pack's forward (see the module doc)."""
+def pack_mask(layout, model, device, dtype=torch.float32, support=None):
+    """The ``attention_mask`` argument for a pack's forward (see the module doc);
+    ``support``: :func:`mask_support` of the model, when already known."""
     if layout.chain:
         return None
-    kind = getattr(config, "_attn_implementation", None) or "eager"
-    windows = layer_windows(config)
+    windows, how = support or mask_support(model)
+    if windows is None:
+        raise ValueError(f"{type(model).__name__}: a pack with branches cannot be masked "
+                         f"({how}); plan single-path packs (branches=False) or packing='node'")
+    kind = getattr(model.config, "_attn_implementation", None) or "eager"
     masks = {t: _materialize(layout, device, w, kind, dtype) for t, w in windows.items()}
-    if set(masks) == {"full_attention"}:
-        return masks["full_attention"]
+    if how == "single":
+        return next(iter(masks.values()))
     return masks

@@ -41,7 +41,7 @@ from dta.attention import native_gqa, path_cache
 from dta.head import HeadQueue, LMHead
 from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective
-from dta.packmask import pack_mask
+from dta.packmask import mask_support, pack_mask
 from dta.planning.packs import DEFAULT_CAP, PackCost, PackLayout, PackPlan, plan_packs
 from dta.tree import PrefixTree
 
@@ -113,9 +113,12 @@ class Walker:
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # recurrent layers cannot branch inside a call: node by node (each node one path)
+        # recurrent layers cannot branch inside a call: node by node (each node one path);
+        # a model whose attention cannot take a tree mask gets single-path packs only
         self.recurrent = any(kind != "attention" for kind in self.io.layer_kinds)
         self.packing = "node" if self.recurrent else packing
+        self.mask_support = mask_support(model)
+        self.branches = self.mask_support[0] is not None
         self.pack_tokens = int(pack_tokens)
         self.head_rows = int(logits_chunk if head_rows is None else head_rows)
         self.pack_cost = pack_cost or PackCost.from_config(model.config)
@@ -127,7 +130,7 @@ class Walker:
 
     def plan(self, tree: PrefixTree, active: np.ndarray | None = None) -> PackPlan:
         return plan_packs(tree, self.packing, cap=self.pack_tokens, cost=self.pack_cost,
-                          active=active)
+                          active=active, branches=self.branches)
 
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
@@ -138,7 +141,7 @@ class Walker:
             return self.io.forward(ids, layout.prefix, [f.state for f in path])
         pos = torch.as_tensor(layout.positions, device=self.device).unsqueeze(0)
         cache = path_cache(self._path_pieces(tree, layout, path), len(self.io.layer_kinds))
-        mask = pack_mask(layout, self.model.config, self.device, self.dtype)
+        mask = pack_mask(layout, self.model, self.device, self.dtype, self.mask_support)
         out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
                               **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
         P = layout.prefix

@@ -95,9 +95,9 @@ def test_sliding_window_mask(tree):
     w = 5
     m = dense_mask(lay, "cpu", window=w)[0, 0].numpy()
     assert np.array_equal(m, lay.visible() & (lay.positions[:, None] - lay.positions[None, :] < w))
-    cfg = build_model("qwen3", "tiny", layer_types=["sliding_attention", "full_attention"],
-                      sliding_window=w, use_sliding_window=True).config
-    masks = pack_mask(lay, cfg, "cpu")
+    model = build_model("qwen3", "tiny", layer_types=["sliding_attention", "full_attention"],
+                        sliding_window=w, use_sliding_window=True)
+    masks = pack_mask(lay, model, "cpu")
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert np.array_equal(masks["sliding_attention"][0, 0].numpy(), m)
 
@@ -266,6 +266,26 @@ def test_flex_pack_forward_matches_sdpa_cpu(tree):
         for impl in ("sdpa", "flex_attention"):
             with attention(model, impl):
                 out[impl] = dec(input_ids=ids, position_ids=pos, use_cache=True,
-                                attention_mask=pack_mask(lay, model.config, "cpu"),
+                                attention_mask=pack_mask(lay, model, "cpu"),
                                 cache=path_cache(pieces, 2)).last_hidden_state
     assert (out["sdpa"] - out["flex_attention"]).abs().max() < 1e-5
+
+
+def test_mask_support_and_single_path_packs(tree):
+    """Which models take a tree mask, read from config and decoder; without one the plan has
+    single-path packs only (no mask needed), and the walk stays exact."""
+    from dta.models import build_model as build
+    from dta.packmask import mask_support
+
+    assert mask_support(build("qwen3", "tiny")) == ({"full_attention": None}, "single")
+    win = build("qwen3", "tiny", layer_types=["sliding_attention", "full_attention"],
+                sliding_window=6, use_sliding_window=True)
+    assert mask_support(win) == ({"sliding_attention": 6, "full_attention": None}, "dict")
+    flash = build("qwen3", "tiny")
+    flash.config._attn_implementation = "flash_attention_2"
+    assert mask_support(flash)[0] is None
+    plan = plan_packs(tree, "auto", cap=CAP, branches=False)
+    assert all(p.chain for p in plan.packs)
+    assert len(plan) < len(plan_packs(tree, "node"))
+    with pytest.raises(PlanningError, match="tree mask"):
+        plan_packs(tree, "tree", branches=False)

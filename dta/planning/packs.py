@@ -202,10 +202,15 @@ class PackPlan:
 
 # ------------------------------------------------------------------------ planning --
 def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP,
-               cost: PackCost | None = None, active: np.ndarray | None = None) -> PackPlan:
-    """Partition the ``active`` nodes of ``tree`` (default: all) into packs (module doc)."""
+               cost: PackCost | None = None, active: np.ndarray | None = None,
+               branches: bool = True) -> PackPlan:
+    """Partition the ``active`` nodes of ``tree`` (default: all) into packs (module doc).
+    ``branches=False``: single-path packs only (a model whose layers cannot take a tree
+    mask: a pack is then one node, or a node with its only child's chain)."""
     if policy not in POLICIES:
         raise PlanningError(f"unknown pack policy {policy!r}; choose one of {POLICIES}")
+    if policy == "tree" and not branches:
+        raise PlanningError("pack policy 'tree' needs a tree mask, which this model cannot take")
     if isinstance(cap, bool) or int(cap) != cap or cap < 1:
         raise PlanningError(f"pack cap must be a positive number of tokens, got {cap!r}")
     cap, cost = int(cap), cost or PackCost()
@@ -242,10 +247,13 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
         s = int(tree.start[u])
         if sub[u] <= cap and policy in ("subtrees", "auto"):
             closed[u] = cost.of(int(sub[u]), s, bool(chain[u]))
+        if not branches and not chain[u]:
+            closed[u] = np.inf
         best[u], choice[u] = _plan_children(kids[u], int(seg[u]), int(tree.end[u]), s, policy,
-                                            cap, cost, sub, chain, best, closed, kids, True)
+                                            cap, cost, sub, chain, best, closed, kids, True,
+                                            branches)
     _, choice[0] = _plan_children(kids[0], 0, 0, 0, policy, cap, cost, sub, chain, best, closed,
-                                  kids, False)
+                                  kids, False, branches)
     packs: list[Pack] = []
 
     def subtree_nodes(c):
@@ -276,10 +284,10 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
 
 
 def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, best, closed,
-                   all_kids, has_head):
+                   all_kids, has_head, branches=True):
     """Plan u's children: which close into packs (grouped in bins), which u absorbs into its
     own pack, which head their own plans. Returns (modelled cost, choice)."""
-    if policy == "node":
+    if policy == "node" or (policy == "siblings" and not branches):
         items, own = [], list(kids)
     elif policy == "siblings":
         items = [c for c in kids if not all_kids[c] and sub[c] <= cap]
@@ -292,7 +300,7 @@ def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, b
     btok: list[int] = []
     for c in sorted(items, key=lambda c: -int(sub[c])):  # first-fit decreasing
         t, placed = int(sub[c]), False
-        for k in range(len(bins)):
+        for k in range(len(bins) if branches else 0):  # two items in a bin: a branch
             if btok[k] + t > cap:
                 continue
             if policy == "auto":
@@ -311,6 +319,8 @@ def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, b
     if has_head and policy == "auto":
         for k in sorted(range(len(bins)), key=lambda k: -btok[k]):
             if head_tok + btok[k] > cap:
+                continue
+            if not branches and (absorbed or not _chain(bins[k], chain)):
                 continue
             together_chain = head_chain and not absorbed and _chain(bins[k], chain)
             apart = cost.of(head_tok, start_u, head_chain) + cost.of(btok[k], prefix, _chain(bins[k], chain))
