@@ -135,6 +135,10 @@ def test_refusals(tmp_path, smoke_model, spmd):
                                            ModelAllocation.from_str("megatron:d1"))
     with pytest.raises(ValueError, match="inference_engine must be"):
         DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4, inference_engine="sglang")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("AREAL_SPMD_MODE")  # AReaL's default: single controller
+        with pytest.raises(ValueError, match="AREAL_SPMD_MODE=1"):
+            DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4, inference_engine="smoke")
     cfg.critic = object()
     with pytest.raises(NotImplementedError, match="critic"):
         DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4)

@@ -128,7 +128,8 @@ class SmokeInferenceEngine(InferenceEngine):
         prompt = torch.tensor([req.input_ids], dtype=torch.long, device=self.device)
         kwargs = dict(max_new_tokens=max_new, min_new_tokens=g.min_new_tokens,
                       do_sample=not g.greedy, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=0,
+                      return_dict_in_generate=True,
+                      pad_token_id=self.model.generation_config.pad_token_id or 0,
                       eos_token_id=stop or None, attention_mask=torch.ones_like(prompt))
         if not g.greedy:
             kwargs.update(temperature=g.temperature, top_p=g.top_p,

@@ -67,6 +67,9 @@ class DTAPPOTrainer(PPOTrainer):
             raise ValueError(f"inference_engine must be None (AReaL's remote SGLang/vLLM "
                              f"engine), 'smoke' or a factory (rollout_config, is_eval) -> "
                              f"InferenceEngine; got {inference_engine!r}")
+        if inference_engine == "smoke" and is_single_controller():
+            raise ValueError("the smoke inference engine runs in this process, in AReaL's SPMD "
+                             "mode: set AREAL_SPMD_MODE=1 (the example's --smoke does)")
         self._inference_engine = inference_engine
         self._own_group = False
         if not is_single_controller():
