@@ -251,7 +251,7 @@ def to_yaml(cfg) -> str:
 CHOICES: dict[str, tuple] = {
     "model.family": ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "phi3",
                      "gemma", "gemma2", "gemma3", "granite", "cohere", "starcoder2", "olmo2",
-                     "gpt2", "gpt_neox", "opt"),
+                     "gpt2", "gpt_neox", "opt", "qwen3_5", "qwen3_5_moe", "qwen3_next"),
     "model.size": ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b"),
     "model.dtype": ("float32", "float64", "bfloat16", "float16"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),

@@ -155,3 +155,23 @@ def test_meta_with_nan_is_strict_json(saved):
     p = ckpt.save_checkpoint(d, 7, model, opt, {"history": [{"loss": float("nan")}]})
     text = open(os.path.join(p, "meta.json")).read()
     assert "NaN" not in text and json.loads(text)["history"][0]["loss"] is None
+
+
+def test_submit_ships_absolute_checked_paths(tmp_path, monkeypatch):
+    from dta.config import ConfigError, load_config
+    from dta_cli.jobs import ship_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"input_ids": [3, 4, 5]}\n')
+    cfg = ship_paths(load_config(None, ["workload.path=data.jsonl", "train.checkpoint_dir=ck",
+                                        "train.export_hf=out/hf"]))
+    assert cfg.workload.path == str(tmp_path / "data.jsonl")
+    assert cfg.train.checkpoint_dir == str(tmp_path / "ck")
+    assert cfg.train.export_hf == str(tmp_path / "out" / "hf")
+    with pytest.raises(ConfigError, match="'workload.path'.*does not exist"):
+        ship_paths(load_config(None, ["workload.path=missing.jsonl"]))
+    (tmp_path / "bad.jsonl").write_text('{"input_ids": [3], "labels": [3]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl line 1: unknown field 'labels'"):
+        ship_paths(load_config(None, ["workload.path=bad.jsonl"]))
+    with pytest.raises(ConfigError, match="does not exist"):
+        ship_paths(load_config(None, ["train.checkpoint_dir=nope", "train.resume=true"]))

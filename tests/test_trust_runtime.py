@@ -57,6 +57,41 @@ def others_writable(*roots) -> list[str]:
     return bad
 
 
+def test_failed_start_leaves_nothing_behind(tmp_path):
+    """Workers that cannot start (more GPUs asked than the instance has): the error names the
+    key, and Ray, its private temp folder and its token are gone afterwards."""
+    import ray
+
+    from runtime.ray_runtime.driver import Trainer
+
+    if ray.is_initialized():  # pragma: no cover - the module's own instance comes later
+        pytest.fail("this test needs to start its own Ray instance")
+    before = {n for n in os.listdir("/tmp") if n.startswith(("dta-ray-", "dta-auth-", "dta-pg-"))}
+    trainer = Trainer(cfg("ray.gpus_per_worker=64"))
+    with pytest.raises(TrainingError, match="ray.gpus_per_worker"):
+        trainer.start()
+    assert not ray.is_initialized() and trainer.cluster is None
+    after = {n for n in os.listdir("/tmp") if n.startswith(("dta-ray-", "dta-auth-", "dta-pg-"))}
+    assert after - before == set()
+    assert "RAY_AUTH_TOKEN_PATH" not in os.environ or os.path.exists(os.environ["RAY_AUTH_TOKEN_PATH"])
+
+
+def test_folders_of_a_killed_run_are_swept(tmp_path):
+    from runtime.ray_runtime.cluster import OWNER_FILE, private_dir, sweep_stale
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = private_dir("dta-ray-", str(tmp_path))
+    with open(os.path.join(stale, OWNER_FILE), "w") as f:
+        f.write(str(dead.pid))  # its creator is gone (killed with SIGKILL, say)
+    live = private_dir("dta-auth-", str(tmp_path))  # created by this (live) process
+    foreign = tmp_path / "dta-pg-foreign"
+    foreign.mkdir()  # no owner file: not made by this code, never touched
+    assert stat.S_IMODE(os.stat(live).st_mode) == 0o700
+    assert sweep_stale((str(tmp_path),)) == [stale]
+    assert os.path.isdir(live) and foreign.is_dir() and not os.path.exists(stale)
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     handle = start_or_join(cfg().ray)
@@ -75,11 +110,12 @@ def test_sigint_leaves_a_resumable_checkpoint(ray_local, tmp_path):
         if stats.step == 1:  # Ctrl-C while the run goes: finish the step, save, stop
             os.kill(os.getpid(), signal.SIGINT)
 
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(Interrupted) as info:
         run_training(c, BatchSource(c, 512), progress=False, log=lambda m: None, on_step=ctrl_c)
     assert info.value.exit_code == 130 and "SIGINT" in str(info.value)
     assert ckpt.latest_checkpoint(d).endswith("step-000002")  # periodic saves were off
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is restored
     # a second, fresh run in the same folder is refused before anything starts
     with pytest.raises(CheckpointError, match="already holds run"):
         run_training(c, BatchSource(c, 512), progress=False, log=lambda m: None)

@@ -59,6 +59,8 @@ class Trainer:
         self.timings: dict[str, float] = {}
         self._generation = 0
         self.run_id: str | None = None  # the checkpoint folder's run (set by run_training)
+        self.progress = False  # a tokens bar inside each step (set by run_training)
+        self._board = None
 
     # ---------------------------------------------------------------- lifecycle --
     @property
@@ -157,11 +159,17 @@ class Trainer:
         tree = PrefixTree(batch.input_ids, min_shared=int(self.cfg.walker.min_shared))
         plan = self.plan(batch, tree)
         totals = batch_totals(batch)
+        board, bar = self._step_bar(step, plan)
         refs = {}
         for rank, (w, ids) in enumerate(zip(self.workers, plan.workers)):
             part = batch.subset(ids) if ids else None
-            refs[w.step.remote(step, part, totals)] = rank
-        results, failures = gather(refs, float(self.cfg.ray.step_timeout_s))
+            refs[w.step.remote(step, part, totals, board)] = rank
+        try:
+            results, failures = gather(refs, float(self.cfg.ray.step_timeout_s),
+                                       on_tick=None if bar is None else bar.tick)
+        finally:
+            if bar is not None:
+                bar.close()
         if failures:
             last = ckpt.latest_checkpoint(self.cfg.train.checkpoint_dir)
             message, culprit, verb, applied = failure_message(step, results, failures,
@@ -172,6 +180,19 @@ class Trainer:
         self.completed_steps = step + 1
         self.history.append(stats)
         return stats
+
+    def _step_bar(self, step: int, plan):
+        """(board, bar) for a tokens bar inside the step, or (None, None)."""
+        if not self.progress:
+            return None, None
+        import ray
+
+        from runtime.ray_runtime.progress import ProgressBoard
+
+        if self._board is None:
+            self._board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+        total = int(sum(getattr(plan, "unique_tokens", None) or [])) or None
+        return self._board, _TokensBar(self._board, step, total)
 
     # ---------------------------------------------------------------- streaming --
     def train_stream(self, source, *, target_sequences: int | None = None,
@@ -253,3 +274,28 @@ class Trainer:
     def digests(self) -> list[float]:
         import ray
         return ray.get([w.digest.remote() for w in self.workers])
+
+
+class _TokensBar:
+    """A tqdm bar of the tokens the workers have walked in this step."""
+
+    def __init__(self, board, step: int, total: int | None):
+        import sys
+
+        from tqdm import tqdm
+
+        self.board, self.step = board, step
+        self.bar = tqdm(total=total, desc=f"step {step}", unit="tok", leave=False,
+                        file=sys.stderr, dynamic_ncols=True, unit_scale=True)
+
+    def tick(self) -> None:
+        import ray
+
+        try:
+            walked = ray.get(self.board.walked.remote(self.step), timeout=1.0)
+        except Exception:
+            return
+        self.bar.update(max(0, walked - self.bar.n))
+
+    def close(self) -> None:
+        self.bar.close()

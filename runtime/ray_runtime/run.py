@@ -101,6 +101,7 @@ def run_training(cfg, source: BatchSourceLike, *,
     trainer = Trainer(cfg, address=address, fault=fault, log=log)
     run = ckpt.prepare_run(t.checkpoint_dir, resume=bool(t.resume)) if t.checkpoint_dir else None
     trainer.run_id = run.run_id if run else None
+    trainer.progress = bool(progress)
     resume_path = run.resumed_from if run else None
     start = int(ckpt.read_meta(resume_path)["step"]) if resume_path else 0
     if start >= int(t.steps):

@@ -209,7 +209,9 @@ class DFSWorker:
         return self.info()
 
     # --------------------------------------------------------------- step --
-    def step(self, step: int, batch: Batch | None, totals: Totals) -> dict:
+    def step(self, step: int, batch: Batch | None, totals: Totals, board=None) -> dict:
+        """One step; ``board`` (a :class:`.progress.ProgressBoard` actor) receives the tokens
+        walked as the walk goes."""
         t0 = time.perf_counter()
         reset_peak_memory(self.device)
         stats = {"rank": self.rank, "pid": os.getpid(), "step": int(step), "sequences": 0,
@@ -229,11 +231,18 @@ class DFSWorker:
             batch = _writable(batch)
             batch = fill_recomputed(self.model, batch, self.recompute, self.cfg)
             w = self.cfg.walker
+            reporter = None
+            if board is not None:
+                from runtime.ray_runtime.progress import Reporter
+
+                reporter = Reporter(board, int(step), self.rank)
             res = accumulate_gradients(self.model, batch, self.loss, reduction=w.reduction,
                                        totals=totals, policy=w.policy,
                                        temperature=float(w.temperature),
                                        logits_chunk=int(w.logits_chunk),
-                                       min_shared=int(w.min_shared))
+                                       min_shared=int(w.min_shared), progress=reporter)
+            if reporter is not None:
+                reporter.flush()
             stats.update(sequences=len(batch), tokens=res.tree.total_tokens,
                          unique_tokens=res.tree.unique_tokens, forwarded_tokens=res.walk.tokens,
                          recomputed_tokens=res.walk.recomputed_tokens, loss=float(res.loss),
