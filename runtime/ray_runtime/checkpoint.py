@@ -178,9 +178,11 @@ def load_tensors(path: str, map_location=None):
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path!r} holds more than tensors ({first[:200]}); refused: "
-                              "checkpoints are loaded with weights_only=True") from None
+        # name what was refused (torch's text goes on to suggest weights_only=False: never)
+        found = re.search(r"(Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+)", str(exc))
+        what = found.group(1) if found else "a pickled object"
+        raise CheckpointError(f"{path!r} holds more than tensors ({what}); refused: checkpoints "
+                              "are loaded tensors-only (weights_only=True)") from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise CheckpointError(f"{path!r} is unreadable: {str(exc).splitlines()[0][:200]}") from None
 

@@ -245,7 +245,14 @@ class Trainer:
     def load(self, path: str) -> dict:
         import ray
 
-        metas = ray.get([w.load_checkpoint.remote(os.path.abspath(path)) for w in self.workers])
+        from ray.exceptions import RayTaskError
+
+        try:
+            metas = ray.get([w.load_checkpoint.remote(os.path.abspath(path))
+                             for w in self.workers])
+        except RayTaskError as exc:  # e.g. a CheckpointError: say what, not the remote trace
+            cause = getattr(exc, "cause", None) or exc
+            raise ckpt.CheckpointError(f"loading {path!r} failed: {str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__}") from None
         self.completed_steps = int(metas[0]["step"])
         return metas[0]
 

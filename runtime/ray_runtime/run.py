@@ -103,6 +103,8 @@ def run_training(cfg, source: BatchSourceLike, *,
     trainer.run_id = run.run_id if run else None
     trainer.progress = bool(progress)
     resume_path = run.resumed_from if run else None
+    if resume_path:
+        ckpt.verify_manifest(resume_path)  # a corrupted checkpoint fails before Ray starts
     start = int(ckpt.read_meta(resume_path)["step"]) if resume_path else 0
     if start >= int(t.steps):
         log(f"checkpoint {resume_path} is at step {start}: nothing left of {t.steps} steps")
