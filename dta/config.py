@@ -90,6 +90,12 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0  # 0: only after the last step (when checkpoint_dir is set)
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
+    # How the workers hold the model: replicate (full replicas, gradient all-reduce) | zero1
+    # (fp32 masters + optimizer state sharded, one reduce-scatter per step) | fsdp (FSDP2:
+    # parameters sharded too, gathered per call) | auto (the cheapest that fits
+    # memory_budget_gib, by dta.planning.memory).
+    sharding: str = "replicate"
+    memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
 
 
 @dataclass
@@ -255,6 +261,7 @@ CHOICES: dict[str, tuple] = {
     "walker.reduction": ("token_mean", "seq_mean", "sum"),
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
+    "train.sharding": ("replicate", "zero1", "fsdp", "auto"),
     "actor.kl_estimator": ("k1", "k2", "k3"),
     "actor.adv_norm.mean_level": ("batch", "group", None),
     "actor.adv_norm.std_level": ("batch", "group", None),
@@ -287,6 +294,7 @@ _RANGES: dict[str, tuple] = {
     "actor.kl_ctl": (lambda v: v >= 0, ">= 0"),
     "train.steps": (lambda v: v >= 1, ">= 1"),
     "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
+    "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
     "stream.target_sequences": (lambda v: v >= 0, ">= 0"),
     "stream.target_tokens": (lambda v: v >= 0, ">= 0"),
     "workload.sequences_per_step": (lambda v: v >= 0, ">= 0"),
