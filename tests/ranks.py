@@ -17,6 +17,9 @@ def _entry(rank, world, store, fn, args, queue):
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
+    if os.environ.get("DTA_RANKS_STACKS"):  # debugging a hang: dump the stacks
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["DTA_RANKS_STACKS"]), exit=True)
     try:
         dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
                                 world_size=world)

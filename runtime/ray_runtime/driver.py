@@ -194,8 +194,13 @@ class Trainer:
                 "plan": {"method": self.history[-1].plan_method if self.history else None,
                          "cost_model": repr(self.cost_model)},
                 "history": [s.brief() for s in self.history], **(extra or {})}
-        return ray.get(self.workers[0].save_checkpoint.remote(
-            os.path.abspath(directory), self.completed_steps, meta))
+        if str(self.cfg.train.sharding) == "replicate" or self.num_workers == 1:
+            return ray.get(self.workers[0].save_checkpoint.remote(
+                os.path.abspath(directory), self.completed_steps, meta))
+        paths = ray.get([w.save_checkpoint.remote(os.path.abspath(directory),
+                                                  self.completed_steps, meta)
+                         for w in self.workers])  # sharded: every rank writes its shards
+        return paths[0]
 
     def load(self, path: str) -> dict:
         import ray
@@ -219,13 +224,19 @@ class Trainer:
 
     # -------------------------------------------------------------------- tests --
     def worker_state(self, rank: int) -> dict:
+        """Rank ``rank``'s gathered model and its optimizer state (every worker is asked:
+        gathering sharded parameters is a collective)."""
         import ray
-        return ray.get(self.workers[rank].state.remote())
+        return ray.get([w.state.remote() for w in self.workers])[rank]
+
+    def param_norms(self) -> list[float]:
+        import ray
+        return ray.get([w.param_norm.remote() for w in self.workers])
 
     def worker_gradients(self, rank: int) -> dict:
         import ray
         return ray.get(self.workers[rank].gradients.remote())
 
-    def digests(self) -> list[float]:
+    def digests(self) -> list[float]:  # noqa: D102 (collective where sharded)
         import ray
         return ray.get([w.digest.remote() for w in self.workers])

@@ -149,6 +149,9 @@ class DFSWorker:
         if self.mode not in ("replicate", "zero1", "fsdp"):
             raise ValueError(f"train.sharding={self.mode!r} must be resolved before the "
                              "workers start (the driver resolves auto)")
+        if self.mode == "fsdp" and self.cfg.walker.policy != "recompute":
+            raise ValueError("train.sharding=fsdp needs walker.policy=recompute (see "
+                             "runtime.sharding.lockstep)")
         self.compute_dtype = resolve_dtype(self.cfg.model.dtype)
         built = self.compute_dtype if self.mode == "replicate" else \
             master_dtype_for(self.compute_dtype)
@@ -252,13 +255,28 @@ class DFSWorker:
             return float(sum(v.double().abs().sum()
                              for v in self.strategy.full_state().values()))
 
+    @property
+    def sharded(self) -> bool:
+        """Whether this worker's state is sharded (checkpoints: DCP, written by every rank)."""
+        return self.strategy.mode != "replicate"
+
     def save_checkpoint(self, directory: str, step: int, meta: dict) -> str:
+        """Replicated: rank 0 writes the whole state. Sharded: every rank calls this and
+        writes its shards (:func:`runtime.dcp.save_sharded`)."""
+        if self.sharded:
+            from runtime.dcp import save_sharded
+            return save_sharded(directory, step, self.strategy.sharded_state(),
+                                meta={**meta, "sharding": self.strategy.mode})
         from runtime.ray_runtime.checkpoint import save_checkpoint
         return save_checkpoint(directory, step, self.model, self.optimizer, meta)
 
     def load_checkpoint(self, path: str) -> dict:
-        from runtime.ray_runtime.checkpoint import load_checkpoint
-        meta = load_checkpoint(path, self.model, self.optimizer)
+        if self.sharded:
+            from runtime.dcp import load_sharded
+            meta = load_sharded(path, self.strategy.sharded_state())
+        else:
+            from runtime.ray_runtime.checkpoint import load_checkpoint
+            meta = load_checkpoint(path, self.model, self.optimizer)
         self.completed_steps = int(meta["step"])
         return meta
 
@@ -281,6 +299,8 @@ def _writable(batch: Batch) -> Batch:
 
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):  # a DTensor (FSDP2): this rank's shard
+            obj = obj.to_local()
         return obj.detach().cpu().clone()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}

@@ -68,6 +68,10 @@ class Replicate:
     def param_norm(self) -> float:
         return float(sum(p.double().pow(2).sum() for p in self.params) ** 0.5)
 
+    def sharded_state(self) -> dict:
+        """Replicas hold everything: model and optimizer as plain (replicated) state."""
+        return {"model": self.model, "optimizer": self.optimizer}
+
     @torch.no_grad()
     def full_state(self) -> dict:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

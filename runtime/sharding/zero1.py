@@ -67,6 +67,15 @@ class Zero1:
         """The model's state dict (compute dtype; the masters gathered into it)."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
+    def sharded_state(self) -> dict:
+        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from runtime.sharding.state import FlatShardsState
+        if not hasattr(self, "_mesh"):
+            self._mesh = init_device_mesh(self.shards.device.type, (self.shards.world,))
+        return {"zero1": FlatShardsState(self.shards, self.optimizer, self._mesh)}
+
     def master_state(self) -> dict:
         return {n: p.detach().cpu().clone() for n, p in zip(self.shards.names,
                                                             self.shards.params)}
