@@ -60,10 +60,14 @@ class Walker:
     """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache."""
 
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
-                 temperature: float = 1.0, router_aux_loss: str = "refuse"):
+                 temperature: float = 1.0, router_aux_loss: str = "refuse",
+                 self_check: bool = True):
         """router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for
         the router's load-balancing loss; "exclude" trains the policy loss without it
-        (see ``dta.modeling.check_router_aux_loss``)."""
+        (see ``dta.modeling.check_router_aux_loss``).
+        self_check: compare the walker's path with the model's own forward and backward on
+        a small probe, once per model object, and refuse a model that differs
+        (``dta.selfcheck``); False skips it."""
         if policy not in POLICIES:
             raise ValueError(f"unknown memory policy {policy!r}; choose one of {POLICIES}")
         if temperature <= 0:
@@ -74,6 +78,10 @@ class Walker:
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if self_check:
+            from dta.selfcheck import ensure_self_check
+
+            ensure_self_check(model)
 
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, u: int, path: list[Frame]):
