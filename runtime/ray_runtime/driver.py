@@ -49,6 +49,7 @@ class Trainer:
         self.fault = parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
         self.log = log or (lambda msg: None)
         self.vocab_size, self.max_positions, self.hf_config = model_limits(cfg)
+        self.sharding_report: dict | None = None
         self.required = required_fields(cfg)
         self.cost_model = default_cost_model(self.hf_config)
         self.cluster: ClusterHandle | None = None
@@ -286,12 +287,15 @@ class Trainer:
 
     # -------------------------------------------------------------------- tests --
     def worker_state(self, rank: int) -> dict:
-        """Rank ``rank``'s gathered model and its optimizer state (every worker is asked:
-        gathering sharded parameters is a collective)."""
+        """Rank ``rank``'s (gathered) model and its optimizer state; sharded, every worker is
+        asked (gathering FSDP's parameters is a collective)."""
         import ray
+        if not self.sharded:
+            return ray.get(self.workers[rank].state.remote())
         return ray.get([w.state.remote() for w in self.workers])[rank]
 
     def param_norms(self) -> list[float]:
+        """Each worker's L2 norm of all parameters (one collective where sharded)."""
         import ray
         return ray.get([w.param_norm.remote() for w in self.workers])
 

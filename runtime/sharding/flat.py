@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 
 
+BUCKET_ELEMS = 1 << 24  # elements per rank in one reduce-scatter bucket
+
+
 @dataclass(frozen=True)
 class Piece:
     index: int  # which parameter
@@ -91,25 +94,41 @@ class FlatShards:
             dist.all_reduce(t, group=self.group)
         return t
 
-    def reduce_gradients(self) -> list[bool]:
+    def _copy_flat(self, dst: torch.Tensor, lo: int, hi: int) -> None:
+        """dst[:] = the gradients' flat elements [lo, hi) (zeros past N or without grad)."""
+        dst.zero_()
+        for p, a, n in zip(self.params, self.offsets, self.numels):
+            s, e = max(a, lo), min(a + n, hi)
+            if s < e and p.grad is not None:
+                dst[s - lo:e - lo].copy_(p.grad.reshape(-1)[s - a:e - a])
+
+    def reduce_gradients(self, bucket_elems: int = BUCKET_ELEMS) -> list[bool]:
         """Reduce-scatter the compute parameters' ``.grad`` into this rank's slice (SUM,
         in the master dtype) and hand it to the master pieces; frees the full gradients.
+        Bucket j carries elements [r S + j b, r S + (j + 1) b) of every rank r: the number
+        of reduce-scatters is ceil(S / b), a property of the model, never of the walk.
         Returns which parameters had a gradient on some rank."""
         present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32,
                                device=self.device)
         self._all_reduce(present)
         has = [bool(x > 0) for x in present.tolist()]
-        flat = torch.zeros(self.chunk * self.world, dtype=self.master_dtype, device=self.device)
-        for p, a, n in zip(self.params, self.offsets, self.numels):
-            if p.grad is not None:
-                flat[a:a + n].copy_(p.grad.reshape(-1))
+        S, W = self.chunk, self.world
+        b = max(1, min(int(bucket_elems), S))
+        shard = torch.empty(S, dtype=self.master_dtype, device=self.device)
+        buf = torch.empty(W, b, dtype=self.master_dtype, device=self.device)
+        for j in range(0, S, b):
+            width = min(b, S - j)
+            send = buf[:, :width]
+            for r in range(W):
+                self._copy_flat(send[r], r * S + j, r * S + j + width)
+            if W > 1:
+                dist.reduce_scatter_single(shard[j:j + width], send.contiguous().view(-1),
+                                           op=dist.ReduceOp.SUM, group=self.group)
+            else:
+                shard[j:j + width].copy_(send[0])
+        del buf
+        for p in self.params:
             p.grad = None
-        if self.world > 1:
-            shard = torch.empty(self.chunk, dtype=self.master_dtype, device=self.device)
-            dist.reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM, group=self.group)
-            del flat
-        else:
-            shard = flat
         self.grad_shard = shard[: self.hi - self.lo]
         for mp, pc in zip(self.master_params, self.pieces):
             mp.grad = self._piece(self.grad_shard, pc) if has[pc.index] else None

@@ -1,5 +1,6 @@
-"""Run a function on W gloo ranks (torch.multiprocessing, a file:// store on loopback) and
-collect what rank 0 returns. Test helper; the functions must be importable (module level)."""
+"""Run a function on W local gloo ranks (torch.multiprocessing, a file:// store on loopback,
+``GLOO_SOCKET_IFNAME=lo``) and collect what each returns — for tests and benchmarks of the
+sharding modes without Ray. The function must be importable (defined at module level)."""
 from __future__ import annotations
 
 import io
