@@ -28,6 +28,14 @@ def make_strategy(mode: str, model, make_optimizer, *, group=None,
     """Wrap ``model`` (built in the master dtype) for ``mode``; ``compute_dtype``: the
     dtype the walk runs in (16-bit: fp32 masters are kept and the compute copy is cast)."""
     compute_dtype = compute_dtype or next(model.parameters()).dtype
+    if mode in ("zero1", "fsdp"):
+        # The walker's self-check (dta.selfcheck, cached per model) probes the model with its
+        # own walks and forwards; run it here, on the unsharded model and outside the ranks'
+        # matched calls, so that the sharded walks find it done.
+        from dta.selfcheck import ensure_self_check
+        ensure_self_check(model)
+        for p in model.parameters():
+            p.grad = None
     if mode == "replicate":
         from runtime.sharding.replicate import Replicate
         return Replicate(model.to(compute_dtype), make_optimizer, group=group)
