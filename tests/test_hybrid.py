@@ -164,6 +164,8 @@ def test_layer_kinds_refuse_unknown_mix():
                                          layer_types=[GDN, "sliding_attention"])
     with pytest.raises(ValueError, match="sliding_attention"):
         layer_kinds(cfg)
+    with pytest.raises(ValueError, match="at least one"):
+        layer_kinds(transformers.Qwen3_5TextConfig(num_hidden_layers=2, layer_types=[GDN, GDN]))
 
 
 def test_cost_model_gdn_linear_in_tokens():
