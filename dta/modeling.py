@@ -93,10 +93,13 @@ def embedding_scale(emb) -> torch.Tensor | float | None:
     if type(emb).forward is torch.nn.Embedding.forward:
         return 1.0
     scale = getattr(emb, "embed_scale", None)  # Gemma 1/2/3: super().forward(ids) * embed_scale
-    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and "embed_scale" in \
-            inspect.getsource(type(emb).forward):
-        return scale
-    return None
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        return None
+    try:
+        source = inspect.getsource(type(emb).forward)
+    except (OSError, TypeError):
+        return None
+    return scale if "super().forward(input_ids) * self.embed_scale" in source else None
 
 
 class EmbeddingInput:

@@ -7,8 +7,11 @@ import sys
 
 
 def add_model_arguments(p) -> None:
+    from dta.families import FAMILIES  # metadata only: no torch import
+
     g = p.add_argument_group("model")
-    g.add_argument("--family", default="qwen3", help="llama | qwen2 | qwen3 (random init)")
+    g.add_argument("--family", default="qwen3", choices=sorted(FAMILIES), metavar="FAMILY",
+                   help="random-init model family: " + " | ".join(sorted(FAMILIES)))
     g.add_argument("--size", default="tiny", help="tiny | small | qwen3-0.6b | qwen3-1.7b")
     g.add_argument("--model-path", default=None, help="a local HF model directory (overrides --family)")
     g.add_argument("--dtype", default="float32", help="float32 | float64 | bfloat16")
@@ -30,7 +33,8 @@ def make_model(args):
 
     if args.model_path:
         return load_model(args.model_path, dtype=args.dtype)
-    return build_model(args.family, args.size, dtype=args.dtype, seed=args.seed)
+    return build_model(args.family, args.size, dtype=args.dtype, seed=args.seed,
+                       matrix=bool(getattr(args, "matrix", False)))
 
 
 def load_records(args, vocab_size: int) -> list[dict]:

@@ -5,7 +5,13 @@ from dta_cli.common import add_model_arguments, add_workload_arguments, emit_jso
 
 
 def add_arguments(p) -> None:
+    import argparse
+
     add_model_arguments(p)
+    p.add_argument("--matrix", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --family: the family's tested configuration (dta/families.py: a "
+                        "sliding window of 8 where the family has one, logit scaling, "
+                        "soft-capping, experts ...); --no-matrix: the family's plain config")
     add_workload_arguments(p)
     p.add_argument("--loss", default="ppo", choices=["nll", "ppo", "ppo-decoupled"])
     p.add_argument("--reduction", default="token_mean", choices=["token_mean", "seq_mean", "sum"])
@@ -55,6 +61,11 @@ def run(args) -> int:
     print(f"model {args.model_path or args.family + '/' + args.size} ({report.parameters:,} params, "
           f"{report.dtype}{', norms kept in float64' if report.truly_float64 else ''}), "
           f"policy {report.policy}, loss {args.loss}, reduction {report.reduction}")
+    if not args.model_path and args.matrix:
+        from dta.families import FAMILIES
+
+        feats = ", ".join(FAMILIES[args.family].features) or "plain"
+        print(f"tested configuration of {args.family}: {feats} (dta/families.py)")
     print(f"batch: {report.sequences} sequences, {report.total_tokens:,} tokens, "
           f"{report.unique_tokens:,} unique (sharing {report.sharing_ratio:.2f}x), tree depth {report.tree_depth}")
     for key in ("logprobs", "loss", "grad", "params", "update"):
@@ -62,5 +73,6 @@ def run(args) -> int:
     print(f"  (the AdamW step used eps {report.adam_eps:g}; see dta/verify.py)")
     print(f"{'PASS' if ok else 'FAIL'}: max relative error {report.max_rel_err():.3e} (tolerance {tol:g})")
     if args.json:
-        emit_json({**d, "tolerance": tol, "passed": ok})
+        model_info = {} if args.model_path else {"family": args.family, "matrix": bool(args.matrix)}
+        emit_json({**d, **model_info, "tolerance": tol, "passed": ok})
     return 0 if ok else 1

@@ -23,7 +23,7 @@ from runtime.areal.examples.tau2_grpo import build_trainer, make_smoke_model  # 
 from runtime.areal.ppo_config import load_dta_ppo_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOKE_CONFIG = os.path.join(ROOT, "configs", "areal-tau2-grpo-smoke.yaml")
+SMOKE_CONFIG = os.path.join(ROOT, "configs", "areal", "tau2-grpo-smoke.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +68,26 @@ def run(cfg):
         trainer.train(workflow)
         after = [m.detach().clone() for m in trainer.actor.master.master]
         updates = list(trainer.rollout.updates)
-    return dict(before=before, after=after, committed=committed, updates=updates)
+        trained = {n: p.detach().float() for n, p in trainer.actor.model.named_parameters()}
+        served = {n: p.detach().clone() for n, p in trainer.rollout.model.named_parameters()}
+    return dict(before=before, after=after, committed=committed, updates=updates,
+                trained=trained, served=served)
 
 
 def test_grpo_two_steps_then_resume_bit_identical(tmp_path, smoke_model, spmd):
     recover = ["recover.mode=on", "recover.freq_steps=1"]
-    # an uninterrupted 2-step run
-    full = run(config(tmp_path, smoke_model, "full", *recover))
+    # an uninterrupted 2-step run, saving HF weights every step (AReaL's Saver would import
+    # ArchonEngine -> triton here, which CPU machines lack)
+    full = run(config(tmp_path, smoke_model, "full", *recover, "saver.freq_steps=1"))
+    saved = tmp_path / "fileroot" / "checkpoints"
+    assert len(list(saved.glob("*/dta-tau2-smoke/full/default/epoch0epochstep*globalstep*"
+                               "/model.safetensors"))) == 2
     assert [u["version"] for u in full["updates"]] == [1, 2]
     assert all(u["record"].endswith(f"/update_weights_from_disk/{u['version'] - 1}")
                for u in full["updates"])
     assert not any(os.path.exists(u["path"]) for u in full["updates"])  # cleared after load
+    for name, p in full["trained"].items():  # the inference engine serves the trained weights
+        assert torch.equal(full["served"][name], p), name
     assert any(not torch.equal(a, b) for a, b in zip(full["before"], full["after"]))
     assert [s for s, _ in full["committed"]] == [0, 1]
     for _, stats in full["committed"]:
@@ -99,6 +108,45 @@ def test_grpo_two_steps_then_resume_bit_identical(tmp_path, smoke_model, spmd):
         assert torch.equal(a, b)  # step 2 bit-identical to the uninterrupted run
 
 
+def test_reference_model_is_a_dta_engine(tmp_path, smoke_model, spmd):
+    """With ``kl_ctl > 0`` and a ``ref`` block, the reference model is DTA too."""
+    from runtime.areal import DTAPPOActor
+
+    cfg = config(tmp_path, smoke_model, "ref", "total_train_steps=1", "actor.kl_ctl=0.1",
+                 "+ref.backend=fsdp:d1", "+ref.experiment_name=dta-tau2-smoke",
+                 "+ref.trial_name=ref", f"+ref.path={smoke_model}", "+ref.attn_impl=sdpa",
+                 "+ref.dta.policy=recompute")
+    trainer, workflow = build_trainer(cfg, smoke=True)
+    with trainer:
+        assert isinstance(trainer.ref, DTAPPOActor) and trainer.ref.optimizer is None
+        assert trainer.ref.policy == "recompute"
+        trainer.train(workflow)
+        assert trainer.ref.export_stats()["tree_sequences"] == 4  # ref_logp walked the tree
+
+
+def test_refusals(tmp_path, smoke_model, spmd):
+    from areal.api.alloc_mode import ModelAllocation
+
+    from runtime.areal import DTAPPOTrainer
+
+    cfg = config(tmp_path, smoke_model, "bad")
+    with pytest.raises(ValueError, match="'megatron'"):
+        DTAPPOTrainer._create_train_engine(object.__new__(DTAPPOTrainer), cfg.actor,
+                                           ModelAllocation.from_str("megatron:d1"))
+    with pytest.raises(ValueError, match="inference_engine must be"):
+        DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4, inference_engine="sglang")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("AREAL_SPMD_MODE")  # AReaL's default: single controller
+        with pytest.raises(ValueError, match="AREAL_SPMD_MODE=1"):
+            DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4, inference_engine="smoke")
+    cfg.critic = object()
+    with pytest.raises(NotImplementedError, match="critic"):
+        DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # refused before any process group was made
+
+
 def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
     from omegaconf.errors import ConfigKeyError
 
@@ -109,3 +157,11 @@ def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
         config(tmp_path, smoke_model, "t", "+actor.dta.polcy=recompute")
     with pytest.raises(ValueError, match="unknown DTA policy"):
         config(tmp_path, smoke_model, "t", "actor.dta.policy=keep")
+
+
+def test_real_mode_config_loads():
+    """configs/areal/tau2-grpo.yaml (SGLang on GPUs; not run here) is a valid DTAPPOConfig."""
+    cfg, _ = load_dta_ppo_config(["--config", os.path.join(ROOT, "configs", "areal",
+                                                           "tau2-grpo.yaml")])
+    assert cfg.rollout.backend == "sglang:d1" and cfg.actor.weight_update_mode == "xccl"
+    assert cfg.actor.dta.policy == "recompute" and cfg.recover.mode == "on"

@@ -33,3 +33,14 @@ def test_verify_user_jsonl(tmp_path, capsys):
                  "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and report["sequences"] == 6 and report["max_rel_err"] <= 1e-10
+
+
+def test_verify_family_tested_configuration(capsys):
+    """`dta verify --family F` verifies the family's tested configuration (window 8 here)."""
+    code = main(["verify", "--family", "mistral", "--dtype", "float64", "--max-sequences", "4",
+                 "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert code == 0 and report["passed"] and report["family"] == "mistral" and report["matrix"]
+    assert any("window: all layers" in line for line in out)
+    assert report["max_rel_err"] <= 1e-10

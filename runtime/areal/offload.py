@@ -31,35 +31,26 @@ class OffloadMixin:
     is_offload = False
     _offload_depth = 0
 
-    def _tensors(self):
-        """Every tensor slot the engine owns on the device: (holder, attribute) pairs."""
-        for p in self.model.parameters():
-            yield p, "data"
-            if p.grad is not None:
-                yield p, "grad"
-        for b_owner in self.model.modules():
-            for name, buf in b_owner._buffers.items():
-                if buf is not None:
-                    yield b_owner._buffers, name
-        if self.master is not None:
-            for m in self.master.master:
-                yield m, "data"
-                if m.grad is not None:
-                    yield m, "grad"
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        yield state, key
-
     def _place(self, device: torch.device) -> None:
         pin = device.type == "cpu" and torch.cuda.is_available()
+        params = list(self.model.parameters())
+        if self.master is not None:
+            params += self.master.master
         with torch.no_grad():
-            for holder, key in list(self._tensors()):
-                if isinstance(holder, dict):
-                    holder[key] = _move(holder[key], device, pin)
-                else:
-                    setattr(holder, key, _move(getattr(holder, key), device, pin))
+            for p in params:  # the gradient leaves first: it must match the data's device
+                grad, p.grad = p.grad, None
+                p.data = _move(p.data, device, pin)
+                if grad is not None:
+                    p.grad = _move(grad, device, pin)
+            for module in self.model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = _move(buf, device, pin)
+            if self.optimizer is not None:
+                for state in self.optimizer.state.values():
+                    for key, value in state.items():
+                        if torch.is_tensor(value) and value.dim() > 0:
+                            state[key] = _move(value, device, pin)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

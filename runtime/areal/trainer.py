@@ -14,7 +14,8 @@ What differs from ``PPOTrainer``:
 * the train engines (above); critics are refused (DTA trains actors);
 * ``inference_engine=``: an optional factory ``(rollout_config, is_eval) -> InferenceEngine``,
   or ``"smoke"`` for :class:`~runtime.areal.smoke_engine.SmokeInferenceEngine` (CPU smoke runs
-  and tests) instead of AReaL's ``RemoteSGLangEngine`` / ``RemotevLLMEngine``;
+  and tests, one training process) instead of AReaL's ``RemoteSGLangEngine`` /
+  ``RemotevLLMEngine``;
 * in SPMD mode (``AREAL_SPMD_MODE=1``, what AReaL's launchers set) a one-process run gets a
   loopback process group (AReaL's loop needs barriers), and AReaL's name-resolve is pointed at
   ``cluster.name_resolve`` (the disk weight-update records);
@@ -55,11 +56,20 @@ class DTAPPOTrainer(PPOTrainer):
     """``PPOTrainer`` on DTA (see the module doc)."""
 
     def __init__(self, config, train_dataset=None, valid_dataset=None, *,
-                 inference_engine: str | Callable[[InferenceEngineConfig, bool], Any] | None = None):
+                 inference_engine: str | Callable[[InferenceEngineConfig, bool], Any]
+                 | None = None):
         if getattr(config, "critic", None) is not None:
             raise NotImplementedError("DTAPPOTrainer trains actors; a critic (config.critic) "
                                       "is not supported — use GRPO-style advantages "
                                       "(critic: null)")
+        if not (inference_engine is None or inference_engine == "smoke"
+                or callable(inference_engine)):
+            raise ValueError(f"inference_engine must be None (AReaL's remote SGLang/vLLM "
+                             f"engine), 'smoke' or a factory (rollout_config, is_eval) -> "
+                             f"InferenceEngine; got {inference_engine!r}")
+        if inference_engine == "smoke" and is_single_controller():
+            raise ValueError("the smoke inference engine runs in this process, in AReaL's SPMD "
+                             "mode: set AREAL_SPMD_MODE=1 (the example's --smoke does)")
         self._inference_engine = inference_engine
         self._own_group = False
         if not is_single_controller():
@@ -69,7 +79,11 @@ class DTAPPOTrainer(PPOTrainer):
 
             name_resolve.reconfigure(config.cluster.name_resolve)
             self._own_group = init_default_group()
-        super().__init__(config, train_dataset, valid_dataset)
+        try:
+            super().__init__(config, train_dataset, valid_dataset)
+        except BaseException:
+            self._destroy_own_group()
+            raise
         saver = _SyncSaver(self.saver.config, self.saver.ft_spec)
         saver.load_state_dict(self.saver.state_dict())  # recovery may have restored it
         self.saver = saver
@@ -101,19 +115,26 @@ class DTAPPOTrainer(PPOTrainer):
         if factory == "smoke":
             from runtime.areal.smoke_engine import SmokeInferenceEngine
 
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(f"the smoke inference engine serves one training process; "
+                                 f"this run has {dist.get_world_size()} (disk weight updates "
+                                 "reach rank 0's engine only, as they reach a shared server)")
+
             engine = SmokeInferenceEngine(rollout_config, self.config.actor.path,
                                           seed=self.config.seed)
-        elif callable(factory):
-            engine = factory(rollout_config, is_eval)
         else:
-            raise ValueError(f"inference_engine must be None, 'smoke' or a factory "
-                             f"(rollout_config, is_eval) -> InferenceEngine; got {factory!r}")
+            engine = factory(rollout_config, is_eval)
         if not engine.initialized:
             engine.initialize(train_data_parallel_size=self.actor_alloc.parallel.dp_size)
         return engine
 
     def close(self):
-        super().close()
+        try:
+            super().close()
+        finally:
+            self._destroy_own_group()
+
+    def _destroy_own_group(self):
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
-            self._own_group = False
+        self._own_group = False
