@@ -83,8 +83,9 @@ def test_family_float64_exact(family_f64, policy):
     family, model, batch = family_f64
     report = verify(model, batch, LOSS, policy=policy, logits_chunk=7)
     assert report.truly_float64
-    for err in ("logprobs", "loss", "grad", "update"):
+    for err in ("logprobs", "loss", "grad", "params", "update"):
         assert getattr(report, f"{err}_rel_err") <= 1e-10, (family, policy, report)
+    assert report.max_rel_err() <= 1e-10
 
 
 def test_family_forward_walk_logprobs(family_f64):
