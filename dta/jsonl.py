@@ -45,9 +45,11 @@ def _checked(obj, where: str, vocab_size: int | None) -> dict:
         raise JsonlError(str(exc)) from None
 
 
-def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None) -> list[dict]:
-    """Read every non-blank line of ``path`` as one record (see module doc)."""
-    records = []
+def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None,
+               return_lines: bool = False):
+    """Read every non-blank line of ``path`` as one record (see module doc); with
+    ``return_lines``, also each record's 1-based line number: ``(records, lines)``."""
+    records, lines = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = _where(path, lineno)
@@ -63,7 +65,8 @@ def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None) -> lis
             except json.JSONDecodeError as e:
                 raise JsonlError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
             records.append(_checked(obj, where, vocab_size))
-    return records
+            lines.append(lineno)
+    return (records, lines) if return_lines else records
 
 
 def _plain(value: Any) -> Any:

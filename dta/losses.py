@@ -15,6 +15,14 @@ import numpy as np
 import torch
 
 REDUCTIONS = ("token_mean", "seq_mean", "sum")
+# How the per-token loss terms of a batch are combined (w_i: the record's ``weight``):
+#   token_mean  sum over trained tokens of w_i * term / (trained tokens in the batch)
+#   seq_mean    sum over sequences with >= 1 trained token of w_i * (mean of its terms),
+#               divided by the number of such sequences; a sequence with no trained token
+#               neither adds a term nor counts in the normalizer
+#   sum         sum over trained tokens of w_i * term
+# "Trained token": loss_mask 1, token 0 excluded (nothing predicts it). Over several
+# data-parallel workers the normalizers are the whole batch's (``Totals``).
 
 
 class TokenLoss:
@@ -127,7 +135,9 @@ def token_weights(batch, reduction: str, totals: Totals | None = None) -> list[n
 
 
 def sequence_weights(batch, reduction: str, totals: Totals | None = None) -> np.ndarray:
-    """Per sequence: the weight of its (summed-over-tokens or opaque) loss."""
+    """Per sequence: the weight of its (summed-over-tokens or opaque) loss. ``seq_mean``
+    divides by the sequences with at least one trained token (``Totals.trainable_sequences``),
+    not by all sequences: a sequence with nothing to train does not dilute the others."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; choose one of {REDUCTIONS}")
     totals = totals or batch_totals(batch)

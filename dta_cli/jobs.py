@@ -91,13 +91,76 @@ def _wait(client, job_id: str, timeout: float | None) -> str:
         time.sleep(0.5)
 
 
+def ship_paths(cfg, cwd: str | None = None):
+    """Make every path of ``cfg`` absolute (relative to ``cwd``, the caller's folder — on the
+    cluster a relative path would land in Ray's package cache) and check it here, before the
+    job is shipped; returns ``cfg``. The cluster must see the same paths (a shared or local
+    filesystem)."""
+    from dta.config import ConfigError
+
+    cwd = cwd or os.getcwd()
+
+    def absolute(key):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None:
+            return None
+        path = os.path.normpath(os.path.join(cwd, os.path.expanduser(str(value))))
+        setattr(getattr(cfg, section), name, path)
+        return path
+
+    model = absolute("model.path")
+    if model is not None and not os.path.isdir(model):
+        raise ConfigError(f"config key 'model.path': {model!r} is not a directory")
+    data = absolute("workload.path")
+    if data is not None:
+        if not os.path.isfile(data):
+            raise ConfigError(f"config key 'workload.path': {data!r} does not exist")
+        from dta.jsonl import read_jsonl
+
+        read_jsonl(data)  # bad records fail here (file, line, field), not on the cluster
+    ckpt_dir = absolute("train.checkpoint_dir")
+    if ckpt_dir is not None:
+        if cfg.train.resume and not os.path.isdir(ckpt_dir):
+            raise ConfigError(f"train.resume=true but train.checkpoint_dir {ckpt_dir!r} does "
+                              "not exist")
+        if not cfg.train.resume and os.path.isfile(os.path.join(ckpt_dir, "run.json")):
+            raise ConfigError(f"train.checkpoint_dir {ckpt_dir!r} already holds a run; resume "
+                              "it (train.resume=true) or choose an empty folder")
+        _check_parent("train.checkpoint_dir", ckpt_dir)
+    for key in ("train.log_dir", "train.export_hf"):
+        path = absolute(key)
+        if path is not None:
+            _check_parent(key, path)
+    return cfg
+
+
+def _check_parent(key: str, path: str) -> None:
+    from dta.config import ConfigError
+
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"config key '{key}': {path!r} cannot be created ({parent!r} is not "
+                          "a writable folder)")
+
+
 def run_submit(args) -> int:
-    from dta.config import to_yaml
+    from dta.config import check_dta_train, to_yaml
     from dta_cli.common import load_run_config
 
     cfg = load_run_config(args, "submit")
     if cfg is None:
         return 2
+    check_dta_train(cfg)
+    ship_paths(cfg)
+    print("dta submit: paths made absolute: " + ", ".join(
+        f"{k}={v}" for k, v in (("model.path", cfg.model.path), ("workload.path", cfg.workload.path),
+                                ("train.checkpoint_dir", cfg.train.checkpoint_dir),
+                                ("train.log_dir", cfg.train.log_dir),
+                                ("train.export_hf", cfg.train.export_hf)) if v) or
+          "dta submit: no paths in the config", file=sys.stderr)
     client = _client(args.address)
     workdir = tempfile.mkdtemp(prefix="dta-job-")
     try:

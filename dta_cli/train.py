@@ -75,9 +75,17 @@ def run(args) -> int:
         print(to_yaml(cfg), end="")
         return 0
 
+    from runtime.ray_runtime.cluster import probe_address
+
+    address = args.address or cfg.ray.address
+    if address:
+        print(f"dta train: checking the Ray address {address}", file=sys.stderr, flush=True)
+        probe_address(address)  # fails within seconds, before torch and Ray are imported
+
     from dta.batch import BatchError
     from dta_cli.batches import BatchSource
     from runtime.ray_runtime import TrainingError, run_training
+    from runtime.ray_runtime.run import Interrupted
     from runtime.ray_runtime.cluster import ClusterError
     from runtime.ray_runtime.model_info import model_limits
 
@@ -85,6 +93,9 @@ def run(args) -> int:
         source = BatchSource(cfg, model_limits(cfg)[0])
         summary = run_training(cfg, source, address=args.address,
                                progress=not args.no_progress)
+    except Interrupted as exc:
+        print(f"dta train: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (BatchError, TrainingError, ClusterError, ValueError, FileNotFoundError) as exc:
         print(f"dta train: error: {exc}", file=sys.stderr)
         return 1

@@ -5,6 +5,9 @@
   update_weights pauses generation, announces each bucket's ``ParamSpec`` list, broadcasts
   the compute-dtype tensors, continues. No GPU here: everything up to the collective runs; the
   process-group constructor and the broadcast are recorded instead of run.
+* ``xccl`` over a real collective: the same path with AReaL's CPU backend (gloo) and a
+  subprocess standing in for the inference worker, which joins the weight-update group,
+  receives every bucket by broadcast and reports what it got.
 * no inference engine connected: rollout and weight members refuse clearly.
 * offload/onload: state, the automatic onload before compute, an offload-aware save, and a
   train step after onload bit-identical to one that never offloaded.
@@ -149,6 +152,80 @@ def test_xccl_weight_update_up_to_the_collective(model_dir, single, monkeypatch)
     engine.destroy()
 
 
+_WORKER = r"""
+import importlib.util, json, sys, torch, torch.distributed as dist
+host, port, name, helper = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+spec = importlib.util.spec_from_file_location("areal_distributed", helper)
+areal_distributed = importlib.util.module_from_spec(spec)  # AReaL's own group helper, without
+spec.loader.exec_module(areal_distributed)                  # importing all of areal (slow)
+group = areal_distributed.init_custom_process_group(backend="gloo", init_method=f"tcp://{host}:{port}",
+                                  world_size=2, rank=1, group_name=name)
+for line in sys.stdin:
+    got = []
+    for spec in json.loads(line):
+        t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+        dist.broadcast(t, src=0, group=group)
+        got.append([spec["name"], float(t.double().sum())])
+    print(json.dumps(got), flush=True)
+dist.destroy_process_group(group)
+"""
+
+
+class SubprocessInferenceWorker(RecordingInferenceEngine):
+    """An inference worker in another process, on the weight-update group (gloo)."""
+
+    def init_weights_update_group(self, meta, rank_ids=None):
+        import subprocess
+        import sys
+
+        import areal.engine.core.distributed as helper
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, meta.nccl_master_address,
+             str(meta.nccl_master_port), meta.nccl_group_name, helper.__file__],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return super().init_weights_update_group(meta)
+
+    def update_weights_from_distributed(self, meta, param_specs):
+        import json
+        import threading
+
+        super().update_weights_from_distributed(meta, param_specs)
+        self.proc.stdin.write(json.dumps([dict(name=s.name, shape=list(s.shape), dtype=s.dtype)
+                                          for s in param_specs]) + "\n")
+        self.proc.stdin.flush()
+        fut = Future()  # done when the worker has received the bucket
+        threading.Thread(target=lambda: fut.set_result(json.loads(self.proc.stdout.readline())),
+                         daemon=True).start()
+        self.received = fut
+        return fut
+
+
+def test_xccl_weight_update_over_a_real_gloo_group(model_dir, single, monkeypatch):
+    import torch.distributed as dist
+    from areal.utils import network
+
+    monkeypatch.setattr(network, "gethostip", lambda: "127.0.0.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    engine = new_engine(model_dir)
+    worker = SubprocessInferenceWorker()
+    meta = WeightUpdateMeta.from_fsdp_xccl(gen_allocation=ModelAllocation.from_str("sglang:d1"))
+    try:
+        engine.connect_engine(worker, meta)
+        engine.update_weights(meta.with_version(1))
+        got = dict(worker.received.result(timeout=60))
+        for name, p in engine.model.named_parameters():
+            assert got[name] == float(p.detach().double().sum()), name
+        assert [c[0] for c in worker.calls] == ["init_group", "pause", "bucket", "continue"]
+    finally:
+        worker.proc.stdin.close()
+        worker.proc.wait(timeout=60)
+        if engine.weight_update_group is not None:
+            dist.destroy_process_group(engine.weight_update_group)
+        engine.destroy()
+    assert worker.proc.returncode == 0
+
+
 def test_rollout_members_need_a_connected_engine(model_dir, single):
     engine = new_engine(model_dir)
     meta = WeightUpdateMeta(type="disk", path="/nonexistent")
@@ -199,4 +276,26 @@ def test_single_controller_members(model_dir, single):
     assert engine.fetch_buffer_stats()["num_entries"] >= 1
     engine.clear_batches(["shard-a"])
     assert "shard-a" not in rtensor._fetch_buffer
+    engine.destroy()
+
+
+def test_dcp_checkpoint_is_verified_before_it_is_read(model_dir, single, tmp_path):
+    """A DCP checkpoint carries a manifest (trust's checkpoint rules): a flipped byte is
+    refused, naming the file, before anything is loaded."""
+    from runtime.ray_runtime.checkpoint import CheckpointError
+
+    engine = new_engine(model_dir)
+    path = tmp_path / "dcp"
+    meta = SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True)
+    engine.save(meta)
+    assert (path / "manifest.json").is_file()
+    engine.load(meta)  # intact: loads
+    (shard,) = path.glob("*.distcp")
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    with pytest.raises(CheckpointError, match=shard.name):
+        engine.load(meta)
+    assert all(torch.equal(a, p) for a, p in zip(before, engine.model.parameters()))
     engine.destroy()

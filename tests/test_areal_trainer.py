@@ -23,7 +23,7 @@ from runtime.areal.examples.tau2_grpo import build_trainer, make_smoke_model  # 
 from runtime.areal.ppo_config import load_dta_ppo_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOKE_CONFIG = os.path.join(ROOT, "configs", "areal-tau2-grpo-smoke.yaml")
+SMOKE_CONFIG = os.path.join(ROOT, "configs", "areal", "tau2-grpo-smoke.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +135,10 @@ def test_refusals(tmp_path, smoke_model, spmd):
                                            ModelAllocation.from_str("megatron:d1"))
     with pytest.raises(ValueError, match="inference_engine must be"):
         DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4, inference_engine="sglang")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("AREAL_SPMD_MODE")  # AReaL's default: single controller
+        with pytest.raises(ValueError, match="AREAL_SPMD_MODE=1"):
+            DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4, inference_engine="smoke")
     cfg.critic = object()
     with pytest.raises(NotImplementedError, match="critic"):
         DTAPPOTrainer(cfg, train_dataset=[{"task_id": 0}] * 4)
@@ -156,8 +160,8 @@ def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
 
 
 def test_real_mode_config_loads():
-    """configs/areal-tau2-grpo.yaml (SGLang on GPUs; not run here) is a valid DTAPPOConfig."""
-    cfg, _ = load_dta_ppo_config(["--config", os.path.join(ROOT, "configs",
-                                                           "areal-tau2-grpo.yaml")])
+    """configs/areal/tau2-grpo.yaml (SGLang on GPUs; not run here) is a valid DTAPPOConfig."""
+    cfg, _ = load_dta_ppo_config(["--config", os.path.join(ROOT, "configs", "areal",
+                                                           "tau2-grpo.yaml")])
     assert cfg.rollout.backend == "sglang:d1" and cfg.actor.weight_update_mode == "xccl"
     assert cfg.actor.dta.policy == "recompute" and cfg.recover.mode == "on"

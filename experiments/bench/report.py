@@ -8,6 +8,12 @@ def _f(x, fmt="{:.2f}", none="–"):
     return none if x is None else fmt.format(x)
 
 
+def _calls(c) -> str:
+    if not c:
+        return "–"
+    return "/".join(str(c.get(k, "–")) for k in ("forward_calls", "backward_calls", "head_calls"))
+
+
 def table(point: dict) -> str:
     s, info = point["summary"], point["info"]
     lines = [
@@ -20,22 +26,31 @@ def table(point: dict) -> str:
            else "")
         + f"; best unpacked baseline: {s['best_baseline']}.",
         "",
-        "| mode | step s (median) | tokens/s | speed-up | of ideal | peak MB | mem/padded "
-        "| mem/baseline | GFLOP | GFLOP/s | user/sys s | grad rel err | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| mode | step s (median) | tokens/s | speed-up | of ideal | GFLOP | GFLOP/s | peak MB "
+        "| mem/padded | mem/baseline | calls fwd/bwd/head | packs | user/sys s | grad rel err "
+        "| status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for mode, m in s["modes"].items():
         lines.append("| " + " | ".join([
             mode, _f(m["step_s"]), _f(m["tokens_per_s"], "{:,.0f}"),
             _f(m.get("speedup"), "{:.2f}×"), _f(m.get("speedup_vs_ideal"), "{:.0%}"),
-            _f(m["peak_mem_mb"], "{:,.0f}"), _f(m.get("mem_ratio_padded"), "{:.2f}"),
-            _f(m.get("mem_ratio_baseline"), "{:.2f}"),
             _f(m["flops"] / 1e9 if m["flops"] else None, "{:,.0f}"),
             _f(m["gflops_per_s"], "{:.1f}"),
+            _f(m["peak_mem_mb"], "{:,.0f}"), _f(m.get("mem_ratio_padded"), "{:.2f}"),
+            _f(m.get("mem_ratio_baseline"), "{:.2f}"), _calls(m.get("calls")),
+            _f((m.get("calls") or {}).get("packs"), "{}"),
             f"{_f(m['user_s'], '{:.0f}')}/{_f(m['sys_s'], '{:.0f}')}",
             _f(m["grad_rel_err"], "{:.1e}"),
             m["status"] + (f" ({m['failed']} failed: {m['error'][:60]})" if m["failed"] else ""),
         ]) + " |")
+    hl = s.get("headline")
+    if hl:
+        lines += ["", f"Fastest DFS mode: **{hl['best_dfs']}**, "
+                      f"{_f(hl.get('of_ideal'), '{:.2f}')}× the ideal speed-up"
+                  + (f", {_f(hl.get('over_treemask'), '{:.2f}')}× faster than treemask, peak "
+                     f"memory {_f(hl.get('mem_over_treemask'), '{:.2f}')}× the tree mask's"
+                     if "over_treemask" in hl else "") + "."]
     pol = s.get("policy")
     if pol:
         lines += ["", f"Memory policy: recompute / retain = {pol['recompute_time_over_retain']:.2f}× "
@@ -57,13 +72,54 @@ def markdown(results: dict) -> str:
             "peak memory: "
             + ("peak RSS growth over the loaded model and batch (CPU)." if c["device"] == "cpu"
                else "torch.cuda.max_memory_allocated over the loaded model and batch.")
+            + " GFLOP: what the mode executes (dense masks count every masked-away pair); "
+            "GFLOP/s: that over the step time. Calls: decoder forwards / backward calls / LM-head "
+            "calls of the DFS walk (baselines: forwards / backwards)."
             + f" Gradient error: relative L2 against {'microbatch' if 'microbatch' in c['modes'] else c['modes'][0]}"
             f" (tolerance {results['points'][0]['summary']['tolerance']:.0e}; WRONG above it).", ""]
     return "\n".join(head + [table(p) + "\n" for p in results["points"]])
 
 
+# One colour per mode, the same in every plot (tab10 order), whatever modes a run has.
+MODE_COLORS = {"padded": "C0", "microbatch": "C1", "treemask": "C2", "treemask-flex": "C3",
+               "dfs-retain": "C4", "dfs-recompute": "C5"}
+
+
+def mode_color(mode: str) -> str:
+    if mode in MODE_COLORS:
+        return MODE_COLORS[mode]
+    return f"C{6 + sum(map(ord, mode)) % 4}"  # an unknown mode: stable, away from the above
+
+
+def model_label(c: dict) -> str:
+    """``family-size (N params)``: the parameter count from the model config (no weights)."""
+    name = f"{c['family']}-{c['size']}"
+    try:
+        import torch
+        import transformers
+
+        from dta.models import build_config
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(build_config(c["family"],
+                                                                               c["size"]))
+        n = sum(p.numel() for p in model.parameters())
+        return f"{name} ({n / 1e9:.2f}B params)" if n >= 1e9 else f"{name} ({n / 1e6:.1f}M params)"
+    except Exception:
+        return name
+
+
+def _label_bars(ax, bars, values, fmt) -> None:
+    for bar, v in zip(bars, values):
+        ax.annotate(fmt(v) if v else "–", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                    textcoords="offset points")
+
+
 def plots(results: dict, out: Path) -> list[str]:
-    """Bars per mode (one point) or lines over the sweep: throughput and peak memory."""
+    """Bars per mode (one point) or lines over the sweep: throughput and peak memory. Linear
+    axes from 0, values written on the bars, one fixed colour per mode, the model (with its
+    parameter count) in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,10 +134,12 @@ def plots(results: dict, out: Path) -> list[str]:
         s = pts[0]["summary"]["modes"]
         for ax, (key, label) in zip(axes, metrics):
             vals = [s[m][key] or 0 for m in modes]
-            ax.bar(range(len(modes)), vals, color=[f"C{i}" for i in range(len(modes))])
+            bars = ax.bar(range(len(modes)), vals, color=[mode_color(m) for m in modes])
+            _label_bars(ax, bars, vals, lambda v: f"{v:,.0f}")
             ax.set_xticks(range(len(modes)), modes, rotation=30, ha="right")
             ax.set_ylabel(label)
-            ax.set_yscale("log")
+            ax.set_ylim(0, max(vals + [1]) * 1.15)
+            ax.grid(axis="y", alpha=0.3)
         name = "modes.png"
     else:
         if sweep == "batch":
@@ -90,18 +148,22 @@ def plots(results: dict, out: Path) -> list[str]:
             xs, xlabel = [p["info"]["sharing_ratio"] for p in pts], "sharing ratio (total / unique)"
         order = sorted(range(len(pts)), key=lambda k: xs[k])
         for ax, (key, label) in zip(axes, metrics):
-            for i, m in enumerate(modes):
+            for m in modes:
                 ys = [pts[k]["summary"]["modes"][m][key] for k in order]
                 ax.plot([xs[k] for k in order], [y if y else float("nan") for y in ys],
-                        "o-", color=f"C{i}", label=m)
+                        "o-", color=mode_color(m), label=m)
+                for x, y in zip([xs[k] for k in order], ys):
+                    if y:
+                        ax.annotate(f"{y:,.0f}", (x, y), fontsize=7, xytext=(0, 3),
+                                    textcoords="offset points", ha="center")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
-            ax.set_yscale("log")
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
         name = f"sweep-{sweep}.png"
     c = results["config"]
-    fig.suptitle(f"{c['workload']} {c['scale']} · {c['family']}-{c['size']} {c['dtype']} · {c['device']}")
+    fig.suptitle(f"{c['workload']} {c['scale']} · {model_label(c)} {c['dtype']} · {c['device']}")
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
     plt.close(fig)

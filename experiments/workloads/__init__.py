@@ -242,7 +242,8 @@ def grpo_synthetic(scale: str | float | Scale = "full", seed: int = 0, *, tasks:
         plen = scaled_lengths(rng, 1, 200, 0.5, 16, 2048, sc.prefix)[0]
         prompt = np.concatenate([sys_ids, tok.ids((ns, seed, b, code("prompt")), plen)])
         clens = scaled_lengths(rng, G, 400, 0.8, 8, 4096, sc.length)
-        adv = grpo_advantages(rng.random(G) < rng.uniform(0.1, 0.9))
+        success = rng.random(G) < rng.uniform(0.1, 0.9)  # the completions' rewards (0/1)
+        adv = grpo_advantages(success)
         for g in range(G):
             ident = (ns, seed, b, g, code("completion"))
             out = np.concatenate([tok.ids(ident, clens[g]), end])
@@ -250,7 +251,8 @@ def grpo_synthetic(scale: str | float | Scale = "full", seed: int = 0, *, tasks:
             n, k = len(ids), len(prompt)
             rec = {"input_ids": ids,
                    "loss_mask": np.concatenate([np.zeros(k, np.int8), np.ones(len(out), np.int8)]),
-                   "advantages": np.full(n, adv[g]), "group_id": b, "episode": g, "call": 0}
+                   "advantages": np.full(n, adv[g]), "reward": float(success[g]), "group_id": b,
+                   "episode": g, "call": 0}
             if logprobs:
                 lp = np.concatenate([tok.logprobs(ident, clens[g]), tok.logprobs((ns, 1), 2, 0.01)])
                 rec["logprobs"] = np.concatenate([np.zeros(k), lp])

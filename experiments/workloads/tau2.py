@@ -159,7 +159,8 @@ def generate_tau2(domain: str, scale: str | float | Scale = "full", seed: int = 
                            _length(g_rng, 2, MESSAGE, sc.length)[1])
         sh_env = np.where(sh_tool, _length(g_rng, 2, TOOL_RESULT, sc.length)[1],
                           _length(g_rng, 2, USER_REPLY, sc.length)[1])
-        advantages = grpo_advantages(g_rng.random(G) < g_rng.uniform(0.1, 0.9))
+        success = g_rng.random(G) < g_rng.uniform(0.1, 0.9)  # the episodes' rewards (0/1)
+        advantages = grpo_advantages(success)
 
         for e in range(G):
             rng = np.random.default_rng([_K["tau2"], d, seed, b, e])
@@ -191,7 +192,8 @@ def generate_tau2(domain: str, scale: str | float | Scale = "full", seed: int = 
                     trunks.append(np.concatenate(
                         [r_ids, tmpl["trunk-tool" if is_tool[j] else "trunk-msg"], envs[-1]]))
 
-            common = {"group_id": b, "episode": b * G + e, "task": task, "calls": T}
+            common = {"group_id": b, "episode": b * G + e, "task": task, "calls": T,
+                      "reward": float(success[e])}
             adv = float(advantages[e])
             if export == "per-call":
                 context = np.concatenate([base, *trunks])

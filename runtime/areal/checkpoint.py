@@ -102,8 +102,9 @@ class CheckpointMixin:
             self.master.model_to_master()
         if meta.with_optim:
             self._require_optimizer()
-            self.optimizer.load_state_dict(torch.load(self._optim_path(meta.path),
-                                                      weights_only=False))
+            from runtime.ray_runtime.checkpoint import load_tensors  # tensors only
+
+            self.optimizer.load_state_dict(load_tensors(self._optim_path(meta.path)))
 
 
 def _check_format(weight_format: str) -> None:

@@ -11,6 +11,11 @@ differences that make a resumed run continue bit-identically:
 * the LR scheduler's state is saved beside them (``{"extra": {"lr_scheduler": ...}}``);
   FSDPEngine does not save it, so its schedule restarts on recovery.
 
+Trust (``runtime/ray_runtime/checkpoint.py``): after the save, rank 0 writes
+``manifest.json`` (size and SHA-256 of every file); a load verifies every file against it
+before DCP reads anything (DCP's ``.metadata`` is a pickle), and refuses a checkpoint without
+one.
+
 This module is the stand-in for the shared DCP implementation of the sharding work; it handles
 replicated models (every rank holds full tensors; rank 0's copy is what is written, DCP
 deduplicates replicated tensors).
@@ -20,11 +25,14 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
+
+from runtime.ray_runtime.checkpoint import verify_manifest, write_manifest
 
 __all__ = ["save_dcp", "load_dcp"]
 
@@ -74,7 +82,12 @@ def save_dcp(path: str, named_params, optimizer=None, lr_scheduler=None) -> None
     """Write the parameters (``[(name, Parameter)]``: what the optimizer steps), the
     optimizer state when ``optimizer`` is given and the LR scheduler's state to ``path``."""
     os.makedirs(path, exist_ok=True)
+    manifest = os.path.join(path, "manifest.json")
+    if os.path.exists(manifest) and (not dist.is_initialized() or dist.get_rank() == 0):
+        os.remove(manifest)  # the folder is being rewritten (AReaL reuses its recover path)
     dcp.save(_state(list(named_params), optimizer, lr_scheduler), checkpoint_id=path)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # every rank's files are written
+        write_manifest(path, run_id=None, step=None, extra={"kind": "dta-areal-dcp"})
 
 
 def load_dcp(path: str, named_params, optimizer=None, lr_scheduler=None) -> None:
@@ -82,6 +95,7 @@ def load_dcp(path: str, named_params, optimizer=None, lr_scheduler=None) -> None
     optimizer over them stays valid)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"DCP checkpoint {path!r} is not a directory")
+    verify_manifest(path)
     state = _state(list(named_params), optimizer, lr_scheduler)
     dcp.load(state, checkpoint_id=path)
     if lr_scheduler is not None:

@@ -65,8 +65,9 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
     Construct with AReaL's ``TrainEngineConfig`` (or ``PPOActorConfig``) and optional
     :class:`DTAOptions`; then ``create_process_group()`` (optional for a single process) and
     ``initialize(None, FinetuneSpec(...))`` as with ``FSDPEngine``. Data parallelism only:
-    when ``torch.distributed`` is initialized (or ``WORLD_SIZE`` > 1), every rank is a
-    data-parallel replica and gradients are averaged before the step.
+    every rank is a data-parallel replica and gradients are averaged before the step; like
+    FSDPEngine, the engine initializes ``torch.distributed`` when it is not (one process: a
+    file-store group, nothing listens) and destroys it in ``destroy``.
     """
 
     def __init__(self, config: TrainEngineConfig, dta: DTAOptions | None = None):
@@ -114,7 +115,8 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
 
     # ------------------------------------------------------------ process groups --
     def create_process_group(self, parallel_strategy=None):
-        """Data-parallel groups (see :class:`~runtime.areal.parallel.DataParallel`)."""
+        """Data-parallel groups, initializing ``torch.distributed`` if needed (see
+        :class:`~runtime.areal.parallel.DataParallel`)."""
         self.parallel.create(getattr(self.config, "backend", None), parallel_strategy)
 
     @property

@@ -57,9 +57,11 @@ def init_default_group() -> bool:
 
 
 class DataParallel:
-    """Data-parallel replicas: the whole world when ``torch.distributed`` is initialized (it
-    is initialized here, as FSDPEngine does, when ``WORLD_SIZE`` > 1), else none — a single
-    process needs no process group (then the groups are ``None`` and the rank is 0)."""
+    """Data-parallel replicas over the whole world. ``create`` initializes
+    ``torch.distributed`` when it is not, as FSDPEngine does (``env://`` when ``WORLD_SIZE`` >
+    1, a file-store group for one process: AReaL's loop, its rollout coordination and its RPC
+    workers all call collectives on the default group), and owns it then. Before ``create``
+    the groups are ``None`` and the rank is 0."""
 
     def __init__(self):
         self.rank, self.world_size = 0, 1
@@ -69,7 +71,7 @@ class DataParallel:
 
     def create(self, backend, parallel_strategy=None) -> None:
         strategy = strategy_of(backend, parallel_strategy)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and init_default_group():
+        if init_default_group():
             self.own_global_group = True
         self._make_groups()
         dp = getattr(strategy, "data_parallel_size", None)
@@ -79,8 +81,7 @@ class DataParallel:
         self.ready = True
 
     def ensure_group(self) -> None:
-        """Process groups even for one process (what AReaL's rollout coordination and
-        barriers need): initialize a one-process group when there is none."""
+        """The process groups, made now if ``create`` has not run."""
         if self.dp_group is not None:
             return
         if init_default_group():

@@ -7,6 +7,8 @@ it instead of launching ``RemoteSGLangEngine``. It is deliberately simple and *n
 engine:
 
 * one model, in this process, on the CPU (or the given device); requests run one at a time;
+  one training process (world size 1): a disk update reaches rank 0's engine only, as it
+  reaches the shared servers of a real run;
 * ``rollout_batch`` / ``prepare_batch`` run the workflow's episodes **synchronously, in data
   order** (no staleness window, no overlap with training: every trajectory is on-policy);
   ``submit`` queues an episode and ``wait`` runs the queue;
@@ -126,7 +128,8 @@ class SmokeInferenceEngine(InferenceEngine):
         prompt = torch.tensor([req.input_ids], dtype=torch.long, device=self.device)
         kwargs = dict(max_new_tokens=max_new, min_new_tokens=g.min_new_tokens,
                       do_sample=not g.greedy, output_logits=True,
-                      return_dict_in_generate=True, pad_token_id=0,
+                      return_dict_in_generate=True,
+                      pad_token_id=self.model.generation_config.pad_token_id or 0,
                       eos_token_id=stop or None, attention_mask=torch.ones_like(prompt))
         if not g.greedy:
             kwargs.update(temperature=g.temperature, top_p=g.top_p,

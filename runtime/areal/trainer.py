@@ -14,7 +14,8 @@ What differs from ``PPOTrainer``:
 * the train engines (above); critics are refused (DTA trains actors);
 * ``inference_engine=``: an optional factory ``(rollout_config, is_eval) -> InferenceEngine``,
   or ``"smoke"`` for :class:`~runtime.areal.smoke_engine.SmokeInferenceEngine` (CPU smoke runs
-  and tests) instead of AReaL's ``RemoteSGLangEngine`` / ``RemotevLLMEngine``;
+  and tests, one training process) instead of AReaL's ``RemoteSGLangEngine`` /
+  ``RemotevLLMEngine``;
 * in SPMD mode (``AREAL_SPMD_MODE=1``, what AReaL's launchers set) a one-process run gets a
   loopback process group (AReaL's loop needs barriers), and AReaL's name-resolve is pointed at
   ``cluster.name_resolve`` (the disk weight-update records);
@@ -66,6 +67,9 @@ class DTAPPOTrainer(PPOTrainer):
             raise ValueError(f"inference_engine must be None (AReaL's remote SGLang/vLLM "
                              f"engine), 'smoke' or a factory (rollout_config, is_eval) -> "
                              f"InferenceEngine; got {inference_engine!r}")
+        if inference_engine == "smoke" and is_single_controller():
+            raise ValueError("the smoke inference engine runs in this process, in AReaL's SPMD "
+                             "mode: set AREAL_SPMD_MODE=1 (the example's --smoke does)")
         self._inference_engine = inference_engine
         self._own_group = False
         if not is_single_controller():
@@ -110,6 +114,11 @@ class DTAPPOTrainer(PPOTrainer):
             raise NotImplementedError("LoRA is not supported by DTAPPOTrainer")
         if factory == "smoke":
             from runtime.areal.smoke_engine import SmokeInferenceEngine
+
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(f"the smoke inference engine serves one training process; "
+                                 f"this run has {dist.get_world_size()} (disk weight updates "
+                                 "reach rank 0's engine only, as they reach a shared server)")
 
             engine = SmokeInferenceEngine(rollout_config, self.config.actor.path,
                                           seed=self.config.seed)

@@ -6,18 +6,22 @@ processes (:mod:`.actors`, :mod:`.worker`), the step loop (:mod:`.driver`, :mod:
 failures (:mod:`.failures`), checkpoints, streaming and job submission live here.
 Importing this package does not import Ray; its functions do.
 """
-from runtime.ray_runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from runtime.ray_runtime.cluster import (ClusterError, ClusterHandle, check_loopback,
-                                         listening_addresses, start_or_join)
-from runtime.ray_runtime.driver import Trainer
-from runtime.ray_runtime.errors import StepFailed, TrainingError
-from runtime.ray_runtime.run import run_training
-from runtime.ray_runtime.stats import StepStats, summarize
-from runtime.ray_runtime.stream import END, StreamBatch, StreamingBatcher
+import importlib
 
-__all__ = [
-    "latest_checkpoint", "load_checkpoint", "save_checkpoint", "ClusterError", "ClusterHandle",
-    "check_loopback", "listening_addresses", "start_or_join", "StepFailed", "StepStats",
-    "Trainer", "TrainingError", "run_training", "summarize", "END", "StreamBatch",
-    "StreamingBatcher",
-]
+# Names are imported lazily, so that light modules (``.cluster`` for the CLI's address probe)
+# do not pay for torch.
+_EXPORTS = {
+    "latest_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint", "ClusterError": "cluster", "ClusterHandle": "cluster",
+    "check_loopback": "cluster", "listening_addresses": "cluster", "start_or_join": "cluster",
+    "Trainer": "driver", "StepFailed": "errors", "TrainingError": "errors",
+    "run_training": "run", "StepStats": "stats", "summarize": "stats", "END": "stream",
+    "StreamBatch": "stream", "StreamingBatcher": "stream",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"runtime.ray_runtime.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'runtime.ray_runtime' has no attribute {name!r}")

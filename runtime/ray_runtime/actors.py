@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 
 from dta.config import as_dict
-from runtime.ray_runtime.cluster import cluster_has_gpus
+from runtime.ray_runtime.cluster import cluster_has_gpus, private_dir
 from runtime.ray_runtime.errors import TrainingError
 from runtime.ray_runtime.worker import DFSWorker
 
@@ -87,7 +86,7 @@ def start_workers(cfg, num_workers: int, *, fault=None, generation: int = 1) -> 
     group_dir = None
     if len({i["ip"] for i in infos}) == 1:
         # FileStore rendezvous: nothing listens beyond loopback; a fresh file per group.
-        group_dir = tempfile.mkdtemp(prefix="dta-pg-")
+        group_dir = private_dir("dta-pg-")  # 0700, swept if this process is killed
         init = "file://" + os.path.join(group_dir, f"store-{generation}")
         ifname = "lo"  # gloo's pairs and NCCL's bootstrap sockets stay on loopback
     else:

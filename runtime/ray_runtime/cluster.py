@@ -13,6 +13,16 @@ never attaches to somebody else's Ray on a shared machine, with every listener o
 After the start, :func:`check_loopback` inspects the listening sockets of the instance's
 processes (:func:`listening_addresses`) and fails if any listens beyond loopback. Shutdown
 is in-process (``ray.shutdown()``), which stops only this instance: never ``ray stop``.
+
+Hygiene: the private temp folder is 0700 and nothing in it is group/other-writable (Ray
+makes its folders 0777; :meth:`ClusterHandle.tighten` undoes that); the temp folder and the
+token are removed on every exit path (failed start included), and folders left by a run
+that was killed (``kill -9``) are removed by the next start (:func:`sweep_stale`).
+
+Joining: an address on loopback (``127.0.0.1:PORT``, ``localhost:PORT``) stays on loopback
+on the client too (without it Ray swaps in the machine's routable address and waits ~5
+minutes on a loopback-only head); the address is probed first, so nothing listening is an
+error within seconds.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -28,6 +39,9 @@ from dataclasses import dataclass, field
 import psutil
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+OWNER_FILE = ".dta-owner-pid"  # in each private folder: the pid that created it
+PRIVATE_PREFIXES = ("dta-ray-", "dta-auth-", "dta-pg-")
+JOIN_PROBE_S = 5.0
 
 
 class ClusterError(RuntimeError):
@@ -154,6 +168,12 @@ class ClusterHandle:
     auth_dir: str | None = None  # the private token's directory (removed at shutdown)
     auth_restore: dict | None = None  # auth variables to restore at shutdown
 
+    def tighten(self) -> None:
+        """No group/other access to the private temp folder; nothing in it writable by
+        group or others (Ray chmods its session folders 0777)."""
+        if self.local and self.owned_temp_dir and self.temp_dir:
+            tighten_tree(self.temp_dir)
+
     def pids(self) -> list[int]:
         """Processes of the local instance (this process and its descendants)."""
         return process_tree() if self.local else []
@@ -195,9 +215,16 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
         return ClusterHandle(local=False, address=getattr(ctx, "gcs_address", None),
                              reused=True)
     t0 = time.perf_counter()
+    sweep_stale()
     if address:
+        kw = {}
+        host = probe_address(address)
+        if host is not None and is_loopback(_resolve(host)):
+            _loopback_only()  # the client stays on loopback too
+            kw["_node_ip_address"] = "127.0.0.1"
         try:
-            info = ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+            info = ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver,
+                            **kw)
         except ConnectionError as exc:
             raise ClusterError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
         except Exception as exc:
@@ -213,8 +240,8 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
     _loopback_only()
     owned = ray_cfg is None or not getattr(ray_cfg, "temp_dir", None)
     # Ray's socket paths must stay short: a short private directory under /tmp.
-    temp_dir = tempfile.mkdtemp(prefix="dta-ray-", dir="/tmp") if owned else ray_cfg.temp_dir
-    auth_dir = tempfile.mkdtemp(prefix="dta-auth-")
+    temp_dir = private_dir("dta-ray-", "/tmp") if owned else ray_cfg.temp_dir
+    auth_dir = private_dir("dta-auth-")
     auth_restore = ensure_local_auth(auth_dir)
     if auth_restore is None:  # the user's own auth settings: no private token
         shutil.rmtree(auth_dir, ignore_errors=True)
@@ -241,13 +268,99 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
                            temp_dir=temp_dir, owned_temp_dir=owned,
                            start_s=time.perf_counter() - t0, auth_dir=auth_dir,
                            auth_restore=auth_restore)
-    if verify_loopback:
-        try:
+    try:
+        handle.tighten()
+        if verify_loopback:
             handle.listeners = check_loopback(handle.pids())
-        except Exception:
-            handle.shutdown()
-            raise
+    except BaseException:
+        handle.shutdown()
+        raise
     return handle
+
+
+# ---------------------------------------------------------------- private folders --
+def private_dir(prefix: str, parent: str | None = None) -> str:
+    """A fresh 0700 folder that records its owner pid (for :func:`sweep_stale`)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(path, 0o700)
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
+def tighten_tree(root: str) -> None:
+    os.chmod(root, 0o700)
+    for base, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(base, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022:
+                    os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+            except OSError:
+                pass  # gone meanwhile
+
+
+def sweep_stale(parents: tuple[str, ...] | None = None) -> list[str]:
+    """Remove this user's private folders whose creating process is gone (a run killed
+    with SIGKILL cannot clean up after itself); returns those removed."""
+    removed = []
+    parents = parents or tuple(dict.fromkeys(["/tmp", tempfile.gettempdir()]))
+    for parent in parents:
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(PRIVATE_PREFIXES):
+                continue
+            path = os.path.join(parent, name)
+            try:
+                if os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path):
+                    continue
+                with open(os.path.join(path, OWNER_FILE)) as f:
+                    pid = int(f.read().strip() or 0)
+            except (OSError, ValueError):
+                continue  # not ours, or not made by this code
+            if pid and not psutil.pid_exists(pid):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+# ------------------------------------------------------------------------- joining --
+def _split(address: str) -> tuple[str, int] | None:
+    text = address.split("://", 1)[-1]
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _resolve(host: str) -> str:
+    try:
+        return socket.getaddrinfo(host, None)[0][4][0]
+    except OSError:
+        return host
+
+
+def probe_address(address: str) -> str | None:
+    """The host of a ``host:port`` GCS address after checking something listens there
+    (a ClusterError within seconds otherwise); None for other forms (``auto``, ``ray://``)."""
+    if address == "auto" or address.startswith("ray://"):
+        return None
+    parts = _split(address)
+    if parts is None:
+        return None
+    host, port = parts
+    try:
+        with socket.create_connection((host, port), timeout=JOIN_PROBE_S):
+            pass
+    except OSError as exc:
+        raise ClusterError(f"cannot join the Ray cluster at {address!r}: nothing answers on "
+                           f"{host}:{port} ({exc.strerror or exc}); is the head running "
+                           "(`ray start --head --port PORT`)?") from None
+    return host
 
 
 def _loopback_only() -> None:

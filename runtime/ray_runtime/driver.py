@@ -58,6 +58,9 @@ class Trainer:
         self.history: list[StepStats] = []
         self.timings: dict[str, float] = {}
         self._generation = 0
+        self.run_id: str | None = None  # the checkpoint folder's run (set by run_training)
+        self.progress = False  # a tokens bar inside each step (set by run_training)
+        self._board = None
 
     # ---------------------------------------------------------------- lifecycle --
     @property
@@ -77,12 +80,22 @@ class Trainer:
         return self.group.backend if self.group is not None else None
 
     def start(self) -> "Trainer":
-        t0 = time.perf_counter()
-        self.cluster = start_or_join(self.cfg.ray, address=self.address)
-        self.timings["ray_start_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        self._start_workers()
-        self.timings["workers_start_s"] = time.perf_counter() - t1
+        """Ray, then the workers; a failure on the way undoes what was started."""
+        try:
+            t0 = time.perf_counter()
+            self.log("starting Ray" + (f" (joining {self.address})" if self.address else
+                                       " (a private local instance on 127.0.0.1)"))
+            self.cluster = start_or_join(self.cfg.ray, address=self.address)
+            self.timings["ray_start_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.log(f"Ray ready in {self.timings['ray_start_s']:.1f} s; starting "
+                     f"{self.num_workers} workers (each builds its model replica)")
+            self._start_workers()
+            self.timings["workers_start_s"] = time.perf_counter() - t1
+            self.cluster.tighten()  # the workers' session folders too
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def _start_workers(self) -> None:
@@ -138,15 +151,25 @@ class Trainer:
             raise TrainingError("the trainer is not started (use `with Trainer(cfg) as t:`)")
         step = self.completed_steps if step is None else int(step)
         self.validate(batch)
+        if batch.trained_tokens() == 0:  # the workers skip the update (see DFSWorker.step)
+            from dta.train import warn_no_trained_token
+
+            warn_no_trained_token(len(batch), step)
         t0 = time.perf_counter()
         tree = PrefixTree(batch.input_ids, min_shared=int(self.cfg.walker.min_shared))
         plan = self.plan(batch, tree)
         totals = batch_totals(batch)
+        board, bar = self._step_bar(step, plan)
         refs = {}
         for rank, (w, ids) in enumerate(zip(self.workers, plan.workers)):
             part = batch.subset(ids) if ids else None
-            refs[w.step.remote(step, part, totals)] = rank
-        results, failures = gather(refs, float(self.cfg.ray.step_timeout_s))
+            refs[w.step.remote(step, part, totals, board)] = rank
+        try:
+            results, failures = gather(refs, float(self.cfg.ray.step_timeout_s),
+                                       on_tick=None if bar is None else bar.tick)
+        finally:
+            if bar is not None:
+                bar.close()
         if failures:
             last = ckpt.latest_checkpoint(self.cfg.train.checkpoint_dir)
             message, culprit, verb, applied = failure_message(step, results, failures,
@@ -157,6 +180,19 @@ class Trainer:
         self.completed_steps = step + 1
         self.history.append(stats)
         return stats
+
+    def _step_bar(self, step: int, plan):
+        """(board, bar) for a tokens bar inside the step, or (None, None)."""
+        if not self.progress:
+            return None, None
+        import ray
+
+        from runtime.ray_runtime.progress import ProgressBoard
+
+        if self._board is None:
+            self._board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+        total = int(sum(getattr(plan, "unique_tokens", None) or [])) or None
+        return self._board, _TokensBar(self._board, step, total)
 
     # ---------------------------------------------------------------- streaming --
     def train_stream(self, source, *, target_sequences: int | None = None,
@@ -194,13 +230,29 @@ class Trainer:
                 "plan": {"method": self.history[-1].plan_method if self.history else None,
                          "cost_model": repr(self.cost_model)},
                 "history": [s.brief() for s in self.history], **(extra or {})}
+        keep = int(getattr(self.cfg.train, "keep_last", 0) or 0) or None
         return ray.get(self.workers[0].save_checkpoint.remote(
-            os.path.abspath(directory), self.completed_steps, meta))
+            os.path.abspath(directory), self.completed_steps, meta, self.run_id, keep))
+
+    def export_hf(self, path: str) -> str:
+        """Write the trained model with ``save_pretrained`` (rank 0; replicas are identical)."""
+        import ray
+
+        if self.broken:
+            raise TrainingError(f"refusing to export unusable workers ({self.broken})")
+        return ray.get(self.workers[0].export_hf.remote(os.path.abspath(path)))
 
     def load(self, path: str) -> dict:
         import ray
 
-        metas = ray.get([w.load_checkpoint.remote(os.path.abspath(path)) for w in self.workers])
+        from ray.exceptions import RayTaskError
+
+        try:
+            metas = ray.get([w.load_checkpoint.remote(os.path.abspath(path))
+                             for w in self.workers])
+        except RayTaskError as exc:  # e.g. a CheckpointError: say what, not the remote trace
+            cause = getattr(exc, "cause", None) or exc
+            raise ckpt.CheckpointError(f"loading {path!r} failed: {str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__}") from None
         self.completed_steps = int(metas[0]["step"])
         return metas[0]
 
@@ -229,3 +281,28 @@ class Trainer:
     def digests(self) -> list[float]:
         import ray
         return ray.get([w.digest.remote() for w in self.workers])
+
+
+class _TokensBar:
+    """A tqdm bar of the tokens the workers have walked in this step."""
+
+    def __init__(self, board, step: int, total: int | None):
+        import sys
+
+        from tqdm import tqdm
+
+        self.board, self.step = board, step
+        self.bar = tqdm(total=total, desc=f"step {step}", unit="tok", leave=False,
+                        file=sys.stderr, dynamic_ncols=True, unit_scale=True)
+
+    def tick(self) -> None:
+        import ray
+
+        try:
+            walked = ray.get(self.board.walked.remote(self.step), timeout=1.0)
+        except Exception:
+            return
+        self.bar.update(max(0, walked - self.bar.n))
+
+    def close(self) -> None:
+        self.bar.close()

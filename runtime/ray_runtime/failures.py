@@ -15,8 +15,10 @@ from runtime.ray_runtime.errors import first_line
 GRACE_S = 30.0  # after one failure, how long the other workers get to report
 
 
-def gather(refs: dict, timeout_s: float) -> tuple[dict, dict]:
-    """``refs``: object ref -> rank. Returns (rank -> result, rank -> (kind, detail))."""
+def gather(refs: dict, timeout_s: float, on_tick=None, tick_s: float = 0.5
+           ) -> tuple[dict, dict]:
+    """``refs``: object ref -> rank. Returns (rank -> result, rank -> (kind, detail)).
+    ``on_tick()`` is called about every ``tick_s`` while waiting (progress display)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -26,8 +28,12 @@ def gather(refs: dict, timeout_s: float) -> tuple[dict, dict]:
     grace = None
     while pending:
         limit = deadline if grace is None else min(deadline, grace)
+        wait = max(0.0, limit - time.monotonic())
         ready, _ = ray.wait(list(pending), num_returns=1,
-                            timeout=max(0.0, limit - time.monotonic()))
+                            timeout=wait if on_tick is None else min(wait, tick_s))
+        if not ready and on_tick is not None and time.monotonic() < limit:
+            on_tick()
+            continue
         if not ready:
             for rank in pending.values():
                 failures[rank] = ("hung", f"did not finish the step within {timeout_s:g} s"

@@ -3,20 +3,85 @@
 The caller says where batches come from (``source.batch(step) -> dta.Batch``; the CLI's
 :class:`dta_cli.batches.BatchSource` generates workloads or reads a JSONL file), so the
 runtime imports no workload generator.
+
+Nothing is lost, nothing is trusted blindly:
+
+* before step 0 the checkpoint folder is claimed for this run (:func:`.checkpoint.prepare_run`:
+  writable, not another run's, and for ``train.resume=true`` existing with a checkpoint);
+* a checkpoint every ``train.checkpoint_every`` steps (default 1) and after the last one,
+  keeping the newest ``train.keep_last``; SIGINT (Ctrl-C) or SIGTERM finishes the current
+  step, saves it and stops (:class:`Interrupted`; a second signal stops at once);
+* a skipped update (non-finite gradient norm) is a warning and, unless
+  ``train.skip_nonfinite=true``, an error naming the step;
+* per-step metrics go to ``metrics.jsonl`` / ``metrics.csv`` (and TensorBoard when
+  installed) in ``train.log_dir`` (default: the checkpoint folder) as the run goes;
+* ``train.export_hf=DIR`` writes the trained model with ``save_pretrained`` at the end.
 """
 from __future__ import annotations
 
+import math
+import os
+import signal
 import sys
+import threading
+import warnings
 from typing import Callable, Protocol
 
 from dta.batch import Batch
 from runtime.ray_runtime import checkpoint as ckpt
 from runtime.ray_runtime.driver import Trainer
+from runtime.ray_runtime.errors import TrainingError
+from runtime.ray_runtime.metrics import MetricsLog
 from runtime.ray_runtime.stats import StepStats, summarize
 
 
 class BatchSourceLike(Protocol):
     def batch(self, step: int) -> Batch: ...
+
+
+class Interrupted(TrainingError):
+    """The run stopped on SIGINT/SIGTERM after a completed (and saved) step."""
+
+    def __init__(self, message: str, signum: int, checkpoint: str | None):
+        super().__init__(message)
+        self.signum, self.checkpoint = signum, checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signum)
+
+
+class NonFiniteUpdateWarning(UserWarning):
+    pass
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM handling: ``armed`` (training) records the signal so the loop stops
+    after the current step; otherwise (start-up) or on a second signal, KeyboardInterrupt."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.armed = False
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        if self.armed and self.received is None:
+            self.received = signum
+            print(f"\ndta train: {signal.Signals(signum).name} received: finishing the current "
+                  "step, then saving and stopping (again to stop at once)", file=sys.stderr,
+                  flush=True)
+            return
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def run_training(cfg, source: BatchSourceLike, *,
@@ -25,39 +90,101 @@ def run_training(cfg, source: BatchSourceLike, *,
                  on_step: Callable[[StepStats], None] | None = None) -> dict:
     """Train ``cfg.train.steps`` steps on ``source.batch(k)``; returns the summary
     (:func:`~runtime.ray_runtime.stats.summarize`)."""
+    from dta.config import check_dta_train
+
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    trainer = Trainer(cfg, address=address, fault=fault, log=log)
+    check_dta_train(cfg)  # a key dta train would ignore is an error, not a no-op
     t = cfg.train
-    resume_path = ckpt.latest_checkpoint(t.checkpoint_dir) if t.resume else None
+    if t.resume and not t.checkpoint_dir:
+        raise TrainingError("train.resume=true needs train.checkpoint_dir (the folder to "
+                            "resume from)")
+    trainer = Trainer(cfg, address=address, fault=fault, log=log)
+    run = ckpt.prepare_run(t.checkpoint_dir, resume=bool(t.resume)) if t.checkpoint_dir else None
+    trainer.run_id = run.run_id if run else None
+    trainer.progress = bool(progress)
+    resume_path = run.resumed_from if run else None
+    if resume_path:
+        ckpt.verify_manifest(resume_path)  # a corrupted checkpoint fails before Ray starts
     start = int(ckpt.read_meta(resume_path)["step"]) if resume_path else 0
     if start >= int(t.steps):
         log(f"checkpoint {resume_path} is at step {start}: nothing left of {t.steps} steps")
         return {"steps": 0, "completed_steps": start}
+    if t.export_hf:
+        _check_export_dir(str(t.export_hf))
     first = source.batch(start)
     trainer.validate(first)  # bad input fails before Ray starts
+    log_dir = t.log_dir or t.checkpoint_dir
+    metrics = MetricsLog(log_dir, run_id=trainer.run_id) if log_dir else None
+    every, last_saved = int(t.checkpoint_every), None
     bar = None
-    with trainer:
-        if resume_path:
-            trainer.load(resume_path)
-            log(f"resumed from {resume_path} (step {start})")
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=int(t.steps), initial=start, desc="dta train", unit="step",
-                       file=sys.stderr, dynamic_ncols=True)
+    with _StopSignals() as stop, trainer:
         try:
+            if resume_path:
+                trainer.load(resume_path)
+                log(f"resumed run {trainer.run_id} from {resume_path} (step {start})")
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=int(t.steps), initial=start, desc="dta train", unit="step",
+                           file=sys.stderr, dynamic_ncols=True)
+            stop.armed = True
             for k in range(start, int(t.steps)):
                 batch = first if k == start else source.batch(k)
                 stats = trainer.step(batch, k)
+                _check_update(stats, bool(t.skip_nonfinite))
+                if metrics is not None:
+                    metrics.write(stats)
                 if on_step is not None:
                     on_step(stats)
-                every = int(t.checkpoint_every)
                 if t.checkpoint_dir and ((every and (k + 1) % every == 0) or k + 1 == t.steps):
-                    trainer.save()
+                    last_saved = trainer.save()
                 if bar is not None:
                     bar.set_postfix(loss=f"{stats.loss:.4f}", share=f"{stats.sharing_ratio:.1f}x",
                                     s=f"{stats.step_s:.2f}")
                     bar.update(1)
+                if stop.received is not None and k + 1 < int(t.steps):
+                    name = signal.Signals(stop.received).name
+                    if t.checkpoint_dir and (last_saved is None or
+                                             not last_saved.endswith(ckpt.step_name(k + 1))):
+                        last_saved = trainer.save()
+                    where = (f"step {k + 1} saved in {last_saved}; continue with "
+                             "train.resume=true" if t.checkpoint_dir else
+                             "nothing saved (no train.checkpoint_dir)")
+                    raise Interrupted(f"stopped by {name} after {k + 1 - start} steps: {where}",
+                                      stop.received, last_saved)
+            stop.armed = False
+            if t.export_hf:
+                path = trainer.export_hf(str(t.export_hf))
+                log(f"exported the model (save_pretrained) to {path}")
         finally:
+            stop.armed = False
             if bar is not None:
                 bar.close()
-        return summarize(trainer.history, trainer)
+            if metrics is not None:
+                metrics.close()
+        out = summarize(trainer.history, trainer)
+        out["run_id"] = trainer.run_id
+        out["checkpoint"] = last_saved
+        if metrics is not None:
+            out["metrics_log"] = metrics.paths
+        return out
+
+
+def _check_update(stats: StepStats, skip_nonfinite: bool) -> None:
+    if stats.updated or math.isfinite(stats.grad_norm):
+        return  # updated, or nothing to train (warned by the trainer)
+    message = (f"step {stats.step}: the gradient norm is {stats.grad_norm}: the update was "
+               "skipped, the model and optimizer are unchanged")
+    warnings.warn(message, NonFiniteUpdateWarning, stacklevel=2)
+    if not skip_nonfinite:
+        raise TrainingError(message + " (set train.skip_nonfinite=true to go on past such "
+                            "steps)")
+
+
+def _check_export_dir(path: str) -> None:
+    path = os.path.abspath(path)
+    if os.path.isdir(path) and os.listdir(path):
+        raise TrainingError(f"train.export_hf {path!r} is not empty; choose a new folder")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise TrainingError(f"train.export_hf {path!r}: its parent folder is missing or not "
+                            "writable")

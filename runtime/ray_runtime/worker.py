@@ -27,7 +27,7 @@ import torch
 
 from dta.batch import Batch
 from dta.config import from_dict, loss_kwargs
-from dta.losses import Totals, make_loss
+from dta.losses import Totals, batch_totals, make_loss
 from dta.models import build_model, load_model
 from dta.train import accumulate_gradients, clip_and_step, forward_logprobs
 
@@ -209,21 +209,40 @@ class DFSWorker:
         return self.info()
 
     # --------------------------------------------------------------- step --
-    def step(self, step: int, batch: Batch | None, totals: Totals) -> dict:
+    def step(self, step: int, batch: Batch | None, totals: Totals, board=None) -> dict:
+        """One step; ``board`` (a :class:`.progress.ProgressBoard` actor) receives the tokens
+        walked as the walk goes."""
         t0 = time.perf_counter()
         reset_peak_memory(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
         stats = {"rank": self.rank, "pid": os.getpid(), "step": int(step), "sequences": 0,
                  "tokens": 0, "unique_tokens": 0, "forwarded_tokens": 0, "loss": 0.0}
+        if batch is not None and totals is None:
+            totals = batch_totals(batch)  # the worker sees the whole batch
+        if totals is not None and totals.trainable_tokens == 0:
+            # No trained token in the whole batch (every rank sees the same totals, so every
+            # rank skips, no collective is entered): no gradient, no optimizer step.
+            stats.update(grad_norm=0.0, updated=False, accumulate_s=0.0, allreduce_s=0.0,
+                         optimizer_s=0.0, step_s=time.perf_counter() - t0,
+                         **peak_memory(self.device))
+            self.completed_steps += 1
+            return stats
+        self.optimizer.zero_grad(set_to_none=True)
         if batch is not None and len(batch):
             batch = _writable(batch)
             batch = fill_recomputed(self.model, batch, self.recompute, self.cfg)
             w = self.cfg.walker
+            reporter = None
+            if board is not None:
+                from runtime.ray_runtime.progress import Reporter
+
+                reporter = Reporter(board, int(step), self.rank)
             res = accumulate_gradients(self.model, batch, self.loss, reduction=w.reduction,
                                        totals=totals, policy=w.policy,
                                        temperature=float(w.temperature),
                                        logits_chunk=int(w.logits_chunk),
-                                       min_shared=int(w.min_shared))
+                                       min_shared=int(w.min_shared), progress=reporter)
+            if reporter is not None:
+                reporter.flush()
             stats.update(sequences=len(batch), tokens=res.tree.total_tokens,
                          unique_tokens=res.tree.unique_tokens, forwarded_tokens=res.walk.tokens,
                          recomputed_tokens=res.walk.recomputed_tokens, loss=float(res.loss),
@@ -261,9 +280,17 @@ class DFSWorker:
         with torch.no_grad():
             return float(sum(p.double().abs().sum() for p in self.model.parameters()))
 
-    def save_checkpoint(self, directory: str, step: int, meta: dict) -> str:
+    def save_checkpoint(self, directory: str, step: int, meta: dict, run_id: str | None = None,
+                        keep_last: int | None = None) -> str:
         from runtime.ray_runtime.checkpoint import save_checkpoint
-        return save_checkpoint(directory, step, self.model, self.optimizer, meta)
+        return save_checkpoint(directory, step, self.model, self.optimizer, meta, run_id=run_id,
+                               keep_last=keep_last)
+
+    def export_hf(self, path: str) -> str:
+        """The model as a Hugging Face directory (``save_pretrained``: config + safetensors)."""
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        self.model.save_pretrained(path)
+        return path
 
     def load_checkpoint(self, path: str) -> dict:
         from runtime.ray_runtime.checkpoint import load_checkpoint

@@ -4,16 +4,16 @@
 Smoke mode — CPU, a tiny random model built locally, the in-process smoke inference engine,
 about a minute::
 
-    python -m runtime.areal.examples.tau2_grpo --smoke --config configs/areal-tau2-grpo-smoke.yaml
+    python -m runtime.areal.examples.tau2_grpo --smoke --config configs/areal/tau2-grpo-smoke.yaml
 
 Real mode — SGLang servers on GPUs, launched by AReaL's own launcher (SPMD), e.g. one node with
 one inference GPU and one training GPU::
 
     python -m areal.infra.launcher.local runtime/areal/examples/tau2_grpo.py \\
-        --config configs/areal-tau2-grpo.yaml actor.path=/models/Qwen3-1.7B
+        --config configs/areal/tau2-grpo.yaml actor.path=/models/Qwen3-1.7B
 
 (or without the launcher, in AReaL's single-controller mode: ``python -m
-runtime.areal.examples.tau2_grpo --config configs/areal-tau2-grpo.yaml scheduler.type=local``).
+runtime.areal.examples.tau2_grpo --config configs/areal/tau2-grpo.yaml scheduler.type=local``).
 Every key is AReaL's ``PPOConfig`` key, plus the ``actor.dta`` block; ``key=value`` overrides
 follow the file.
 """

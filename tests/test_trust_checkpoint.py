@@ -1,0 +1,177 @@
+"""Checkpoints you can trust (no Ray needed): tensors only, checksums, one run per folder,
+retention, modes."""
+import json
+import os
+import pickle
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.ray_runtime import checkpoint as ckpt
+from runtime.ray_runtime.checkpoint import CheckpointError
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    d = str(tmp_path / "run")
+    run = ckpt.prepare_run(d, resume=False)
+    model, opt = tiny()
+    path = ckpt.save_checkpoint(d, 1, model, opt, {"note": "x"})
+    return d, path, run, model, opt
+
+
+class Planted:
+    """Unpickling this runs code: it writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_round_trip_restores_model_optimizer_and_rng(saved):
+    d, path, run, model, opt = saved
+    import random
+    np.random.seed(5)
+    ckpt.save_checkpoint(d, 2, model, opt)
+    want = (torch.rand(2), np.random.rand(), random.random())
+    fresh, fresh_opt = tiny()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(d), fresh, fresh_opt)
+    assert meta["step"] == 2 and meta["run_id"] == run.run_id
+    assert all(torch.equal(a, b) for a, b in zip(params(fresh).values(), params(model).values()))
+    assert fresh_opt.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    got = (torch.rand(2), np.random.rand(), random.random())  # the RNGs continue as saved
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+
+
+@pytest.mark.parametrize("fix_manifest", [False, True])
+def test_planted_pickle_is_refused_and_nothing_runs(saved, tmp_path, fix_manifest):
+    d, path, run, model, opt = saved
+    marker = tmp_path / "pwned"
+    with open(os.path.join(path, "optimizer.pt"), "wb") as f:
+        pickle.dump({"state": Planted(str(marker)), "param_groups": []}, f)
+    if fix_manifest:  # an attacker who also rewrites the manifest: weights_only still refuses
+        ckpt.write_manifest(path, run_id=run.run_id, step=1)
+    target, target_opt = tiny()
+    with torch.no_grad():
+        target[0].weight.add_(3.0)
+    before = params(target)
+    with pytest.raises(CheckpointError) as info:
+        ckpt.load_checkpoint(path, target, target_opt)
+    assert "optimizer.pt" in str(info.value)
+    assert ("more than tensors" in str(info.value)) if fix_manifest else (
+        "SHA-256" in str(info.value) or "bytes" in str(info.value))
+    assert not marker.exists()  # the payload never ran
+    assert all(torch.equal(before[k], v) for k, v in params(target).items())  # untouched
+
+
+def test_flipped_byte_is_detected(saved):
+    d, path, run, model, opt = saved
+    f = os.path.join(path, "model.pt")
+    data = bytearray(open(f, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(f, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"file 'model.pt' fails its SHA-256 check"):
+        ckpt.load_checkpoint(path, *tiny())
+
+
+def test_file_added_after_the_fact_or_missing_manifest_is_refused(saved):
+    d, path, run, model, opt = saved
+    open(os.path.join(path, "extra.pt"), "wb").write(b"x")
+    with pytest.raises(CheckpointError, match="'extra.pt' is not in its manifest"):
+        ckpt.load_checkpoint(path, *tiny())
+    os.unlink(os.path.join(path, "extra.pt"))
+    os.unlink(os.path.join(path, ckpt.MANIFEST))
+    with pytest.raises(CheckpointError, match="no readable manifest.json"):
+        ckpt.load_checkpoint(path, *tiny())
+
+
+def test_second_run_in_the_same_folder_is_refused(saved):
+    d, path, run, model, opt = saved
+    with pytest.raises(CheckpointError, match=f"already holds run {run.run_id}, latest step-000001"):
+        ckpt.prepare_run(d, resume=False)
+    assert ckpt.prepare_run(d, resume=True).run_id == run.run_id  # resuming it is fine
+    with pytest.raises(CheckpointError, match="belongs to run"):
+        ckpt.save_checkpoint(d, 2, model, opt, run_id="another-run")
+
+
+def test_checkpoint_of_another_run_is_refused(saved, tmp_path):
+    d, path, run, model, opt = saved
+    other = str(tmp_path / "other")
+    ckpt.prepare_run(other, resume=False)
+    os.replace(path, os.path.join(other, "step-000001"))
+    with pytest.raises(CheckpointError, match="two runs were mixed"):
+        ckpt.load_checkpoint(os.path.join(other, "step-000001"), *tiny())
+
+
+def test_resume_needs_an_existing_folder_with_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.prepare_run(str(tmp_path / "typo"), resume=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        ckpt.prepare_run(str(tmp_path / "empty"), resume=True)
+
+
+def test_unusable_folder_fails_before_step_0(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match="cannot create the checkpoint folder"):
+        ckpt.prepare_run(str(tmp_path / "a-file" / "ckpt"), resume=False)
+
+
+def test_keep_last_and_modes(saved):
+    d, path, run, model, opt = saved
+    for step in range(2, 6):
+        ckpt.save_checkpoint(d, step, model, opt, keep_last=2)
+    assert [os.path.basename(p) for p in ckpt.checkpoints(d)] == ["step-000004", "step-000005"]
+    assert ckpt.latest_checkpoint(d).endswith("step-000005")
+    assert not [n for n in os.listdir(d) if n.startswith(".")]  # no temp or trash left
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files + ["."]:
+            mode = os.stat(os.path.join(root, name)).st_mode
+            assert not mode & stat.S_IWOTH and not mode & stat.S_IWGRP, (root, name, oct(mode))
+
+
+def test_meta_with_nan_is_strict_json(saved):
+    d, path, run, model, opt = saved
+    p = ckpt.save_checkpoint(d, 7, model, opt, {"history": [{"loss": float("nan")}]})
+    text = open(os.path.join(p, "meta.json")).read()
+    assert "NaN" not in text and json.loads(text)["history"][0]["loss"] is None
+
+
+def test_submit_ships_absolute_checked_paths(tmp_path, monkeypatch):
+    from dta.config import ConfigError, load_config
+    from dta_cli.jobs import ship_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"input_ids": [3, 4, 5]}\n')
+    cfg = ship_paths(load_config(None, ["workload.path=data.jsonl", "train.checkpoint_dir=ck",
+                                        "train.export_hf=out/hf"]))
+    assert cfg.workload.path == str(tmp_path / "data.jsonl")
+    assert cfg.train.checkpoint_dir == str(tmp_path / "ck")
+    assert cfg.train.export_hf == str(tmp_path / "out" / "hf")
+    with pytest.raises(ConfigError, match="'workload.path'.*does not exist"):
+        ship_paths(load_config(None, ["workload.path=missing.jsonl"]))
+    (tmp_path / "bad.jsonl").write_text('{"input_ids": [3], "labels": [3]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl line 1: unknown field 'labels'"):
+        ship_paths(load_config(None, ["workload.path=bad.jsonl"]))
+    with pytest.raises(ConfigError, match="does not exist"):
+        ship_paths(load_config(None, ["train.checkpoint_dir=nope", "train.resume=true"]))
