@@ -36,7 +36,7 @@ class HeadOutput:
     loss: float | None  # the node's loss value (None: no loss terms)
     dhidden: torch.Tensor | None  # ∂L/∂h, [rows, hidden]
     logp: torch.Tensor  # per pair, detached
-    entropy: torch.Tensor
+    entropy: torch.Tensor | None  # None: not computed (no entropy pass)
     vocab_min: torch.Tensor | None = None
     vocab_max: torch.Tensor | None = None
 
@@ -54,12 +54,17 @@ class LMHead:
 
     # ------------------------------------------------------------------------ head --
     def evaluate(self, hidden: torch.Tensor, terms, loss_fn=None, *, need_entropy: bool = False,
-                 minmax: bool = False) -> HeadOutput:
-        """Log-probs/entropies of `terms`' pairs; with `loss_fn(occ_slice, logp, entropy)`
-        (the node's loss restricted to the occurrences of a chunk's pairs) also the loss
-        value and ∂L/∂hidden, adding ∂L/∂W (and ∂L/∂bias) into the head's ``.grad``."""
+                 entropy: bool | None = None, minmax: bool = False) -> HeadOutput:
+        """Log-probs (and, with ``entropy``, entropies) of `terms`' pairs; with
+        `loss_fn(occ_slice, first_pair, logp, entropy)` (the loss restricted to the occurrences
+        of a chunk's pairs) also the loss value and ∂L/∂hidden, adding ∂L/∂W (and ∂L/∂bias)
+        into the head's ``.grad``. ``need_entropy``: the loss reads the entropy (and is
+        differentiated through it); ``entropy`` (default: ``need_entropy``) asks for the
+        entropies too. Without either, no entropy pass is made over the logits, and the
+        softmax is formed in place of the logits."""
         rows, targets = terms.rows, terms.targets
         train = loss_fn is not None
+        with_ent = need_entropy if entropy is None else (entropy or need_entropy)
         h_all = hidden.detach()
         dhidden = torch.zeros_like(h_all) if train else None
         outs, total = [], None
@@ -73,13 +78,16 @@ class LMHead:
             with torch.no_grad():
                 z_raw = torch.nn.functional.linear(h, self.weight, self.bias)
                 z = z_raw.float() if z_raw.dtype in (torch.float16, torch.bfloat16) else z_raw
-                z, cap_tanh = self.transform.apply(z)
+                z, cap_tanh = self.transform.apply(z)  # no copy without scale, cap, temperature
                 lse = torch.logsumexp(z, dim=-1)
                 logp = z[u_of, t] - lse[u_of]
-                p = torch.exp(z - lse[:, None])
-                ent_row = lse - (p * z).sum(-1)
                 mm = (z.min(-1).values[u_of], z.max(-1).values[u_of]) if minmax else (None, None)
-            outs.append((logp, ent_row[u_of]) + mm)
+                ent = ent_row = None
+                if with_ent:
+                    p = torch.exp(z - lse[:, None])
+                    ent_row = lse - (p * z).sum(-1)
+                    ent = ent_row[u_of]
+            outs.append((logp, ent) + mm)
             if not train:
                 continue
             oa, ob = int(occ_bounds[i]), int(occ_bounds[i + 1])
@@ -87,16 +95,20 @@ class LMHead:
                 continue
             with torch.enable_grad():  # the only autograd: scalars per pair
                 lp = logp.detach().requires_grad_()
-                en = ent_row[u_of].detach().requires_grad_()
-                value = loss_fn(slice(oa, ob), a, lp, en if need_entropy else None)
+                en = ent.detach().requires_grad_() if need_entropy else None
+                value = loss_fn(slice(oa, ob), a, lp, en)
                 total = value.detach() if total is None else total + value.detach()
                 if not value.requires_grad:
                     continue
-                ga, gb = torch.autograd.grad(value, [lp, en], allow_unused=True)
+                grads = torch.autograd.grad(value, [lp, en] if need_entropy else [lp],
+                                            allow_unused=True)
+                ga, gb = grads[0], grads[1] if need_entropy else None
             with torch.no_grad():
                 n_u = len(r_u)
                 ga = torch.zeros_like(lp) if ga is None else ga
                 A = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, ga)
+                if not with_ent:  # softmax(z), in place of the logits (not needed any more)
+                    p = z.sub_(lse[:, None]).exp_()
                 if gb is not None:  # entropy: ∂H/∂z = −p (z − lse + H)
                     B = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, gb)
                     ent_term = z.sub_(lse[:, None]).add_(ent_row[:, None]).mul_(p).mul_(B[:, None])
@@ -108,8 +120,10 @@ class LMHead:
                 dhidden.index_add_(0, r_u, g @ self.weight)
                 self._add_head_grad(h, g)
         self._flush_head()
-        logp, ent, vmin, vmax = (torch.cat(x) if x[0] is not None else None for x in zip(*outs)) \
-            if outs else (hidden.new_zeros(0),) * 2 + (None, None)
+        if outs:
+            logp, ent, vmin, vmax = (torch.cat(x) if x[0] is not None else None for x in zip(*outs))
+        else:
+            logp, ent, vmin, vmax = hidden.new_zeros(0), hidden.new_zeros(0) if with_ent else None, None, None
         return HeadOutput(None if total is None else float(total), dhidden, logp, ent, vmin, vmax)
 
     def _add_head_grad(self, h: torch.Tensor, g: torch.Tensor) -> None:
@@ -142,3 +156,44 @@ def _unique_sorted(r: torch.Tensor):
     keep = torch.ones(len(r), dtype=torch.bool, device=r.device)
     keep[1:] = r[1:] != r[:-1]
     return torch.nonzero(keep)[:, 0], torch.cumsum(keep, 0) - 1
+class HeadJob:
+    """One pack's head rows in a :class:`HeadQueue`; ``dhidden`` is set when flushed."""
+
+    __slots__ = ("hidden", "terms", "dhidden", "done")
+
+    def __init__(self, hidden, terms):
+        self.hidden, self.terms, self.dhidden, self.done = hidden, terms, None, terms.empty
+
+
+class HeadQueue:
+    """Head rows of several packs evaluated in one call: the vocabulary-sized weight is
+    streamed (and its gradient read-modify-written) once per flush instead of once per node.
+    The walker flushes before a pop needs a ∂L/∂hidden, and when ``rows`` reaches its cap."""
+
+    def __init__(self):
+        self.jobs: list[HeadJob] = []
+        self.rows = 0  # queued (row, target) pairs
+
+    def add(self, hidden: torch.Tensor, terms) -> HeadJob:
+        job = HeadJob(hidden.detach(), terms)
+        if not job.done:
+            self.jobs.append(job)
+            self.rows += len(terms.rows)
+        return job
+
+    def flush(self, evaluate) -> bool:
+        """``evaluate(hidden, terms) -> ∂L/∂hidden`` over all queued packs at once; each job
+        gets its slice. Returns whether anything was evaluated."""
+        if not self.jobs:
+            return False
+        jobs, self.jobs, self.rows = self.jobs, [], 0
+        from dta.objective import NodeTerms
+
+        offsets = np.cumsum([0] + [len(j.hidden) for j in jobs])
+        hidden = jobs[0].hidden if len(jobs) == 1 else torch.cat([j.hidden for j in jobs])
+        terms = NodeTerms.concat([(j.terms, int(o)) for j, o in zip(jobs, offsets[:-1])])
+        dhidden = evaluate(hidden, terms)
+        for j, a, b in zip(jobs, offsets[:-1], offsets[1:]):
+            j.dhidden = None if dhidden is None else dhidden[a:b]
+            j.done, j.hidden = True, None
+        return True

@@ -35,6 +35,30 @@ class NodeTerms:
     def empty(self) -> bool:
         return len(self.rows) == 0
 
+    @staticmethod
+    def concat(parts: list[tuple["NodeTerms", int]]) -> "NodeTerms":
+        """The terms of several nodes as one, each node's rows shifted by its row offset (its
+        place in a pack, or in a batch of head rows); pairs and occurrences stay sorted."""
+        parts = [(t, off) for t, off in parts if not t.empty]
+        if len(parts) == 1 and parts[0][1] == 0:
+            return parts[0][0]
+        if not parts:
+            return NodeTerms(*(torch.zeros(0, dtype=torch.long),) * 3, torch.zeros(0), {},
+                             occ_pair_np=np.zeros(0, dtype=np.int64))
+        pair_off = np.cumsum([0] + [len(t.rows) for t, _ in parts[:-1]])
+        t0 = parts[0][0]
+        out = NodeTerms(
+            torch.cat([t.rows + off for t, off in parts]), torch.cat([t.targets for t, _ in parts]),
+            torch.cat([t.occ_pair + int(po) for (t, _), po in zip(parts, pair_off)]),
+            torch.cat([t.weight for t, _ in parts]),
+            {k: torch.cat([t.fields[k] for t, _ in parts]) for k in t0.fields},
+            occ_pair_np=np.concatenate([t.occ_pair_np + po for (t, _), po in zip(parts, pair_off)]))
+        if t0.rec_pair is not None:
+            out.rec_seq = np.concatenate([t.rec_seq for t, _ in parts])
+            out.rec_pos = np.concatenate([t.rec_pos for t, _ in parts])
+            out.rec_pair = np.concatenate([t.rec_pair + po for (t, _), po in zip(parts, pair_off)])
+        return out
+
 
 class Objective:
     """A token loss bound to a batch, its tree and a reduction."""

@@ -43,18 +43,20 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
                          policy: str = "retain", temperature: float = 1.0,
                          logits_chunk: int = 1024, min_shared: int = 1, record: bool = False,
                          progress=None, router_aux_loss: str = "refuse",
-                         self_check: bool = True) -> StepResult:
+                         self_check: bool = True, **walk_kw) -> StepResult:
     """Add the batch's loss gradient into the parameters' ``.grad`` by one DFS walk.
 
     totals: normalizers of the mean reductions over the whole global batch, when this call
     sees only part of it (a data-parallel worker); default: this batch's own.
     router_aux_loss: "refuse" | "exclude"; self_check: probe the model once (cached) and
     refuse one the walker would train wrong; see ``dta.walk.Walker``.
+    walk_kw: the walker's packing options (``packing``, ``pack_tokens``, ``head_rows``,
+    ``pack_cost``, ``native_gqa``; see :class:`dta.walk.Walker`).
     """
     validate_for_model(batch, model, loss)
     tree = PrefixTree(batch.input_ids, min_shared=min_shared)
     walker = Walker(model, policy=policy, logits_chunk=logits_chunk, temperature=temperature,
-                    router_aux_loss=router_aux_loss, self_check=self_check)
+                    router_aux_loss=router_aux_loss, self_check=self_check, **walk_kw)
     if isinstance(loss, SequenceLoss):
         fwd = walker.forward(tree, batch)
         objective, value = linearize(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals)
@@ -67,13 +69,13 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
 
 
 def forward_logprobs(model, batch: Batch, *, temperature: float = 1.0, logits_chunk: int = 1024,
-                     minmax: bool = False, self_check: bool = True) -> WalkResult:
+                     minmax: bool = False, self_check: bool = True, **walk_kw) -> WalkResult:
     """Per-sequence, per-token log-probs and entropy with K/V reuse and no graph."""
     batch.validate(vocab_size=model.config.vocab_size,
                    max_positions=getattr(model.config, "max_position_embeddings", None))
     tree = PrefixTree(batch.input_ids)
     return Walker(model, logits_chunk=logits_chunk, temperature=temperature,
-                  self_check=self_check).forward(
+                  self_check=self_check, **walk_kw).forward(
         tree, batch, minmax=minmax)
 
 

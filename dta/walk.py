@@ -1,34 +1,48 @@
 """The depth-first walk over a prefix tree: exact gradients, one root-to-leaf path at a time.
 
-    push(u)   forward u's tokens once, attending to its ancestors' K/V (held as autograd
-              leaves), at tree positions start..end-1; compute u's own loss terms.
-    leaf(u)   a node with no children to visit: backpropagate its loss at once.
-    pop(u)    after all children: backpropagate u's loss together with the K/V gradients its
-              descendants left in u's K/V leaves, then free u.
+The unit of the walk is a *pack* (``dta/planning/packs.py``): one node, sibling leaves, or a
+small subtree, forwarded in one decoder call at its true tree positions, attending to the
+cached K/V of its path and, inside the pack, to its own ancestors only.
 
-Why it is exact: a descendant depends on u's parameters only through u's K/V, so
-d(loss)/dθ = Σ_u [∂ own_loss_u/∂θ + (∂ K/V_u/∂θ)ᵀ · Σ_desc ∂ loss_desc/∂ K/V_u]; the second
-sum is what accumulates in the leaves' ``.grad`` (children's backward passes add into it).
+    push(P)   forward P's tokens once, attending to the path's K/V (held as autograd leaves);
+              queue P's loss terms for the LM head.
+    leaf(P)   a pack with no packs below it: backpropagate its loss as soon as its head rows
+              are evaluated (several leaf packs in one backward call).
+    pop(P)    after the packs below it: backpropagate P's loss together with the K/V gradients
+              its descendants left in P's K/V leaves, then free P.
 
-The LM head runs once per node at push (``dta/head.py``): it evaluates the node's own loss
-terms and keeps only ∂L/∂hidden, so no [tokens, vocab] graph ever waits on the path.
-Everything the walk assumes about the model (embedding leaves, the per-node cache built from
-the path's per-layer states, the logit transform) lives in ``dta/modeling.py``.
+Why it is exact: a descendant depends on P's parameters only through P's K/V, so
+d(loss)/dθ = Σ_P [∂ own_loss_P/∂θ + (∂ K/V_P/∂θ)ᵀ · Σ_desc ∂ loss_desc/∂ K/V_P]; the second
+sum is what accumulates in the leaves' ``.grad`` (descendants' backward passes add into it,
+through the rows of P that lie on their path).
 
-Memory policies: *retain* keeps each node's graph along the current path; *recompute* keeps
-only the detached K/V (and ∂L/∂hidden) and re-forwards the node with grad at pop
-(AReaL-DTA's choice). Either way at most one graph per node of the current path is alive.
+The LM head (``dta/head.py``) evaluates the queued rows of several packs in one call --
+flushed before a pop needs them, or at ``head_rows`` -- and keeps only ∂L/∂hidden, so no
+[tokens, vocab] graph ever waits on the path. Everything the walk assumes about the model
+(embedding leaves, per-layer states, the logit transform) lives in ``dta/modeling.py``; a
+pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/attention.py`` and
+``dta/packmask.py``. A model with recurrent layers (Gated DeltaNet) is walked node by node
+through the model interface: a recurrent state cannot branch inside one call.
+
+Memory policies: *retain* keeps each pack's graph along the current path, plus the leaf packs
+waiting for a head flush (at most ``head_rows`` tokens of them); *recompute* keeps only the
+detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's choice):
+one graph alive at a time (its leaf packs are flushed at once; the detached head rows of the
+open packs are still batched).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from dta.head import LMHead
+from dta.attention import native_gqa, path_cache
+from dta.head import HeadQueue, LMHead
 from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective
+from dta.packmask import mask_support, pack_mask
+from dta.planning.packs import DEFAULT_CAP, PackCost, PackLayout, PackPlan, plan_packs
 from dta.tree import PrefixTree
 
 POLICIES = ("retain", "recompute")
@@ -36,10 +50,12 @@ POLICIES = ("retain", "recompute")
 
 @dataclass
 class Frame:
-    node: int
-    state: NodeState  # the node's own per-layer state (K/V): detached leaves its descendants read
-    dhidden: torch.Tensor | None = None  # ∂(own loss terms)/∂(hidden states), from the head
-    graph: tuple | None = None  # retain: (hidden, state) still attached to the node's graph
+    pack: int
+    layout: PackLayout
+    state: NodeState  # the pack's own per-layer state (K/V): detached leaves its descendants read
+    job: object  # its head rows (∂L/∂hidden once flushed)
+    graph: tuple | None = None  # retain: (hidden, K/V) still attached to the pack's graph
+    pieces: tuple | None = None  # (tree node, per-layer (k, v) rows on the path through it)
 
 
 @dataclass
@@ -48,26 +64,45 @@ class WalkResult:
     nodes: int = 0  # nodes forwarded (first time)
     tokens: int = 0  # tokens forwarded (first time)
     recomputed_tokens: int = 0  # tokens forwarded again at pop (recompute policy)
-    max_live_graphs: int = 0  # most node graphs alive at once
+    max_live_graphs: int = 0  # most pack graphs alive at once
     max_path: int = 0  # deepest stack of K/V frames
+    packs: int = 0
+    masked_packs: int = 0  # packs with branches (forwarded with a tree mask)
+    forward_calls: int = 0  # decoder calls (recompute: pops included)
+    backward_calls: int = 0  # autograd.backward calls
+    head_calls: int = 0  # LM-head evaluations (flushes)
+    plan: dict = field(default_factory=dict)
     logprobs: list | None = None  # per sequence [n] (index j predicts token j; 0 at j=0)
     entropy: list | None = None
     vocab_min: list | None = None
     vocab_max: list | None = None
 
+    def calls(self) -> dict:
+        return dict(packs=self.packs, masked_packs=self.masked_packs, nodes=self.nodes,
+                    forward_calls=self.forward_calls, backward_calls=self.backward_calls,
+                    head_calls=self.head_calls)
+
 
 class Walker:
-    """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache."""
+    """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache.
+
+    packing: a pack policy of :func:`dta.planning.packs.plan_packs` (``node`` walks node by
+    node, ``tree`` forwards the whole tree in one masked call); pack_tokens: the cap of a pack;
+    head_rows: queued head rows that force a flush (default ``logits_chunk``; 0: every pack's
+    head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs);
+    native_gqa: run SDPA's grouped-query path (``dta.attention``) during the walk.
+    router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for the
+    router's load-balancing loss; "exclude" trains the policy loss without it (see
+    ``dta.modeling.check_router_aux_loss``). self_check: compare the walker's path with the
+    model's own forward and backward on a small probe, once per model object, and refuse a
+    model that differs (``dta.selfcheck``); False skips it.
+    """
 
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
                  temperature: float = 1.0, router_aux_loss: str = "refuse",
-                 self_check: bool = True):
-        """router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for
-        the router's load-balancing loss; "exclude" trains the policy loss without it
-        (see ``dta.modeling.check_router_aux_loss``).
-        self_check: compare the walker's path with the model's own forward and backward on
-        a small probe, once per model object, and refuse a model that differs
-        (``dta.selfcheck``); False skips it."""
+                 self_check: bool = True, packing: str = "auto",
+                 pack_tokens: int = DEFAULT_CAP, head_rows: int | None = None,
+                 pack_cost: PackCost | None = None, native_gqa: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown memory policy {policy!r}; choose one of {POLICIES}")
         if temperature <= 0:
@@ -78,86 +113,176 @@ class Walker:
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # recurrent layers cannot branch inside a call: node by node (each node one path);
+        # a model whose attention cannot take a tree mask gets single-path packs only
+        self.recurrent = any(kind != "attention" for kind in self.io.layer_kinds)
+        if self.recurrent and packing not in ("auto", "node"):
+            raise ValueError(f"packing {packing!r}: a model with recurrent (Gated DeltaNet) "
+                             "layers is walked node by node (a recurrent state cannot branch "
+                             "inside one call); use packing 'node' or 'auto'")
+        self.packing = "node" if self.recurrent else packing
+        self.mask_support = mask_support(model)
+        self.branches = self.mask_support[0] is not None
+        self.pack_tokens = int(pack_tokens)
+        self.head_rows = int(logits_chunk if head_rows is None else head_rows)
+        self.pack_cost = pack_cost or PackCost.from_config(model.config)
+        self.native_gqa = native_gqa
         if self_check:
             from dta.selfcheck import ensure_self_check
 
             ensure_self_check(model)
 
+    def plan(self, tree: PrefixTree, active: np.ndarray | None = None) -> PackPlan:
+        return plan_packs(tree, self.packing, cap=self.pack_tokens, cost=self.pack_cost,
+                          active=active, branches=self.branches)
+
     # --------------------------------------------------------------------- the model --
-    def _forward(self, tree: PrefixTree, u: int, path: list[Frame]):
-        """u's last hidden states [L, H] and its own new per-layer state."""
-        ids = torch.as_tensor(tree.tokens(u), device=self.device)
-        return self.io.forward(ids, int(tree.start[u]), [f.state for f in path])
+    def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
+        """The pack's last hidden states [T, H] and its own new per-layer state."""
+        ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])
+        ids = torch.as_tensor(ids, device=self.device)
+        if self.recurrent:  # one node (a path) per call, through the model interface
+            return self.io.forward(ids, layout.prefix, [f.state for f in path])
+        pos = torch.as_tensor(layout.positions, device=self.device).unsqueeze(0)
+        cache = path_cache(self._path_pieces(tree, layout, path), len(self.io.layer_kinds))
+        mask = pack_mask(layout, self.model, self.device, self.dtype, self.mask_support)
+        out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
+                              **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
+        P = layout.prefix
+        return out.last_hidden_state[0], self.io.node_state(cache, P, P + layout.tokens)
+
+    def _path_pieces(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
+        """Per layer, the path's K/V pieces covering positions 0..prefix-1: in each frame, the
+        rows on the root path through the node the next frame (or this pack) hangs from."""
+        if not path:
+            if layout.prefix:
+                raise RuntimeError("a pack below the root was pushed without its path")
+            return None
+        through = [int(tree.parent[f.layout.tree_nodes[0]]) for f in path[1:]]
+        through.append(int(tree.parent[layout.tree_nodes[0]]))
+        per_frame = []
+        for f, node in zip(path, through):
+            if f.pieces is None or f.pieces[0] != node:
+                local = int(np.flatnonzero(f.layout.tree_nodes == node)[0])
+                rows = f.layout.path_rows(local)
+                with torch.enable_grad():  # kept for later forwards with grad (recompute)
+                    if len(rows) == f.layout.tokens:
+                        kv = f.state
+                    elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+                        a, b = int(rows[0]), int(rows[0]) + len(rows)
+                        kv = [(k[:, :, a:b], v[:, :, a:b]) for k, v in f.state]
+                    else:
+                        idx = torch.as_tensor(rows, device=self.device)
+                        kv = [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in f.state]
+                f.pieces = (node, kv)
+            per_frame.append(f.pieces[1])
+        covered = sum(kv[0][0].shape[2] for kv in per_frame)
+        if covered != layout.prefix:
+            raise RuntimeError(f"the path's K/V cover {covered} positions, the pack starts at "
+                               f"{layout.prefix}")
+        return [[kv[layer] for kv in per_frame] for layer in range(len(self.io.layer_kinds))]
+
+    def _terms(self, tree, layout: PackLayout, objective: Objective, record: bool) -> NodeTerms:
+        return NodeTerms.concat([
+            (objective.terms(tree, int(u), self.device, self.dtype, record=record),
+             int(layout.offsets[i])) for i, u in enumerate(layout.tree_nodes)])
 
     # ---------------------------------------------------------------------- the walk --
     def train(self, tree: PrefixTree, objective: Objective, *, record: bool = False,
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
         check_router_aux_loss(self.model, self.router_aux_loss)
+        with native_gqa(self.model, self.native_gqa):
+            return self._train(tree, objective, record, progress)
+
+    def _train(self, tree, objective, record, progress) -> WalkResult:
         res = WalkResult()
-        active = self._active(tree, objective)
+        plan = self.plan(tree, self._active(tree, objective))
+        res.plan = plan.stats()
         rec = _Recorder(tree, self.device, self.dtype) if record else None
         need_ent = objective.loss.uses_entropy
+        queue = HeadQueue()
         path: list[Frame] = []
+        waiting: list[tuple] = []  # leaf packs: (hidden with graph, head job, tokens)
 
-        def head(terms, hidden):
-            """u's own loss terms through the LM head: (loss value, ∂L/∂hidden)."""
-            if terms.empty:
-                return None, None
+        def evaluate(hidden, terms):
+            """One LM-head call over the queued rows: loss value and ∂L/∂hidden."""
             out = self.head.evaluate(hidden, terms, lambda *a: objective.node_loss(terms, *a),
-                                     need_entropy=need_ent)
+                                     need_entropy=need_ent, entropy=record)
+            res.head_calls += 1
             if rec is not None:
                 rec.add(terms, out.logp, out.entropy)
             if out.loss is not None:
                 res.loss += out.loss
-            return out.loss, out.dhidden
+            return out.dhidden
 
-        def backward(hidden, dhidden, state, leaves):
-            """Backpropagate a node: its own terms (∂L/∂hidden) and its descendants' (the
-            gradients they left in its state leaves)."""
-            outs, grads = ([hidden], [dhidden]) if dhidden is not None else ([], [])
-            for layer, layer_leaves in zip(state, leaves or []):
-                for out, leaf in zip(layer, layer_leaves):
-                    if leaf.grad is not None:
-                        outs.append(out)
-                        grads.append(leaf.grad)
+        def backward(outs, grads):
             if outs:
                 torch.autograd.backward(outs, grads)
+                res.backward_calls += 1
             self.io.collect_embedding_grads()
 
-        def push(u):
-            terms = objective.terms(tree, u, self.device, self.dtype, record=record)
-            is_leaf = not any(active[c] for c in tree.children[u])
-            res.nodes += 1
-            res.tokens += tree.length(u)
-            if is_leaf or self.policy == "retain":
-                hidden, state = self._forward(tree, u, path)
-                res.max_live_graphs = max(res.max_live_graphs, len(path) + 1
-                                          if self.policy == "retain" else 1)
-            else:
-                with torch.no_grad():
-                    hidden, state = self._forward(tree, u, path)
-            _, dhidden = head(terms, hidden)
-            if is_leaf:  # backpropagate at once
-                backward(hidden, dhidden, [], None)
-                return False
+        def flush():
+            """Evaluate the queued head rows, then leaf() every waiting leaf pack."""
+            queue.flush(evaluate)
+            if waiting:
+                leaf([(h, job.dhidden) for h, job, _ in waiting])
+                waiting.clear()
+
+        def leaf(done):
+            """Backpropagate leaf packs (their own loss only) in one backward call."""
+            backward([h for h, d in done if d is not None], [d for _, d in done if d is not None])
+
+        def push(i):
+            pack, layout = plan.packs[i], plan.layout(i)
+            is_leaf = not pack.children
+            res.packs += 1
+            res.masked_packs += not layout.chain
+            res.nodes += len(pack.nodes)
+            res.tokens += layout.tokens
+            res.forward_calls += 1
+            with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
+                hidden, state = self._forward(tree, layout, path)
+            job = queue.add(hidden, self._terms(tree, layout, objective, record))
+            live = (len(path) + len(waiting) if self.policy == "retain" else 0) + 1
+            res.max_live_graphs = max(res.max_live_graphs, live)
+            if is_leaf:
+                waiting.append((hidden, job, layout.tokens))
+                # recompute keeps one graph alive: its leaf packs do not wait for a flush
+                if self.policy == "recompute" or queue.rows >= self.head_rows \
+                        or sum(w[2] for w in waiting) >= max(self.head_rows, 1):
+                    flush()
+                return
             leaves = [tuple(x.detach().requires_grad_() for x in layer) for layer in state]
             graph = (hidden, state) if self.policy == "retain" else None
-            path.append(Frame(u, leaves, dhidden, graph))
+            path.append(Frame(i, layout, leaves, job, graph))
             res.max_path = max(res.max_path, len(path))
-            return True
+            if self.head_rows <= 0:
+                flush()
 
-        def pop(u):
+        def pop(i):
+            flush()  # the pack's own head rows, and its leaf packs' backward passes
             frame = path.pop()
             if self.policy == "recompute":  # re-forward with grad; the head is not re-run
-                hidden, state = self._forward(tree, u, path)
-                res.recomputed_tokens += tree.length(u)
+                hidden, state = self._forward(tree, frame.layout, path)
+                res.recomputed_tokens += frame.layout.tokens
+                res.forward_calls += 1
                 res.max_live_graphs = max(res.max_live_graphs, 1)
             else:
                 hidden, state = frame.graph
-            backward(hidden, frame.dhidden, state, frame.state)
+            outs, grads = ([hidden], [frame.job.dhidden]) if frame.job.dhidden is not None else ([], [])
+            for layer, layer_leaves in zip(state, frame.state):
+                for out, lf in zip(layer, layer_leaves):
+                    if lf.grad is not None:
+                        outs.append(out)
+                        grads.append(lf.grad)
+            backward(outs, grads)
 
-        self._dfs(tree, active, push, pop, progress)
+        for kind, i in plan.walk():
+            push(i) if kind == "push" else pop(i)
+            if progress is not None and kind == "push":
+                progress(plan.packs[i].tokens)
+        flush()
         if rec is not None:
             res.logprobs, res.entropy = rec.split()
         return res
@@ -168,43 +293,35 @@ class Walker:
         objective = Objective.record_only(batch)
         rec = _Recorder(tree, self.device, self.dtype, minmax=minmax)
         res = WalkResult()
+        plan = self.plan(tree)
+        res.plan = plan.stats()
         path: list[Frame] = []
-
-        def push(u):
-            hidden, state = self._forward(tree, u, path)
-            terms = objective.terms(tree, u, self.device, self.dtype, record=True)
-            if not terms.empty:
-                out = self.head.evaluate(hidden, terms, minmax=minmax)
-                rec.add(terms, out.logp, out.entropy, *((out.vocab_min, out.vocab_max) if minmax else ()))
-            res.nodes += 1
-            res.tokens += tree.length(u)
-            if tree.children[u]:
-                path.append(Frame(u, state))
-                res.max_path = max(res.max_path, len(path))
-                return True
-            return False
-
-        self._dfs(tree, np.ones(len(tree), bool), push, lambda u: path.pop(), progress)
+        with native_gqa(self.model, self.native_gqa):
+            for kind, i in plan.walk():
+                if kind == "pop":
+                    path.pop()
+                    continue
+                layout = plan.layout(i)
+                hidden, state = self._forward(tree, layout, path)
+                terms = self._terms(tree, layout, objective, True)
+                if not terms.empty:
+                    out = self.head.evaluate(hidden, terms, entropy=True, minmax=minmax)
+                    res.head_calls += 1
+                    rec.add(terms, out.logp, out.entropy,
+                            *((out.vocab_min, out.vocab_max) if minmax else ()))
+                res.packs += 1
+                res.forward_calls += 1
+                res.nodes += len(plan.packs[i].nodes)
+                res.tokens += layout.tokens
+                if plan.packs[i].children:
+                    path.append(Frame(i, layout, state, None))
+                    res.max_path = max(res.max_path, len(path))
+                if progress is not None:
+                    progress(layout.tokens)
         res.logprobs, res.entropy, *mm = rec.split()
         if minmax:
             res.vocab_min, res.vocab_max = mm
         return res
-
-    @staticmethod
-    def _dfs(tree, active, push, pop, progress):
-        """Pre-order push / post-order pop over the active nodes; push returns whether the
-        node stays on the path (has children to visit)."""
-        stack = [(c, False) for c in reversed(tree.children[0]) if active[c]]
-        while stack:
-            u, popping = stack.pop()
-            if popping:
-                pop(u)
-                continue
-            if push(u):
-                stack.append((u, True))
-                stack.extend((c, False) for c in reversed(tree.children[u]) if active[c])
-            if progress is not None:
-                progress(tree.length(u))
 
     @staticmethod
     def _active(tree: PrefixTree, objective: Objective) -> np.ndarray:
@@ -217,6 +334,7 @@ class Walker:
         for u in range(len(tree) - 1, 0, -1):  # children before parents
             if active[u]:
                 active[tree.parent[u]] = True
+        active[0] = False
         return active
 
 

@@ -1,6 +1,7 @@
 """`dta bench`: memory/throughput benchmark of the training modes (padded, microbatch,
-dense tree mask, DFS retain/recompute) on one τ²-shaped batch, each (mode, repeat) in a
-fresh process, modes interleaved; JSON, Markdown table and plots under --out."""
+dense tree mask, DFS node by node, packed DFS retain/recompute) on one τ²-shaped batch, each
+(mode, repeat) in a fresh process, modes interleaved; JSON, Markdown table and plots under
+--out. The options and the harness live in ``experiments.bench`` (cli, run)."""
 from __future__ import annotations
 
 import argparse
@@ -10,75 +11,13 @@ from dta_cli.common import emit_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    a = parser.add_argument
-    a("--workload", default="tau2-airline", help="workload name (default: tau2-airline)")
-    a("--scale", default="small", help="full | small | tiny | a number in (0, 1] (default: small)")
-    a("--seed", type=int, default=0, help="workload seed")
-    a("--tasks", type=int, default=None, metavar="B", help="override the tasks (groups) per batch")
-    a("--group-size", type=int, default=None, metavar="G", help="override the group size")
-    a("--family", default="qwen3", help="llama | qwen2 | qwen3 (default: qwen3)")
-    a("--model-size", default="small",
-      help="tiny | small | qwen3-0.6b | qwen3-1.7b (random init; default: small)")
-    a("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
-    a("--device", default="cpu", help="cpu | cuda")
-    a("--attn", default="sdpa", help="sdpa | flash_attention_2 (tree-mask modes always use "
-                                     "sdpa / flex_attention)")
-    a("--loss", default="ppo", choices=("ppo", "nll"), help="token loss (global token mean)")
-    a("--modes", default=None,
-      help="comma-separated modes (default: padded,microbatch,treemask,dfs-retain,dfs-recompute; "
-           "also treemask-flex on a GPU)")
-    a("--repeats", type=int, default=3, help="rounds of all modes (default: 3)")
-    a("--threads", type=int, default=2, help="torch threads in every child (default: 2)")
-    a("--warmup", choices=("small", "full", "none"), default="small",
-      help="warm-up step before the timed one: on a 2-sequence cut of the batch (default), "
-           "on the full batch (GPU: autotuning, FlexAttention compilation), or none")
-    a("--in-process", action="store_true",
-      help="all runs of a point in one worker process (no model load per run; CUDA peaks stay "
-           "per run, CPU RSS peaks do not): the GPU script's setting")
-    a("--microbatch-tokens", type=int, default=None,
-      help="padded-token budget of a micro-batch (default: the longest sequence: one at a time)")
-    a("--pad-batch", type=int, default=0,
-      help="sequences per padded batch in mode padded (default 0: all in one batch)")
-    a("--tree-tokens", type=int, default=32768,
-      help="unique-token budget of one packed tree row in mode treemask (default: 32768)")
-    a("--logits-chunk", type=int, default=1024, help="LM-head rows per chunk (all modes)")
-    a("--leaf-batch-rows", type=int, default=0,
-      help="DFS modes: let sibling leaves share one LM-head evaluation and backward up to this "
-           "many rows (needs a dta.Walker with leaf_batch_rows; default 0: off)")
-    a("--timeout", type=float, default=600.0,
-      help="seconds per worker process (one run; all runs of a point with --in-process) "
-           "before it is killed")
-    a("--grad-tol", type=float, default=None,
-      help="relative L2 gradient error above which a mode is WRONG (default by dtype: "
-           "float32 1e-4, bfloat16 5e-2, float64 1e-10)")
-    a("--sweep", choices=("batch", "sharing"), default=None,
-      help="batch: vary the task count; sharing: vary group size / thinking")
-    a("--sweep-values", default=None,
-      help="batch: task counts (default 1,2,4); sharing: group sizes or nothink[@G] "
-           "(default 2,4,nothink@4)")
-    a("--out", default=None, help="output directory (default: results/bench-<date>)")
-    a("--json", action="store_true", help="print one JSON object as the last line")
+    from experiments.bench.cli import add_arguments as add
 
-
-def config_from_args(args: argparse.Namespace):
-    from experiments.bench.modes import DEFAULT_MODES
-    from experiments.bench.run import BenchConfig
-
-    overrides = {k: v for k, v in (("tasks", args.tasks), ("group_size", args.group_size))
-                 if v is not None}
-    modes = tuple(m.strip() for m in args.modes.split(",")) if args.modes else DEFAULT_MODES
-    return BenchConfig(
-        workload=args.workload, scale=args.scale, seed=args.seed, family=args.family,
-        size=args.model_size, dtype=args.dtype, device=args.device, attn=args.attn,
-        loss=args.loss, modes=modes, repeats=args.repeats, threads=args.threads,
-        warmup=args.warmup, in_process=args.in_process, microbatch_tokens=args.microbatch_tokens,
-        pad_batch=args.pad_batch, tree_tokens=args.tree_tokens, logits_chunk=args.logits_chunk,
-        leaf_batch_rows=args.leaf_batch_rows,
-        timeout=args.timeout, grad_tol=args.grad_tol, sweep=args.sweep,
-        sweep_values=args.sweep_values, overrides=overrides, out=args.out)
+    add(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from experiments.bench.cli import config_from_args
     from experiments.bench.run import compact, run as run_bench
 
     try:

@@ -2,15 +2,12 @@
 (dta.reference.unpacked_gradients) to 1e-10 in true float64 on a tiny model."""
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
 
 from dta import Batch, build_model, make_loss, make_truly_float64
 from dta.reference import unpacked_gradients
-from dta.train import accumulate_gradients
 from experiments.bench.modes import MODES, microbatches, pack_tree, run_mode, tree_packs
 
 VOCAB = 512
@@ -67,9 +64,10 @@ def batch():
 
 
 CPU_MODES = [m for m in MODES if m != "treemask-flex"]  # FlexAttention: no CPU backward
-OPTS = [dict(), dict(pad_batch=3, microbatch_tokens=64, tree_tokens=30, logits_chunk=7)]
-if "leaf_batch_rows" in inspect.signature(accumulate_gradients).parameters:
-    OPTS.append(dict(leaf_batch_rows=12, logits_chunk=5))
+OPTS = [dict(), dict(pad_batch=3, microbatch_tokens=64, tree_tokens=30, logits_chunk=7,
+                    pack_tokens=16, head_rows=5),
+        dict(packing="subtrees", pack_tokens=24, logits_chunk=5),
+        dict(packing="tree")]
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "nll"])
@@ -82,7 +80,8 @@ def test_modes_match_unpacked_float64(model64, batch, loss_name):
     for opts in OPTS:
         for mode in CPU_MODES:
             model64.zero_grad(set_to_none=True)
-            value = run_mode(mode, model64, batch, loss, **opts)
+            value, calls = run_mode(mode, model64, batch, loss, **opts)
+            assert calls["forward_calls"] >= 1 and calls["backward_calls"] >= 1, (mode, calls)
             err = float((flat_grad(model64) - g_ref).norm() / g_ref.norm())
             assert err <= 1e-10, f"{mode} {opts}: relative gradient error {err:.2e}"
             assert abs(value - ref.loss) <= 1e-10 * max(1.0, abs(ref.loss)), (mode, value, ref.loss)
@@ -111,3 +110,25 @@ def test_pack_tree_layout(batch):
         sub = mask[np.ix_(rows, rows)]
         assert np.array_equal(sub, np.tril(np.ones_like(sub)))
         assert mask[rows].sum() == len(rows) * (len(rows) + 1) // 2
+
+
+def test_packed_flops_and_calls(model64, batch):
+    """The packed DFS modes make fewer calls than the walk node by node; their FLOPs count
+    the masked-away pairs of packs with branches, so they sit between the exact tree's and
+    the dense tree mask's."""
+    from dta.models import build_config
+    from experiments.bench.flops import summary
+
+    loss = make_loss("nll")
+    calls = {m: run_mode(m, model64, batch, loss, pack_tokens=24)[1]
+             for m in ("dfs-node", "dfs-retain")}
+    model64.zero_grad(set_to_none=True)
+    assert calls["dfs-node"]["forward_calls"] == calls["dfs-node"]["nodes"]
+    assert calls["dfs-node"]["head_calls"] >= calls["dfs-retain"]["head_calls"] + 2
+    assert calls["dfs-retain"]["forward_calls"] < calls["dfs-node"]["forward_calls"]
+    s = summary(batch, build_config("qwen3", "tiny"), ["microbatch", "treemask", "dfs-node",
+                                                       "dfs-retain", "dfs-recompute"],
+                dict(pack_tokens=24))
+    f = s["flops"]
+    assert s["ideal_flops"] == f["dfs-node"] < f["dfs-retain"] < f["dfs-recompute"]
+    assert f["dfs-retain"] < f["treemask"] and s["ideal_speedup"] > 1

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODE_KEYS = {"tokens_per_s", "step_s", "peak_mem_mb", "grad_rel_err", "speedup",
-             "mem_ratio_padded", "mem_ratio_baseline", "status"}
+             "gflops_per_s", "mem_ratio_padded", "mem_ratio_baseline", "status", "calls"}
 
 
 def _env():
@@ -39,13 +39,15 @@ def test_dta_bench_small_end_to_end(tmp_path):
          "--json"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads(proc.stdout.strip().splitlines()[-1])
-    check_summary(d, ["padded", "microbatch", "treemask", "dfs-retain", "dfs-recompute"])
+    check_summary(d, ["padded", "microbatch", "treemask", "dfs-node", "dfs-retain", "dfs-recompute"])
+    assert d["headline"]["best_dfs"].startswith("dfs")
+    assert d["modes"]["dfs-retain"]["calls"]["packs"] < d["modes"]["dfs-node"]["calls"]["packs"]
     assert d["sequences"] > 20 and 5 < d["sharing_ratio"] < 15
     assert d["policy"]["recompute_time_over_retain"] > 0
     assert (out / "results.json").exists() and (out / "results.md").exists()
     assert (out / "modes.png").exists()
     full = json.loads((out / "results.json").read_text())
-    assert len(full["points"][0]["runs"]) == 5
+    assert len(full["points"][0]["runs"]) == 6
 
 
 def test_gpu_script_cpu_path(tmp_path):

@@ -1,6 +1,8 @@
-"""The structural fact behind 'memory bounded by one path': the node graphs alive at any
-moment never exceed the depth of the tree (retain) or one (recompute). Counted independently
-of the walker's own bookkeeping: every tensor autograd saves is tagged with the node being
+"""The structural fact behind 'memory bounded by one path': walked node by node with the head
+at every push, the node graphs alive at any moment never exceed the depth of the tree
+(retain) or one (recompute, packed or not); packed with retain, leaf packs waiting for a
+batched head flush add to the path, and the count never exceeds what the walker reports. Counted independently of
+the walker's own bookkeeping: every tensor autograd saves is tagged with the pack being
 forwarded, and the distinct tags among saved tensors still alive are the live graphs."""
 import numpy as np
 import pytest
@@ -21,9 +23,10 @@ def comb(leaves: int, rng):
     return [np.concatenate([prefix, rng.integers(3, 500, 5)]) for _ in range(leaves)]
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("policy,bound", [("retain", "depth"), ("recompute", 1)])
 @pytest.mark.parametrize("leaves", [1, 8, 32])
-def test_live_graphs_bounded_by_path(monkeypatch, policy, bound, leaves):
+def test_live_graphs_bounded_by_path(monkeypatch, policy, bound, leaves, packed):
     rng = np.random.default_rng(leaves)
     seqs = comb(leaves, rng)
     chain = rng.integers(3, 500, 40)
@@ -44,18 +47,23 @@ def test_live_graphs_bounded_by_path(monkeypatch, policy, bound, leaves):
 
     original = Walker._forward
 
-    def tagging_forward(self, tree, u, path):
-        current[0] = u
-        return original(self, tree, u, path)
+    def tagging_forward(self, tree, layout, path):
+        current[0] = int(layout.tree_nodes[0])
+        return original(self, tree, layout, path)
 
     monkeypatch.setattr(Walker, "_forward", tagging_forward)
     batch = Batch.from_records([{"input_ids": s} for s in seqs])
     with torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor):
-        res = accumulate_gradients(model, batch, NLL(), policy=policy)
+        kw = dict(packing="auto", pack_tokens=64) if packed else dict(packing="node", head_rows=0)
+        res = accumulate_gradients(model, batch, NLL(), policy=policy, **kw)
     depth = PrefixTree(seqs).depth()
     assert depth >= 6
     limit = depth if bound == "depth" else bound
     print(policy, leaves, "peak live graphs", peak[0], "depth", depth)
-    assert 1 <= peak[0] <= limit
-    assert res.walk.max_live_graphs <= limit
+    assert 1 <= peak[0] <= res.walk.max_live_graphs
+    if not packed or policy == "recompute":
+        assert res.walk.max_live_graphs <= limit
+    else:  # retain: plus leaf packs waiting for a head flush (at most one per leaf)
+        assert res.walk.max_live_graphs <= limit + leaves
+        assert res.walk.packs < res.walk.nodes or leaves == 1
     assert res.walk.max_path <= depth - 1

@@ -12,7 +12,8 @@ walker (dta.head) computes the logits once and differentiates them by hand.
 Attention pairs are counted as a dense kernel executes them: a causal row without a mask
 (one unpadded sequence) computes its causal half, an explicit mask (padding, a tree mask)
 computes the full square. The DFS walk's node of positions [a, b) attends to its b ancestors'
-and own keys: Σ_{p=a}^{b-1} (p + 1) pairs.
+and own keys: Σ_{p=a}^{b-1} (p + 1) pairs; a pack of T tokens over a P-token prefix computes
+T·P + T(T+1)/2 pairs when it is one path, T·(P + T) when it has branches (dense mask).
 """
 from __future__ import annotations
 
@@ -142,21 +143,56 @@ def _dfs_parts(batch: Batch) -> dict:
                 trainable=sum(int(m.sum()) for m in masks))
 
 
-def dfs_retain_flops(batch, c, opts):
+def dfs_node_flops(batch, c, opts):
+    """The walk node by node: every unique token once, each attending to its root path."""
     p = _dfs_parts(batch)
     return c.token * p["tokens"] + c.attention * p["pairs"] + c.head * p["head"]
 
 
-def dfs_recompute_flops(batch, c, opts):
-    """Retain + a no-grad forward (1/3 of training) of every internal node at push."""
+def _pack_plan(batch: Batch, c: Coefs, opts):
+    """The pack plan the walker makes (same tree, active nodes and cost model)."""
+    from dta.planning.packs import DEFAULT_CALL_TOKENS, PackCost, plan_packs
+
+    tree = PrefixTree(batch.input_ids)
+    active = np.zeros(len(tree), bool)
+    leaf = tree.leaf_of()
+    for i in _active(batch):
+        active[leaf[i]] = True
+    for u in range(len(tree) - 1, 0, -1):
+        if active[u]:
+            active[tree.parent[u]] = True
+    active[0] = False
+    cost = PackCost(c.token, c.attention, DEFAULT_CALL_TOKENS * c.token)
+    return plan_packs(tree, opts.get("packing") or "auto", cap=int(opts.get("pack_tokens") or 512),
+                      cost=cost, active=active)
+
+
+def _packed_flops(batch, c, opts, recompute: bool):
+    """Packs: a pack with branches runs a dense masked kernel (T x (P + T) pairs), a single
+    path the causal part only; recompute adds a no-grad forward of every open pack."""
+    plan = _pack_plan(batch, c, opts)
     p = _dfs_parts(batch)
-    return dfs_retain_flops(batch, c, opts) + (c.token * p["in_tokens"]
-                                               + c.attention * p["in_pairs"]) / 3
+    total = c.head * p["head"]
+    for pk in plan.packs:
+        T, P = float(pk.tokens), float(pk.prefix)
+        pairs = T * P + T * (T + 1) / 2 if pk.chain else T * (P + T)
+        body = c.token * T + c.attention * pairs
+        total += body + (body / 3 if recompute and pk.children else 0.0)
+    return total
+
+
+def dfs_retain_flops(batch, c, opts):
+    return _packed_flops(batch, c, opts, False)
+
+
+def dfs_recompute_flops(batch, c, opts):
+    """Retain + a no-grad forward (1/3 of training) of every open pack at push."""
+    return _packed_flops(batch, c, opts, True)
 
 
 MODE_FLOPS: dict[str, Callable[[Batch, Coefs, dict], float]] = {
     "padded": padded_flops, "microbatch": microbatch_flops, "treemask": treemask_flops,
-    "treemask-flex": treemask_flops, "dfs-retain": dfs_retain_flops,
+    "treemask-flex": treemask_flops, "dfs-node": dfs_node_flops, "dfs-retain": dfs_retain_flops,
     "dfs-recompute": dfs_recompute_flops,
 }
 
@@ -168,14 +204,15 @@ def mode_flops(mode: str, batch: Batch, config, opts: dict | None = None) -> flo
 
 def summary(batch: Batch, config, modes, opts: dict | None = None) -> dict:
     """FLOPs per mode, the ideal speed-up of the tree over the best unpacked baseline
-    (``FLOPs(min over padded, microbatch) / FLOPs(dfs-retain)``), and for reference the
-    planning cost model's own ideal speed-up (its LM head runs on every token)."""
+    (``FLOPs(min over padded, microbatch) / FLOPs(dfs-node)``: every unique token once, no
+    masked-away pairs), and for reference the planning cost model's own ideal speed-up (its
+    LM head runs on every token)."""
     opts = opts or {}
-    names = list(dict.fromkeys([*modes, "padded", "microbatch", "dfs-retain"]))
+    names = list(dict.fromkeys([*modes, "padded", "microbatch", "dfs-node"]))
     fl = {m: mode_flops(m, batch, config, opts) for m in names}
     base = min(fl["padded"], fl["microbatch"])
     out = dict(flops={m: fl[m] for m in modes}, flops_source=coefficients(config).source,
-               ideal_speedup=base / fl["dfs-retain"],
+               ideal_speedup=base / fl["dfs-node"], ideal_flops=fl["dfs-node"],
                ideal_baseline="padded" if fl["padded"] < fl["microbatch"] else "microbatch")
     try:
         from dta.planning.cost import CostModel, ideal_speedup

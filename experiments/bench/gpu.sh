@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The benchmark on the lent GPU (one H200; at most 10 minutes per command): a τ²-airline
-# per-call batch in bf16 on Qwen3-0.6B- and Qwen3-1.7B-shaped random-init models, with sdpa
-# and, where flash-attn is installed, flash_attention_2. Per (size, attention) one
+# per-call batch in bf16 on Qwen3-0.6B- and Qwen3-1.7B-shaped random-init models, with sdpa,
+# flex_attention (the DFS packs' tree masks as FlexAttention block masks) and, where flash-attn
+# is installed, flash_attention_2 (packs with branches cannot take a mask there: only the
+# unpacked baselines and dfs-node run with it). Per (size, attention) one
 # `dta bench --in-process --warmup full` run (model loaded once, modes interleaved, CUDA peak
 # memory per run); the whole script keeps inside BUDGET_S seconds: a configuration that
 # cannot start with MIN_LEFT_S left is skipped, and a running one is stopped in time (its
@@ -10,7 +12,7 @@
 #   experiments/bench/gpu.sh [DEST]     DEST default: $OUT (the device tool's folder), else
 #                                       results/gpu-<date>
 # Knobs (environment): SIZES ATTNS MODES SCALE DTYPE DEVICE REPEATS BUDGET_S MIN_LEFT_S
-#   PAD_BATCH MICROBATCH_TOKENS TREE_TOKENS PYTHON.
+#   PAD_BATCH MICROBATCH_TOKENS TREE_TOKENS PACK_TOKENS PYTHON.
 # CPU check of this script (what tests/test_bench_gpu_script.py runs):
 #   DEVICE=cpu SIZES=tiny SCALE=tiny DTYPE=float32 REPEATS=1 experiments/bench/gpu.sh /tmp/g
 set -uo pipefail
@@ -27,6 +29,7 @@ MIN_LEFT_S=${MIN_LEFT_S:-75}
 PAD_BATCH=${PAD_BATCH:-8}       # padded mode: [8, S_max] batches
 MICROBATCH_TOKENS=${MICROBATCH_TOKENS:-16384}
 TREE_TOKENS=${TREE_TOKENS:-32768}
+PACK_TOKENS=${PACK_TOKENS:-2048}  # a GPU pays more per call: bigger packs
 mkdir -p "$DEST"
 start=$(date +%s)
 
@@ -47,13 +50,14 @@ cat "$DEST/env.json"
 
 if [ -z "${ATTNS:-}" ]; then
     ATTNS=sdpa
+    [ "$DEVICE" != cpu ] && ATTNS="sdpa flex_attention"
     if [ "$DEVICE" != cpu ] && "$PY" -c "import flash_attn" 2>/dev/null; then
-        ATTNS="sdpa flash_attention_2"
+        ATTNS="$ATTNS flash_attention_2"
     fi
 fi
 if [ -z "${MODES:-}" ]; then
-    MODES=padded,microbatch,treemask,dfs-retain,dfs-recompute
-    [ "$DEVICE" != cpu ] && MODES=padded,microbatch,treemask,treemask-flex,dfs-retain,dfs-recompute
+    MODES=padded,microbatch,treemask,dfs-node,dfs-retain,dfs-recompute
+    [ "$DEVICE" != cpu ] && MODES=padded,microbatch,treemask,treemask-flex,dfs-node,dfs-retain,dfs-recompute
 fi
 
 status=0
@@ -66,14 +70,17 @@ for attn in $ATTNS; do
             continue
         fi
         modes=$MODES
-        # tree-mask modes run sdpa / flex whatever --attn says: measure them once, with sdpa
+        # tree-mask modes run sdpa / flex whatever --attn says: measure them once, with sdpa;
+        # flex: the packed DFS modes only; flash-attn takes no tree mask: no packed DFS modes
         [ "$attn" != sdpa ] && modes=$(echo "$MODES" | tr , '\n' | grep -v '^treemask' | paste -sd,)
+        [ "$attn" = flex_attention ] && modes=$(echo "$modes" | tr , '\n' | grep -E '^(microbatch|dfs-retain|dfs-recompute)$' | paste -sd,)
+        [ "$attn" = flash_attention_2 ] && modes=$(echo "$modes" | tr , '\n' | grep -vE '^dfs-(retain|recompute)$' | paste -sd,)
         echo "== $name (${left}s left): $modes"
         timeout --kill-after=10 "$left" "$PY" -m dta_cli.main bench --device "$DEVICE" \
             --dtype "$DTYPE" --model-size "$size" --attn "$attn" --scale "$SCALE" \
             --modes "$modes" --repeats "$REPEATS" --in-process --warmup full \
             --pad-batch "$PAD_BATCH" --microbatch-tokens "$MICROBATCH_TOKENS" \
-            --tree-tokens "$TREE_TOKENS" --timeout $(( left - 15 )) --out "$DEST/$name" \
+            --tree-tokens "$TREE_TOKENS" --pack-tokens "$PACK_TOKENS" --timeout $(( left - 15 )) --out "$DEST/$name" \
             --json > "$DEST/$name.log" 2>&1
         rc=$?
         tail -n 1 "$DEST/$name.log" > "$DEST/$name.json"

@@ -1,6 +1,6 @@
 """The training modes the benchmark compares, behind one registry.
 
-Every mode is ``fn(model, batch, loss, **opts) -> float``: it adds the gradient of the same
+Every mode is ``fn(model, batch, loss, **opts) -> (float, dict)``: it adds the gradient of the same
 objective (the batch's token loss under ``opts["reduction"]``, default the global token mean)
 into the parameters' ``.grad`` and returns the loss value. Options a mode does not use are
 ignored, so the harness passes one option dict to all of them.
@@ -22,8 +22,15 @@ Modes:
                    an ancestor-only [1, 1, T, T] boolean mask, SDPA; each original occurrence
                    gathers its log-prob from the shared row (seed 000's loss mapping)
     treemask-flex  the same with a FlexAttention block mask (needs a GPU for the backward)
-    dfs-retain     dta.train.accumulate_gradients(policy="retain")
-    dfs-recompute  dta.train.accumulate_gradients(policy="recompute")
+    dfs-node       dta.train.accumulate_gradients(packing="node", head_rows=0): the walk node
+                   by node, one decoder / backward / LM-head call per node (graphs retained)
+    dfs-retain     dta.train.accumulate_gradients(policy="retain", packing=opts["packing"]):
+                   packs (default: the cost model's choice under ``pack_tokens``), LM head
+                   batched over packs (flushed before a pop needs it, or at ``head_rows``)
+    dfs-recompute  the same with policy="recompute"
+
+Every mode returns ``(loss, calls)``: decoder forward and backward calls (and, for the tree
+modes, packs; for DFS, head calls and the pack plan's statistics).
 """
 from __future__ import annotations
 
@@ -60,10 +67,12 @@ def register(name: str, help: str, *, unpacked: bool = False):
     return deco
 
 
-def run_mode(name: str, model, batch: Batch, loss, **opts) -> float:
+def run_mode(name: str, model, batch: Batch, loss, **opts) -> tuple[float, dict]:
+    """(loss value, call statistics: decoder forward / backward calls, packs, head calls)."""
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-    return MODES[name].fn(model, batch, loss, **opts)
+    out = MODES[name].fn(model, batch, loss, **opts)
+    return out if isinstance(out, tuple) else (float(out), {})
 
 
 # ------------------------------------------------------------------ the loss side --
@@ -160,7 +169,7 @@ def _padded_step(model, batch: Batch, seq_ids, objective, opts) -> float:
     """One right-padded [B, S_max] forward/backward of sequences ``seq_ids``."""
     seq_ids = [i for i in seq_ids if objective.has_loss(i)]
     if not seq_ids:
-        return 0.0
+        return None
     dev = next(model.parameters()).device
     lens = [len(batch.input_ids[i]) for i in seq_ids]
     S = max(lens)
@@ -183,8 +192,13 @@ def padded(model, batch: Batch, loss, **opts) -> float:
     objective = _objective(batch, loss, opts)
     n = len(batch)
     size = int(opts.get("pad_batch") or n)
-    return sum(_padded_step(model, batch, range(a, min(a + size, n)), objective, opts)
-               for a in range(0, n, size))
+    return _steps([_padded_step(model, batch, range(a, min(a + size, n)), objective, opts)
+                   for a in range(0, n, size)])
+
+
+def _steps(values) -> tuple[float, dict]:
+    done = [v for v in values if v is not None]
+    return sum(done), dict(forward_calls=len(done), backward_calls=len(done))
 
 
 def microbatches(lengths, budget: int | None) -> list[list[int]]:
@@ -206,7 +220,7 @@ def microbatches(lengths, budget: int | None) -> list[list[int]]:
 def microbatch(model, batch: Batch, loss, **opts) -> float:
     objective = _objective(batch, loss, opts)
     groups = microbatches(batch.lengths, opts.get("microbatch_tokens"))
-    return sum(_padded_step(model, batch, g, objective, opts) for g in groups)
+    return _steps([_padded_step(model, batch, g, objective, opts) for g in groups])
 
 
 # ------------------------------------------------------------- dense tree mask --
@@ -303,8 +317,8 @@ def refuse_recurrent(model_or_config, mode: str) -> None:
 
     if is_hybrid(model_or_config):
         raise ValueError(f"mode {mode!r} cannot train a model with recurrent (Gated DeltaNet) "
-                         "layers: a tree mask cannot fork a recurrent state; use padded, "
-                         "microbatch, dfs-retain or dfs-recompute")
+                         "layers: a tree mask cannot fork a recurrent state; use padded, microbatch "
+                         "or a dfs-* mode")
 
 
 def _treemask(model, batch: Batch, loss, flex: bool, opts) -> float:
@@ -312,7 +326,7 @@ def _treemask(model, batch: Batch, loss, flex: bool, opts) -> float:
     objective = _objective(batch, loss, opts)
     dev = next(model.parameters()).device
     active = [i for i in range(len(batch)) if objective.has_loss(i)]
-    total = 0.0
+    total, calls = 0.0, 0
     with attention(model, "flex_attention" if flex else "sdpa"):
         for pack in tree_packs([batch.input_ids[i] for i in active],
                                int(opts.get("tree_tokens") or DEFAULT_TREE_TOKENS)):
@@ -325,7 +339,8 @@ def _treemask(model, batch: Batch, loss, flex: bool, opts) -> float:
             del mask
             total += _backward(rows_loss(model, out.last_hidden_state[0], batch,
                                          packed.rowmaps, objective, opts))
-    return total
+            calls += 1
+    return total, dict(forward_calls=calls, backward_calls=calls, packs=calls)
 
 
 @register("treemask", "dense tree-mask packing: one row per tree (split at tree_tokens), "
@@ -341,26 +356,30 @@ def treemask_flex(model, batch: Batch, loss, **opts) -> float:
 
 
 # ------------------------------------------------------------------------- DFS --
-def _dfs(policy: str):
-    def fn(model, batch: Batch, loss, **opts) -> float:
-        import inspect
-
+def _dfs(policy: str, node_by_node: bool = False):
+    def fn(model, batch: Batch, loss, **opts):
         from dta.train import accumulate_gradients
 
-        kw = {}
-        if opts.get("leaf_batch_rows"):  # walker option, where this version of dta has it
-            if "leaf_batch_rows" not in inspect.signature(accumulate_gradients).parameters:
-                raise ValueError("leaf_batch_rows: this dta.train.accumulate_gradients lacks it")
-            kw["leaf_batch_rows"] = int(opts["leaf_batch_rows"])
+        if node_by_node:  # the unpacked walk: one decoder call and one head call per node
+            kw = dict(packing="node", head_rows=0)
+        else:
+            kw = dict(packing=opts.get("packing") or "auto",
+                      pack_tokens=int(opts.get("pack_tokens") or 512),
+                      head_rows=opts.get("head_rows"))
         res = accumulate_gradients(model, batch, loss, reduction=opts.get("reduction", "token_mean"),
                                    totals=opts.get("totals"), policy=policy,
                                    temperature=float(opts.get("temperature", 1.0)),
                                    logits_chunk=int(opts.get("logits_chunk", 1024)), **kw)
-        return float(res.loss)
+        return float(res.loss), dict(res.walk.calls(), recomputed_tokens=res.walk.recomputed_tokens,
+                                     plan=res.walk.plan)
     return fn
 
 
-register("dfs-retain", "DFS walk, each node's graph retained along the path")(_dfs("retain"))
-register("dfs-recompute", "DFS walk, nodes re-forwarded at pop (only K/V kept)")(_dfs("recompute"))
+register("dfs-node", "DFS walk node by node (one decoder, backward and LM-head call per node), "
+                     "graphs retained along the path")(_dfs("retain", node_by_node=True))
+register("dfs-retain", "DFS walk over packs (--packing, --pack-tokens), batched LM head, each "
+                       "pack's graph retained along the path")(_dfs("retain"))
+register("dfs-recompute", "DFS walk over packs, batched LM head, packs re-forwarded at pop (only "
+                          "K/V kept)")(_dfs("recompute"))
 
-DEFAULT_MODES = ("padded", "microbatch", "treemask", "dfs-retain", "dfs-recompute")
+DEFAULT_MODES = ("padded", "microbatch", "treemask", "dfs-node", "dfs-retain", "dfs-recompute")

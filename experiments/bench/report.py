@@ -8,6 +8,12 @@ def _f(x, fmt="{:.2f}", none="–"):
     return none if x is None else fmt.format(x)
 
 
+def _calls(c) -> str:
+    if not c:
+        return "–"
+    return "/".join(str(c.get(k, "–")) for k in ("forward_calls", "backward_calls", "head_calls"))
+
+
 def table(point: dict) -> str:
     s, info = point["summary"], point["info"]
     lines = [
@@ -20,22 +26,31 @@ def table(point: dict) -> str:
            else "")
         + f"; best unpacked baseline: {s['best_baseline']}.",
         "",
-        "| mode | step s (median) | tokens/s | speed-up | of ideal | peak MB | mem/padded "
-        "| mem/baseline | GFLOP | GFLOP/s | user/sys s | grad rel err | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| mode | step s (median) | tokens/s | speed-up | of ideal | GFLOP | GFLOP/s | peak MB "
+        "| mem/padded | mem/baseline | calls fwd/bwd/head | packs | user/sys s | grad rel err "
+        "| status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for mode, m in s["modes"].items():
         lines.append("| " + " | ".join([
             mode, _f(m["step_s"]), _f(m["tokens_per_s"], "{:,.0f}"),
             _f(m.get("speedup"), "{:.2f}×"), _f(m.get("speedup_vs_ideal"), "{:.0%}"),
-            _f(m["peak_mem_mb"], "{:,.0f}"), _f(m.get("mem_ratio_padded"), "{:.2f}"),
-            _f(m.get("mem_ratio_baseline"), "{:.2f}"),
             _f(m["flops"] / 1e9 if m["flops"] else None, "{:,.0f}"),
             _f(m["gflops_per_s"], "{:.1f}"),
+            _f(m["peak_mem_mb"], "{:,.0f}"), _f(m.get("mem_ratio_padded"), "{:.2f}"),
+            _f(m.get("mem_ratio_baseline"), "{:.2f}"), _calls(m.get("calls")),
+            _f((m.get("calls") or {}).get("packs"), "{}"),
             f"{_f(m['user_s'], '{:.0f}')}/{_f(m['sys_s'], '{:.0f}')}",
             _f(m["grad_rel_err"], "{:.1e}"),
             m["status"] + (f" ({m['failed']} failed: {m['error'][:60]})" if m["failed"] else ""),
         ]) + " |")
+    hl = s.get("headline")
+    if hl:
+        lines += ["", f"Fastest DFS mode: **{hl['best_dfs']}**, "
+                      f"{_f(hl.get('of_ideal'), '{:.2f}')}× the ideal speed-up"
+                  + (f", {_f(hl.get('over_treemask'), '{:.2f}')}× faster than treemask, peak "
+                     f"memory {_f(hl.get('mem_over_treemask'), '{:.2f}')}× the tree mask's"
+                     if "over_treemask" in hl else "") + "."]
     pol = s.get("policy")
     if pol:
         lines += ["", f"Memory policy: recompute / retain = {pol['recompute_time_over_retain']:.2f}× "
@@ -57,6 +72,9 @@ def markdown(results: dict) -> str:
             "peak memory: "
             + ("peak RSS growth over the loaded model and batch (CPU)." if c["device"] == "cpu"
                else "torch.cuda.max_memory_allocated over the loaded model and batch.")
+            + " GFLOP: what the mode executes (dense masks count every masked-away pair); "
+            "GFLOP/s: that over the step time. Calls: decoder forwards / backward calls / LM-head "
+            "calls of the DFS walk (baselines: forwards / backwards)."
             + f" Gradient error: relative L2 against {'microbatch' if 'microbatch' in c['modes'] else c['modes'][0]}"
             f" (tolerance {results['points'][0]['summary']['tolerance']:.0e}; WRONG above it).", ""]
     return "\n".join(head + [table(p) + "\n" for p in results["points"]])

@@ -50,7 +50,9 @@ class BenchConfig:
     pad_batch: int = 0
     tree_tokens: int = 32768
     logits_chunk: int = 1024
-    leaf_batch_rows: int = 0  # DFS: batch sibling leaves' head (where dta.Walker has it)
+    packing: str = "auto"  # DFS modes dfs-retain / dfs-recompute (dfs-node: node by node)
+    pack_tokens: int = 512
+    head_rows: int | None = None  # DFS head flush cap (default: logits_chunk)
     timeout: float = 600.0
     grad_tol: float | None = None
     grad_full_max: int = 64_000_000
@@ -67,7 +69,7 @@ class BenchConfig:
     def opts(self) -> dict:
         return dict(microbatch_tokens=self.microbatch_tokens, pad_batch=self.pad_batch,
                     tree_tokens=self.tree_tokens, logits_chunk=self.logits_chunk,
-                    leaf_batch_rows=self.leaf_batch_rows)
+                    packing=self.packing, pack_tokens=self.pack_tokens, head_rows=self.head_rows)
 
 
 def sweep_points(cfg: BenchConfig) -> list[tuple[str, dict]]:
@@ -214,7 +216,8 @@ def summarize(cfg: BenchConfig, runs: list[dict], info: dict) -> dict:
             peak_mem_mb_max=max((x["peak_mem_mb"] for x in ok), default=None),
             user_s=_median([x.get("user_s") for x in ok]), sys_s=_median([x.get("sys_s") for x in ok]),
             grad_rel_err=max(errs) if errs else None, flops=flops,
-            gflops_per_s=flops / step / 1e9 if flops and step else None)
+            gflops_per_s=flops / step / 1e9 if flops and step else None,
+            calls=ok[0].get("calls") if ok else None)
         m = modes[mode]
         m["grad_ok"] = None if m["grad_rel_err"] is None else m["grad_rel_err"] <= cfg.tol
         m["status"] = ("FAILED" if not ok else "WRONG" if m["grad_ok"] is False
@@ -236,11 +239,37 @@ def summarize(cfg: BenchConfig, runs: list[dict], info: dict) -> dict:
             m["mem_ratio_baseline"] = m["peak_mem_mb"] / best_mem if best_mem else None
     out = dict(best_baseline=best, sharing_ratio=info["sharing_ratio"],
                ideal_speedup=info["ideal_speedup"], tolerance=cfg.tol, modes=modes)
+    out["headline"] = headline(runs, modes)
     r, c = modes.get("dfs-retain"), modes.get("dfs-recompute")
     if r and c and r["step_s"] and c["step_s"]:
         out["policy"] = dict(recompute_time_over_retain=c["step_s"] / r["step_s"],
                              recompute_mem_over_retain=(c["peak_mem_mb"] / r["peak_mem_mb"]
                                                         if r["peak_mem_mb"] else None))
+    return out
+
+
+def _round_ratio(runs, num: str, den: str):
+    """Median over rounds of step(num) / step(den)."""
+    return _median([a["step_s"] / b["step_s"] for a in runs for b in runs
+                    if a["mode"] == num and b["mode"] == den and a["ok"] and b["ok"]
+                    and a["repeat"] == b["repeat"]])
+
+
+def headline(runs: list[dict], modes: dict) -> dict | None:
+    """The fastest DFS mode: its fraction of the ideal speed-up over the best unpacked mode,
+    how much faster than the dense tree mask it is (median of per-round ratios), and its peak
+    memory over the tree mask's."""
+    dfs = [m for m, v in modes.items() if m.startswith("dfs") and v["step_s"]]
+    if not dfs:
+        return None
+    best = min(dfs, key=lambda m: modes[m]["step_s"])
+    out = dict(best_dfs=best, speedup=modes[best].get("speedup"),
+               of_ideal=modes[best].get("speedup_vs_ideal"))
+    tm = modes.get("treemask")
+    if tm and tm["step_s"]:
+        out["over_treemask"] = _round_ratio(runs, "treemask", best)
+        if tm["peak_mem_mb"] and modes[best]["peak_mem_mb"] is not None:
+            out["mem_over_treemask"] = modes[best]["peak_mem_mb"] / tm["peak_mem_mb"]
     return out
 
 
@@ -284,14 +313,15 @@ def run(cfg: BenchConfig, *, progress: bool = True, log=print) -> dict:
 def compact(results: dict) -> dict:
     """The one-line JSON of `dta bench --json`: per mode the headline figures."""
     keys = ("tokens_per_s", "step_s", "peak_mem_mb", "grad_rel_err", "speedup",
-            "speedup_vs_ideal", "mem_ratio_padded", "mem_ratio_baseline", "status")
+            "speedup_vs_ideal", "gflops_per_s", "mem_ratio_padded", "mem_ratio_baseline",
+            "status", "calls")
 
     def point(p):
         s = p["summary"]
         return dict(label=p["label"], sharing_ratio=s["sharing_ratio"],
                     ideal_speedup=s["ideal_speedup"], best_baseline=s["best_baseline"],
                     total_tokens=p["info"]["total_tokens"], sequences=p["info"]["sequences"],
-                    policy=s.get("policy"),
+                    policy=s.get("policy"), headline=s.get("headline"),
                     modes={m: {k: v.get(k) for k in keys} for m, v in s["modes"].items()})
 
     pts = [point(p) for p in results["points"]]
@@ -305,7 +335,7 @@ def compact(results: dict) -> dict:
 def main(argv=None) -> int:
     import argparse
 
-    from dta_cli.bench import add_arguments, config_from_args
+    from experiments.bench.cli import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser(prog="python -m experiments.bench.run")
     add_arguments(parser)

@@ -156,7 +156,7 @@ def measure(ctx: Context, mode: str, repeat: int, grad_path: str) -> dict:
     sampler = PeakSampler(float(spec.get("sample_ms", 2)) / 1000)
     sampler.start()
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    value = run_mode(mode, model, batch, ctx.loss, **ctx.opts)
+    value, calls = run_mode(mode, model, batch, ctx.loss, **ctx.opts)
     ctx.sync()
     step_s = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -169,7 +169,7 @@ def measure(ctx: Context, mode: str, repeat: int, grad_path: str) -> dict:
     model.zero_grad(set_to_none=True)
     tokens = int(batch.lengths.sum())
     return dict(
-        mode=mode, repeat=repeat, ok=True, loss=float(value),
+        mode=mode, repeat=repeat, ok=True, loss=float(value), calls=calls,
         step_s=step_s, warmup_s=warm_s, tokens=tokens, tokens_per_s=tokens / step_s,
         peak_mem_mb=peak / 2**20, peak_rss_growth_mb=peak_cpu / 2**20,
         baseline_rss_mb=base_rss / 2**20, maxrss_exact=maxrss1 > maxrss0,

@@ -1,0 +1,107 @@
+"""Attention without copies: SDPA's native grouped-query path, and the walk's K/V cache.
+
+* ``dta_sdpa``: Hugging Face's SDPA path ``repeat_kv``-copies the whole prefix K/V to the
+  query heads whenever a mask is passed (a pack with branches, or any forward over a cached
+  prefix: a mask is then materialized). :func:`sdpa_gqa_forward` calls
+  ``scaled_dot_product_attention(..., enable_gqa=True)`` instead, which reads the K/V heads
+  in place and is the same computation. It is registered under the name ``dta_sdpa`` for
+  attention and (with HF's own SDPA mask builder) for masks; :func:`native_gqa` switches a
+  model from ``sdpa`` to it for the duration of a walk.
+* :class:`PathCache`: the cache of one forward, built from the path's K/V *pieces* (the
+  autograd leaves of each pack on the path, or their rows on the path): the pieces and the new
+  K/V are concatenated once, inside ``update`` -- instead of concatenating the path once to
+  build a ``DynamicCache``, once more as its initial ``update`` and again when the forward
+  appends. Every layer is a plain full layer (no ``config``): sliding windows are enforced by
+  the mask from the true position ids, never by dropping cached keys.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+GQA_NAME = "dta_sdpa"
+
+
+def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                     scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """HF's SDPA attention, with grouped-query heads read in place (``enable_gqa``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    q_len = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(q_len > 1 and attention_mask is None and is_causal)
+    if is_causal and key.shape[2] > q_len:  # an unmasked causal call is upper-left aligned
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=is_causal, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_NAME, sdpa_gqa_forward)
+    AttentionMaskInterface.register(GQA_NAME, sdpa_mask)
+    return GQA_NAME
+
+
+def _set_impl(model, name: str) -> None:
+    configs = {id(model.config): model.config}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            configs[id(cfg)] = cfg
+    for cfg in configs.values():
+        cfg._attn_implementation = name
+
+
+@contextlib.contextmanager
+def native_gqa(model, enabled: bool = True):
+    """Run a model that uses ``sdpa`` with grouped-query K/V heads on ``dta_sdpa`` (exact:
+    the same SDPA call without the ``repeat_kv`` copies); other models run unchanged."""
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if not enabled or cfg._attn_implementation != "sdpa" or not heads or kv == heads:
+        yield
+        return
+    register()
+    _set_impl(model, GQA_NAME)
+    try:
+        yield
+    finally:
+        _set_impl(model, "sdpa")
+
+
+class PathLayer(DynamicLayer):
+    """One layer's cache: the path's K/V pieces, joined with the new K/V in one ``cat``."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__()
+        self.parts = parts
+        self.past = sum(k.shape[-2] for k, _ in parts)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.parts:
+            self.keys = torch.cat([*(k for k, _ in self.parts), key_states], dim=-2)
+            self.values = torch.cat([*(v for _, v in self.parts), value_states], dim=-2)
+        else:
+            self.keys, self.values = key_states, value_states
+        self.parts, self.is_initialized = [], True
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else self.past
+
+
+def path_cache(pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] | None, n_layers: int) -> Cache:
+    """A fresh cache (a forward mutates its cache) over ``pieces[layer] = [(k, v), ...]``."""
+    return Cache(layers=[PathLayer(pieces[layer] if pieces else []) for layer in range(n_layers)])

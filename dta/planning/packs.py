@@ -1,0 +1,342 @@
+"""Pack plans: which tree nodes the walker forwards together in one decoder call (metadata).
+
+A *pack* is a set of tree nodes hanging from one node ``parent`` (0: the virtual root) and
+closed upward inside the pack: every node's parent is in the pack or is ``parent``. Its
+tokens are forwarded in one call at their true tree positions, attending to the whole cached
+prefix (the root path of ``parent``: positions ``0 .. prefix-1``) and, inside the pack, to
+their own ancestors only (seed 000's ancestor-only mask restricted to the pack). A pack node
+some of whose children lie in other packs is *open*: the pack stays on the walk's path, and
+a pack below it attends to exactly the pack tokens on its own path (:meth:`PackLayout.path_rows`).
+
+Policies (:data:`POLICIES`):
+
+``node``      every node its own pack (the unpacked walk: one call per node);
+``siblings``  sibling leaves share packs of at most ``cap`` tokens; internal nodes alone;
+``subtrees``  whole subtrees of at most ``cap`` tokens are packs, siblings' small subtrees
+              share packs up to ``cap``; bigger internal nodes alone;
+``auto``      the cost model (:class:`PackCost`) chooses, bottom-up: a child subtree is closed
+              into a pack when that is no dearer than planning it further, closed siblings are
+              merged into one pack and a parent absorbs them into its own pack, each merge
+              only while it fits the cap and lowers the modelled cost;
+``tree``      the whole (active) forest in one pack: the dense tree mask (no cap).
+
+The cost of a pack of T tokens over a prefix of P tokens is
+``call + token * T + attention * pairs`` with pairs = T·P + T(T+1)/2 for a single path
+(causal, no mask) and T·(P + T) for a pack with branches (a dense masked kernel computes the
+whole rectangle). Merging saves a ``call`` (per-call fixed costs: dispatch, element-wise ops,
+autograd, kernel launches) and pays the masked-away pairs; the prefix pairs T·P are paid
+either way. Everything here is integers and numpy; :mod:`dta.packmask` materializes masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from dta.planning.index import PlanningError
+from dta.tree import PrefixTree
+
+POLICIES = ("node", "siblings", "subtrees", "auto", "tree")
+DEFAULT_CAP = 512  # tokens per pack (a memory cap: activations and the [T, P+T] mask)
+# Per-call fixed cost in tokens of linear work. Measured on the 2-core CPU with the "small"
+# model: a decoder forward + backward call costs ~13 ms beyond its matmuls, ~50-60 tokens'
+# worth (GPU launch overhead on short nodes makes it larger).
+DEFAULT_CALL_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class PackCost:
+    """``cost(pack) = call + token * tokens + attention * (query, key) pairs``."""
+
+    token: float = 1.0
+    attention: float = 0.0
+    call: float = float(DEFAULT_CALL_TOKENS)
+
+    @classmethod
+    def from_config(cls, config: Any, call_tokens: float = DEFAULT_CALL_TOKENS) -> "PackCost":
+        """FLOPs of the decoder body (forward + backward) from a model config; the LM head is
+        left out (every plan evaluates the same head rows)."""
+        from dta.planning.cost import CostModel
+
+        body = dict(config) if isinstance(config, Mapping) else config.to_dict()
+        cm = CostModel.from_config({**body, "vocab_size": 0})
+        return cls(cm.token, cm.attention, float(call_tokens) * cm.token)
+
+    def pairs(self, tokens: int, prefix: int, chain: bool) -> float:
+        t = float(tokens)
+        return t * prefix + t * (t + 1) / 2 if chain else t * (prefix + t)
+
+    def of(self, tokens: int, prefix: int, chain: bool) -> float:
+        return self.call + self.token * tokens + self.attention * self.pairs(tokens, prefix, chain)
+
+
+@dataclass
+class Pack:
+    index: int
+    nodes: list[int]  # tree node ids, in pre-order
+    parent: int  # the tree node the pack's roots hang from (0: the virtual root)
+    prefix: int  # cached tokens before the pack (= end[parent] = start of every root)
+    tokens: int
+    chain: bool  # the nodes form one path: plain causal attention, no mask
+    open: list[int] = field(default_factory=list)  # nodes with children in other packs
+    children: list[int] = field(default_factory=list)  # packs below, in walk order
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where a pack's tokens sit and what each sees (integers only).
+
+    Row r of the pack is local node ``node[r]`` at tree position ``positions[r]``; local
+    nodes are in pre-order, ``enter[a] <= enter[b] < exit[a]`` iff a is b's ancestor or b.
+    Row q sees every cached key (positions ``0 .. prefix-1``) and pack row k iff node[k] is
+    an ancestor of (or is) node[q] and positions[k] <= positions[q].
+    """
+
+    prefix: int
+    positions: np.ndarray  # [T]
+    node: np.ndarray  # [T] local node of each row
+    offsets: np.ndarray  # [m + 1] rows of local node i: offsets[i] .. offsets[i+1]-1
+    enter: np.ndarray  # [m]
+    exit: np.ndarray  # [m]
+    chain: bool
+    tree_nodes: np.ndarray  # [m] tree node id of each local node
+
+    @property
+    def tokens(self) -> int:
+        return len(self.positions)
+
+    def rows(self, local: int) -> slice:
+        return slice(int(self.offsets[local]), int(self.offsets[local + 1]))
+
+    def path_rows(self, local: int) -> np.ndarray:
+        """Rows of the pack's tokens on the root path through local node ``local`` (its
+        ancestors in the pack and itself), in position order."""
+        anc = np.flatnonzero((self.enter <= self.enter[local]) & (self.enter[local] < self.exit))
+        return np.concatenate([np.arange(self.offsets[a], self.offsets[a + 1]) for a in anc])
+
+    def visible(self, window: int | None = None) -> np.ndarray:
+        """[T, prefix + T] bool, True = visible (numpy; for checks and small packs)."""
+        T, P = self.tokens, self.prefix
+        q = self.positions[:, None]
+        nq, nk = self.node[:, None], self.node[None, :]
+        inner = ((self.enter[nk] <= self.enter[nq]) & (self.enter[nq] < self.exit[nk])
+                 & (self.positions[None, :] <= q))
+        out = np.concatenate([np.ones((T, P), bool), inner], axis=1)
+        if window is not None:
+            kpos = np.concatenate([np.arange(P), self.positions])[None, :]
+            out &= (q - kpos) < window
+        return out
+
+
+class PackPlan:
+    """A partition of the active tree nodes into packs, and the order the walker visits them."""
+
+    def __init__(self, tree: PrefixTree, packs: list[Pack], policy: str, cap: int | None):
+        self.tree, self.packs, self.policy, self.cap = tree, packs, policy, cap
+        self.pack_of = np.full(len(tree), -1, dtype=np.int64)
+        for p in packs:
+            self.pack_of[p.nodes] = p.index
+        for p in packs:
+            p.children = []
+        self.roots = []
+        for p in sorted(packs, key=lambda p: p.nodes[0]):  # pre-order of the first node
+            (self.roots if p.parent == 0 else packs[self.pack_of[p.parent]].children).append(p.index)
+        for p in packs:
+            p.open = sorted({int(tree.parent[packs[c].nodes[0]]) for c in p.children})
+        self._check()
+
+    def _check(self) -> None:
+        tree = self.tree
+        for p in self.packs:
+            inside = set(p.nodes)
+            for u in p.nodes:
+                par = int(tree.parent[u])
+                if par not in inside and par != p.parent:
+                    raise PlanningError(f"pack {p.index}: node {u} hangs from {par}, outside "
+                                        f"the pack and not its parent {p.parent}")
+            if p.prefix != int(tree.end[p.parent]) if p.parent else p.prefix != 0:
+                raise PlanningError(f"pack {p.index}: prefix {p.prefix} != end of its parent")
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def layout(self, index: int) -> PackLayout:
+        p, tree = self.packs[index], self.tree
+        nodes = np.asarray(p.nodes, dtype=np.int64)
+        lengths = tree.end[nodes] - tree.start[nodes]
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        local = {int(u): i for i, u in enumerate(nodes)}
+        size = np.ones(len(nodes), dtype=np.int64)  # local subtree sizes (pre-order)
+        for i in range(len(nodes) - 1, 0, -1):
+            par = local.get(int(tree.parent[nodes[i]]))
+            if par is not None:
+                size[par] += size[i]
+        enter = np.arange(len(nodes), dtype=np.int64)
+        positions = np.concatenate([np.arange(tree.start[u], tree.end[u]) for u in nodes])
+        return PackLayout(p.prefix, positions, np.repeat(enter, lengths), offsets, enter,
+                          enter + size, p.chain, nodes)
+
+    def walk(self):
+        """('push', pack) in pre-order, ('pop', pack) after its children (open packs only)."""
+        stack = [(i, False) for i in reversed(self.roots)]
+        while stack:
+            i, done = stack.pop()
+            if done:
+                yield "pop", i
+                continue
+            yield "push", i
+            if self.packs[i].children:
+                stack.append((i, True))
+                stack.extend((c, False) for c in reversed(self.packs[i].children))
+
+    def stats(self) -> dict:
+        tokens = [p.tokens for p in self.packs]
+        return dict(policy=self.policy, cap=self.cap, packs=len(self.packs),
+                    nodes=int(sum(len(p.nodes) for p in self.packs)),
+                    open_packs=sum(bool(p.children) for p in self.packs),
+                    masked_packs=sum(not p.chain for p in self.packs),
+                    max_pack_tokens=max(tokens, default=0),
+                    mean_pack_tokens=float(np.mean(tokens)) if tokens else 0.0)
+
+
+# ------------------------------------------------------------------------ planning --
+def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP,
+               cost: PackCost | None = None, active: np.ndarray | None = None,
+               branches: bool = True) -> PackPlan:
+    """Partition the ``active`` nodes of ``tree`` (default: all) into packs (module doc).
+    ``branches=False``: single-path packs only (a model whose layers cannot take a tree
+    mask: a pack is then one node, or a node with its only child's chain)."""
+    if policy not in POLICIES:
+        raise PlanningError(f"unknown pack policy {policy!r}; choose one of {POLICIES}")
+    if policy == "tree" and not branches:
+        raise PlanningError("pack policy 'tree' needs a tree mask, which this model cannot take")
+    if isinstance(cap, bool) or int(cap) != cap or cap < 1:
+        raise PlanningError(f"pack cap must be a positive number of tokens, got {cap!r}")
+    cap, cost = int(cap), cost or PackCost()
+    m = len(tree)
+    active = np.ones(m, bool) if active is None else np.asarray(active, bool)
+    if active.shape != (m,):
+        raise PlanningError(f"active has shape {active.shape}, the tree has {m} nodes")
+    kids = [[c for c in tree.children[u] if active[c]] for u in range(m)]
+    seg = (tree.end - tree.start).astype(np.int64)
+    sub = seg.copy()  # tokens of the active subtree
+    chain = np.ones(m, bool)  # the active subtree is one path
+    for u in range(m - 1, 0, -1):  # pre-order ids: children after parents
+        if active[u]:
+            p = int(tree.parent[u])
+            if p:
+                sub[p] += sub[u]
+    for u in range(m - 1, -1, -1):
+        chain[u] = len(kids[u]) == 0 or (len(kids[u]) == 1 and chain[kids[u][0]])
+    if policy == "tree":
+        nodes = [u for u in range(1, m) if active[u]]
+        top = kids[0]
+        packs = [Pack(0, nodes, 0, 0, int(seg[nodes].sum()), len(top) == 1 and bool(chain[top[0]]))] \
+            if nodes else []
+        return PackPlan(tree, packs, policy, None)
+
+    # bottom-up: best[u] = modelled cost of u's subtree with u heading a pack; choice[u] =
+    # (child subtrees absorbed into u's pack, bins of closed child subtrees, own children)
+    best = np.zeros(m)
+    closed = np.full(m, np.inf)
+    choice: dict[int, tuple] = {}
+    for u in range(m - 1, -1, -1):
+        if not active[u] or u == 0:
+            continue
+        s = int(tree.start[u])
+        if sub[u] <= cap and policy in ("subtrees", "auto"):
+            closed[u] = cost.of(int(sub[u]), s, bool(chain[u]))
+        if not branches and not chain[u]:
+            closed[u] = np.inf
+        best[u], choice[u] = _plan_children(kids[u], int(seg[u]), int(tree.end[u]), s, policy,
+                                            cap, cost, sub, chain, best, closed, kids, True,
+                                            branches)
+    _, choice[0] = _plan_children(kids[0], 0, 0, 0, policy, cap, cost, sub, chain, best, closed,
+                                  kids, False, branches)
+    packs: list[Pack] = []
+
+    def subtree_nodes(c):
+        out, todo = [], [c]
+        while todo:
+            v = todo.pop()
+            out.append(v)
+            todo.extend(reversed(kids[v]))
+        return out
+
+    def emit(parent, prefix, members, head=None):
+        nodes = ([head] if head is not None else []) + [v for c in members for v in subtree_nodes(c)]
+        nodes.sort()
+        toks = int(seg[nodes].sum())
+        is_chain = (len(members) == 0) or (len(members) == 1 and bool(chain[members[0]]))
+        packs.append(Pack(len(packs), nodes, parent, prefix, toks, is_chain))
+
+    todo = [0]
+    while todo:
+        u = todo.pop()
+        absorbed, bins, own = choice[u]
+        if u:
+            emit(int(tree.parent[u]), int(tree.start[u]), absorbed, head=u)
+        for b in bins:
+            emit(u, int(tree.end[u]) if u else 0, b)
+        todo.extend(own)
+    return PackPlan(tree, packs, policy, cap)
+
+
+def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, best, closed,
+                   all_kids, has_head, branches=True):
+    """Plan u's children: which close into packs (grouped in bins), which u absorbs into its
+    own pack, which head their own plans. Returns (modelled cost, choice)."""
+    if policy == "node" or (policy == "siblings" and not branches):
+        items, own = [], list(kids)
+    elif policy == "siblings":
+        items = [c for c in kids if not all_kids[c] and sub[c] <= cap]
+        own = [c for c in kids if c not in items]
+    else:  # subtrees, auto: a child closes when it fits (auto: and is no dearer closed)
+        items = [c for c in kids if np.isfinite(closed[c]) and (policy == "subtrees" or closed[c] <= best[c])]
+        own = [c for c in kids if c not in items]
+    prefix = end_u
+    bins: list[list[int]] = []
+    btok: list[int] = []
+    for c in sorted(items, key=lambda c: -int(sub[c])):  # first-fit decreasing
+        t, placed = int(sub[c]), False
+        for k in range(len(bins) if branches else 0):  # two items in a bin: a branch
+            if btok[k] + t > cap:
+                continue
+            if policy == "auto":
+                apart = cost.of(btok[k], prefix, _chain(bins[k], chain)) + cost.of(t, prefix, bool(chain[c]))
+                if cost.of(btok[k] + t, prefix, False) >= apart:
+                    continue
+            bins[k].append(c)
+            btok[k] += t
+            placed = True
+            break
+        if not placed:
+            bins.append([c])
+            btok.append(t)
+    absorbed: list[int] = []
+    head_tok, head_chain = seg_u, True
+    if has_head and policy == "auto":
+        for k in sorted(range(len(bins)), key=lambda k: -btok[k]):
+            if head_tok + btok[k] > cap:
+                continue
+            if not branches and (absorbed or not _chain(bins[k], chain)):
+                continue
+            together_chain = head_chain and not absorbed and _chain(bins[k], chain)
+            apart = cost.of(head_tok, start_u, head_chain) + cost.of(btok[k], prefix, _chain(bins[k], chain))
+            if cost.of(head_tok + btok[k], start_u, together_chain) < apart:
+                absorbed += bins[k]
+                head_tok += btok[k]
+                head_chain = together_chain
+                bins[k] = []
+        bins = [b for b in bins if b]
+    total = (cost.of(head_tok, start_u, head_chain) if has_head else 0.0)
+    total += sum(cost.of(sum(int(sub[c]) for c in b), prefix, _chain(b, chain)) for b in bins)
+    total += sum(best[c] for c in own)
+    for b in bins:
+        b.sort()
+    return total, (sorted(absorbed), sorted(bins, key=lambda b: b[0]), sorted(own))
+
+
+def _chain(members, chain) -> bool:
+    return len(members) == 1 and bool(chain[members[0]])
