@@ -48,3 +48,22 @@ def test_dta_plan_prints_memory_and_the_fitting_mode(capsys):
     fitting = [m for m in MODES if totals[m] <= 80 * GIB]
     assert result["chosen"] == (fitting[0] if fitting else None)
     assert result["path_tokens"] > 0 and result["call_tokens"] > 0
+
+
+def test_auto_sharding_is_resolved_on_the_driver_before_workers_start():
+    from dta.config import load_config
+    from dta_cli.batches import BatchSource
+    from runtime.ray_runtime import Trainer, TrainingError
+
+    cfg = load_config(None, ["workload.scale=tiny", "train.sharding=auto",
+                             "walker.policy=recompute", "train.memory_budget_gib=64"])
+    trainer = Trainer(cfg)  # not started: no Ray, no workers
+    batch = BatchSource(cfg, trainer.vocab_size).batch(0)
+    assert trainer.resolve_sharding(batch) == "replicate"  # a tiny model fits anywhere
+    assert trainer.cfg.train.sharding == "replicate"
+    report = trainer.sharding_report
+    assert report["chosen"] == "replicate" and report["path_tokens"] > 0
+    tight = load_config(None, ["workload.scale=tiny", "train.sharding=auto",
+                               "train.memory_budget_gib=0.000001"])
+    with pytest.raises(TrainingError, match="no mode fits"):
+        Trainer(tight).resolve_sharding(batch)

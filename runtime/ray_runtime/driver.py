@@ -91,8 +91,27 @@ class Trainer:
     def backend(self) -> str | None:
         return self.group.backend if self.group is not None else None
 
+    def resolve_sharding(self, batch: Batch | None = None) -> str:
+        """Turn ``train.sharding=auto`` into a mode (memory model, first batch's extent)."""
+        if str(self.cfg.train.sharding) != "auto":
+            return str(self.cfg.train.sharding)
+        from omegaconf import OmegaConf
+
+        from runtime.sharding.auto import resolve
+        tree = PrefixTree(batch.input_ids) if batch is not None else None
+        try:
+            mode, self.sharding_report = resolve(self.cfg, self.hf_config, tree)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
+        cfg = OmegaConf.create(as_dict(self.cfg))
+        cfg.train.sharding = mode
+        self.cfg = cfg
+        self.log(f"train.sharding=auto -> {mode}")
+        return mode
+
     def start(self) -> "Trainer":
         """Ray, then the workers; a failure on the way undoes what was started."""
+        self.resolve_sharding()
         try:
             t0 = time.perf_counter()
             self.log("starting Ray" + (f" (joining {self.address})" if self.address else
