@@ -94,6 +94,12 @@ class TrainConfig:
     skip_nonfinite: bool = False  # a non-finite gradient skips the update: go on (else: error)
     log_dir: Optional[str] = None  # per-step metrics.jsonl/.csv; default: checkpoint_dir
     export_hf: Optional[str] = None  # save_pretrained the trained model here at the end
+    # How the workers hold the model: replicate (full replicas, gradient all-reduce) | zero1
+    # (fp32 masters + optimizer state sharded, one reduce-scatter per step) | fsdp (FSDP2:
+    # parameters sharded too, gathered per call) | auto (the cheapest that fits
+    # memory_budget_gib, by dta.planning.memory).
+    sharding: str = "replicate"
+    memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
 
 
 @dataclass
@@ -259,6 +265,7 @@ CHOICES: dict[str, tuple] = {
     "walker.reduction": ("token_mean", "seq_mean", "sum"),
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
+    "train.sharding": ("replicate", "zero1", "fsdp", "auto"),
     "actor.kl_estimator": ("k1", "k2", "k3"),
     "actor.adv_norm.mean_level": ("batch", "group", None),
     "actor.adv_norm.std_level": ("batch", "group", None),
@@ -292,6 +299,7 @@ _RANGES: dict[str, tuple] = {
     "train.steps": (lambda v: v >= 1, ">= 1"),
     "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
     "train.keep_last": (lambda v: v >= 0, ">= 0 (0: keep all)"),
+    "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
     "stream.target_sequences": (lambda v: v >= 0, ">= 0"),
     "stream.target_tokens": (lambda v: v >= 0, ">= 0"),
     "workload.sequences_per_step": (lambda v: v >= 0, ">= 0"),
@@ -343,6 +351,11 @@ def validate_config(cfg) -> None:
     if _get(cfg, "loss.name") == "nll" and _get(cfg, "loss.decoupled"):
         raise ConfigError("bad value for config key 'loss.decoupled': the nll loss has no "
                           "decoupled form (set loss.name=ppo or actor.use_decoupled_loss=false)")
+    if _get(cfg, "train.sharding") == "fsdp" and _get(cfg, "walker.policy") != "recompute":
+        raise ConfigError("bad value for config key 'train.sharding': fsdp needs "
+                          "walker.policy=recompute (under retain a node's backward waits for "
+                          "its subtree, and the ranks' FSDP collectives cannot be matched); "
+                          "use train.sharding=zero1 with retain")
     address = _get(cfg, "ray.address")
     if address is not None and not str(address).strip():
         raise ConfigError("bad value for config key 'ray.address': empty (use null for a "
@@ -406,6 +419,8 @@ KEY_USE: dict[str, str] = {
     "train.checkpoint_every": "checkpoints", "train.keep_last": "checkpoint retention",
     "train.resume": "resume", "train.skip_nonfinite": "non-finite update policy",
     "train.log_dir": "metrics log", "train.export_hf": "save_pretrained at the end",
+    "train.sharding": "sharding mode (runtime.sharding)",
+    "train.memory_budget_gib": "memory budget of sharding=auto (dta.planning.memory)",
     "ray.address": "cluster", "ray.num_workers": "workers", "ray.cpus_per_worker": "workers",
     "ray.gpus_per_worker": "workers", "ray.object_store_memory": "local instance",
     "ray.namespace": "cluster", "ray.temp_dir": "local instance",

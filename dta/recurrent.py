@@ -53,6 +53,9 @@ def layer_kinds(config) -> list[str]:
     if bad:
         raise ValueError(f"{type(config).__name__}: hybrid model with layer types {bad}; the walk "
                          f"forks only {ATTENTION!r} K/V and {GDN!r} (Gated DeltaNet) states")
+    if ATTENTION not in types:  # HF's hybrid cache reads positions from an attention layer
+        raise ValueError(f"{type(config).__name__}: every layer is {GDN!r}; the walk needs at "
+                         f"least one {ATTENTION!r} layer (as Qwen3.5 and Qwen3-Next have)")
     return [KINDS[t] for t in types]
 
 

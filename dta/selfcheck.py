@@ -176,7 +176,8 @@ def _compare(model, seqs, report: SelfCheckReport) -> None:
     batch = Batch.from_records([dict(input_ids=s, advantages=rng.normal(size=len(s)))
                                 for s in seqs])
     named = list(model.named_parameters())
-    accumulate_gradients(model, batch, _ProbeLoss(), logits_chunk=4, self_check=False)
+    accumulate_gradients(model, batch, _ProbeLoss(), logits_chunk=4, self_check=False,
+                         router_aux_loss="exclude")  # the reference has no aux loss either
     walk = [None if p.grad is None else p.grad.detach().clone() for _, p in named]
     for _, p in named:
         p.grad = None

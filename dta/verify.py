@@ -14,8 +14,10 @@ The 1e-8 floor is for gradients that are zero in exact arithmetic (OPT's ``k_pro
 softmax is invariant to a shift of all scores of a query, and a key bias shifts them all):
 both sides then hold rounding noise ~1e-20 whose per-tensor relative difference is O(1).
 Such a tensor is compared against the whole gradient's norm instead (and its update, which
-Adam's g/(|g|+eps) makes ~lr·noise/eps, against the whole update's norm); any tensor whose
-gradient is at least 1e-8 of the whole keeps its own norms as the denominators.
+Adam's g/(|g|+eps) makes ~lr·noise/eps, against the whole update's norm; and, as a zero-
+initialized bias is then only that noisy update, its value after the step against the
+whole parameter norm); any tensor whose gradient is at least 1e-8 of the whole keeps its
+own norms as the denominators.
 The AdamW step's eps defaults to 1e-8 in float64 and to 1e-5 (AReaL's default) otherwise:
 Adam's update g/(|g|+eps) amplifies an absolute gradient error by about 1/eps where |g| is
 near eps, so with eps 1e-8 a float32 rounding error of 1e-10 in a 5e-9 gradient entry (seen
@@ -172,7 +174,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     if adam_eps is None:
         adam_eps = 1e-8 if is_f64 else 1e-5
     (p_dfs, d_dfs), (p_ref, d_ref) = (_adamw_step(m, lr, adam_eps) for m in (dfs_model, ref_model))
-    params_err = worst(_rel(p_dfs[n], p_ref[n]) for n in p_ref)
+    p_all = _whole_norm(p_ref.values())
+    params_err = worst(_rel(p_dfs[n], p_ref[n], p_all if n in noise else 0.0) for n in p_ref)
     d_all = _whole_norm(d_ref.values())
     upd_err = worst(_rel(d_dfs[n], d_ref[n], d_all if n in noise else 0.0) for n in d_ref)
     loss_err = abs(dfs.loss - ref.loss) / max(abs(ref.loss), 1e-300)

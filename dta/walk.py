@@ -116,6 +116,10 @@ class Walker:
         # recurrent layers cannot branch inside a call: node by node (each node one path);
         # a model whose attention cannot take a tree mask gets single-path packs only
         self.recurrent = any(kind != "attention" for kind in self.io.layer_kinds)
+        if self.recurrent and packing not in ("auto", "node"):
+            raise ValueError(f"packing {packing!r}: a model with recurrent (Gated DeltaNet) "
+                             "layers is walked node by node (a recurrent state cannot branch "
+                             "inside one call); use packing 'node' or 'auto'")
         self.packing = "node" if self.recurrent else packing
         self.mask_support = mask_support(model)
         self.branches = self.mask_support[0] is not None

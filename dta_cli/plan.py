@@ -6,7 +6,8 @@ Input is a generated workload (``--workload NAME --scale S --seed N``, from
 ``dta.jsonl``). ``--json`` prints one JSON object as the last line: ``bins`` (count),
 ``bin_tokens``, ``lower_bound``, ``gap``, ``plan_ms`` (all planning after the tree build),
 ``bin_sequences``; with ``--workers``: ``workers``, ``worker_cost``, ``worker_tokens``,
-``imbalance``, ``duplicated_tokens``, ``worker_sequences``.
+``imbalance``, ``duplicated_tokens``, ``worker_sequences``; with ``--memory``: ``memory``
+(per-rank bytes of each sharding mode, the chosen mode under ``--budget-gib``).
 """
 from __future__ import annotations
 
@@ -36,12 +37,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None, metavar="W",
                         help="balance the batch over W workers")
     parser.add_argument("--model", default="qwen3-1.7b",
-                        help="cost model for --workers: a size of dta.models (e.g. qwen3-0.6b), "
+                        help="cost model for --workers (and --memory): a size of dta.models (e.g. "
+                             "qwen3-0.6b), a Qwen3 shape (qwen3-8b, qwen3-14b, qwen3-32b), "
                              "a Hugging Face config.json path, or 'tokens' (default: qwen3-1.7b)")
     parser.add_argument("--art-sharing", action="store_true",
                         help="stop sharing before the first trainable token (ART's accounting)")
     parser.add_argument("--min-shared", type=int, default=1, metavar="N",
                         help="do not share segments shorter than N tokens (default: 1)")
+    mem = parser.add_argument_group("memory (with --workers W)")
+    mem.add_argument("--memory", action="store_true",
+                     help="per-rank memory of each sharding mode for --model at W workers "
+                          "(dta.planning.memory), and the mode that fits --budget-gib")
+    mem.add_argument("--budget-gib", type=float, default=None, metavar="G",
+                     help="per-GPU memory budget for the mode choice (e.g. 80, 141)")
+    mem.add_argument("--compute-dtype", default="bfloat16",
+                     choices=("bfloat16", "float16", "float32", "float64"),
+                     help="compute dtype (fp32 masters under 16 bits; default: bfloat16)")
+    mem.add_argument("--policy", default="recompute", choices=("retain", "recompute"),
+                     help="walker memory policy priced (fsdp needs recompute)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 
@@ -65,10 +78,57 @@ def _cost_model(name: str):
         with open(name, encoding="utf-8") as f:
             return CostModel.from_config(json.load(f), name=name)
     from dta.models import SIZES
+    from dta.planning.memory import SHAPES
+    if name in SHAPES:
+        return CostModel.from_config(SHAPES[name], name=name)
     if name not in SIZES:
         raise ValueError(f"unknown model {name!r}; choose from tokens, a config.json, "
                          f"{', '.join(SIZES)}")
     return CostModel.from_config(SIZES[name], name=name)
+
+
+def _memory_config(name: str):
+    """A model config for the memory model: a Qwen3 shape of dta.planning.memory (qwen3-8b,
+    qwen3-14b, qwen3-32b), a size of dta.models, or a config.json."""
+    from dta.planning.memory import SHAPES
+    if name in SHAPES:
+        return SHAPES[name]
+    if name.endswith(".json"):
+        with open(name, encoding="utf-8") as f:
+            return json.load(f)
+    from dta.models import SIZES, build_config
+    if name not in SIZES:
+        raise ValueError(f"unknown model {name!r} for --memory; choose from "
+                         f"{', '.join(list(SHAPES) + list(SIZES))} or a config.json")
+    return build_config("qwen3", name)
+
+
+def _memory(args, tree) -> dict:
+    from dta.planning.memory import GIB, MODES, ModelShape, batch_extent, estimate
+
+    config = _memory_config(args.model)
+    path, node = batch_extent(tree)
+    call = min(args.capacity, path) if args.capacity else node
+    modes = MODES if args.policy == "recompute" else tuple(m for m in MODES if m != "fsdp")
+    rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
+                     policy=args.policy, compute_dtype=args.compute_dtype) for m in modes]
+    budget = None if args.budget_gib is None else args.budget_gib * GIB
+    chosen = next((r.mode for r in rows if budget is not None and r.total <= budget), None)
+    shape = ModelShape.of(config)
+    print(f"memory per rank ({args.model}: {shape.params / 1e9:.2f}B parameters, "
+          f"{args.workers} ranks, {args.compute_dtype} compute, {args.policy}; longest path "
+          f"{path:,} tokens, largest call {call:,}):")
+    print(f"  {'mode':<10} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}")
+    for r in rows:
+        mark = "  <- fits" if r.mode == chosen else ""
+        print(f"  {r.mode:<10} " + " ".join(f"{v / GIB:>8.2f}G" for v in (
+            r.params, r.grads, r.optimizer, r.activations, r.total)) + mark)
+    if budget is not None:
+        print(f"  budget {args.budget_gib:g} GiB: " + (f"sharding={chosen}" if chosen else
+                                                      "no mode fits"))
+    return {"model": args.model, "params": shape.params, "path_tokens": path,
+            "call_tokens": call, "compute_dtype": args.compute_dtype, "policy": args.policy,
+            "budget_bytes": budget, "chosen": chosen, "modes": [r.as_dict() for r in rows]}
 
 
 def _summary(values) -> str:
@@ -141,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
                        worker_cost=a.worker_cost, worker_tokens=a.worker_tokens,
                        imbalance=round(a.imbalance, 6), duplicated_tokens=a.duplicated_tokens,
                        balance_plan_ms=round(a.plan_ms, 3), worker_sequences=a.workers)
+        if args.memory:
+            if args.workers is None:
+                raise ValueError("--memory needs --workers W")
+            out["memory"] = _memory(args, tree)
         out["plan_ms"] = round(plan_ms, 3)
     except (PlanningError, ValueError, OSError) as e:
         print(f"dta plan: {e}", file=sys.stderr)

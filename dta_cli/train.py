@@ -59,6 +59,11 @@ def print_summary(summary: dict, file=None) -> None:
                   f"{summary['imbalance_mean']:.3f}")
     peaks = ", ".join(_gib(p) for p in summary["peak_memory_bytes"])
     console.print(f"peak memory per worker ({summary.get('peak_memory_kind')}): {peaks}")
+    if summary.get("sharding"):
+        held = ", ".join("?" if b is None else _gib(sum(b.values()))
+                         for b in summary.get("state_bytes") or [])
+        console.print(f"sharding {summary['sharding']}: params + grads + optimizer per worker "
+                      f"{held}; parameter norm {summary.get('param_norm', float('nan')):.6f}")
     if "ray_start_s" in summary:
         console.print(f"startup: Ray {summary['ray_start_s']:.1f} s, workers "
                       f"{summary.get('workers_start_s', 0):.1f} s")

@@ -288,9 +288,10 @@ def test_dcp_checkpoint_is_verified_before_it_is_read(model_dir, single, tmp_pat
     path = tmp_path / "dcp"
     meta = SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True)
     engine.save(meta)
-    assert (path / "manifest.json").is_file()
+    (ckpt,) = path.glob("step-*")  # runtime/dcp.py's layout: one folder per step, + latest
+    assert (ckpt / "manifest.json").is_file() and (path / "latest").is_file()
     engine.load(meta)  # intact: loads
-    (shard,) = path.glob("*.distcp")
+    (shard,) = ckpt.glob("*.distcp")
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw))

@@ -164,6 +164,8 @@ def test_layer_kinds_refuse_unknown_mix():
                                          layer_types=[GDN, "sliding_attention"])
     with pytest.raises(ValueError, match="sliding_attention"):
         layer_kinds(cfg)
+    with pytest.raises(ValueError, match="at least one"):
+        layer_kinds(transformers.Qwen3_5TextConfig(num_hidden_layers=2, layer_types=[GDN, GDN]))
 
 
 def test_cost_model_gdn_linear_in_tokens():
@@ -197,3 +199,14 @@ def test_cli_verify_family(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and report["passed"] and report["max_rel_err"] <= 1e-10
     assert report["truly_float64"] and report["sharing_ratio"] > 1.5
+
+
+def test_packs_walk_recurrent_models_node_by_node():
+    """A pack cannot fork a recurrent state inside one call: 'auto' walks node by node, an
+    explicit multi-node packing is refused with one clear line."""
+    from dta.walk import Walker
+
+    model = hybrid_model("qwen3_5", dtype="float32")
+    assert Walker(model, packing="auto", self_check=False).packing == "node"
+    with pytest.raises(ValueError, match="node by node"):
+        Walker(model, packing="subtrees", self_check=False)

@@ -317,8 +317,8 @@ def refuse_recurrent(model_or_config, mode: str) -> None:
 
     if is_hybrid(model_or_config):
         raise ValueError(f"mode {mode!r} cannot train a model with recurrent (Gated DeltaNet) "
-                         "layers: a tree mask cannot fork a recurrent state; use padded, "
-                         "microbatch, dfs-retain or dfs-recompute")
+                         "layers: a tree mask cannot fork a recurrent state; use padded, microbatch "
+                         "or a dfs-* mode")
 
 
 def _treemask(model, batch: Batch, loss, flex: bool, opts) -> float:

@@ -5,7 +5,8 @@
   Loading reads a local directory only; nothing is ever downloaded.
 * ``dcp``: ``torch.distributed.checkpoint`` of the parameters the optimizer steps (the fp32
   masters with mixed precision), the optimizer state when ``with_optim``, and the LR
-  scheduler (``runtime/areal/dcp.py``) — what AReaL's ``RecoverHandler`` writes and reads.
+  scheduler, through the project's sharded-checkpoint module ``runtime/dcp.py``
+  (``runtime/areal/dcp.py``) — what AReaL's ``RecoverHandler`` writes and reads.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class CheckpointMixin:
             self._require_optimizer()
         save_dcp(str(meta.path), self._stepped_parameters(),
                  self.optimizer if meta.with_optim else None,
-                 self.lr_scheduler if meta.with_optim else None)
+                 self.lr_scheduler if meta.with_optim else None, step=self.get_version())
 
     def _save_hf(self, meta: SaveLoadMeta):
         os.makedirs(meta.path, exist_ok=True)

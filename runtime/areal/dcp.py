@@ -1,40 +1,46 @@
-"""DCP (``torch.distributed.checkpoint``) save/load of a replicated ``DTATrainEngine``: the
+"""DCP (``torch.distributed.checkpoint``) save/load of a ``DTATrainEngine``: the
 ``weight_format="dcp"`` that AReaL's ``RecoverHandler`` hard-codes for recover checkpoints.
 
-The layout is FSDPEngine's (``{"dcp": {"model": ..., "optim": ...}}`` written by
-``get_state_dict`` / ``set_state_dict``, keys the model's parameter names), with two
-differences that make a resumed run continue bit-identically:
+It writes through the project's one sharded-checkpoint implementation, ``runtime/dcp.py``
+(``save_sharded`` / ``load_sharded``: every rank, atomic, resumable at the same world size),
+into the folder AReaL names (``SaveLoadMeta.path``)::
+
+    <path>/step-<version>/   DCP files + meta.json (runtime/dcp.py) + manifest.json
+    <path>/latest            the newest one; older steps are removed after a save
+
+The state is FSDPEngine's (``{"dcp": {"model", "optim"}}`` by ``get_state_dict`` /
+``set_state_dict``, keyed by parameter name), with two differences that make a resumed run
+continue bit-identically:
 
 * with fp32 master weights (bf16 compute), the *masters* are saved under the parameter names
   (FSDPEngine's sharded parameters are its fp32 masters too), and loading restores the masters
   and casts them into the model;
-* the LR scheduler's state is saved beside them (``{"extra": {"lr_scheduler": ...}}``);
-  FSDPEngine does not save it, so its schedule restarts on recovery.
+* the LR scheduler's state is saved beside them (``"lr_scheduler"``); FSDPEngine does not save
+  it, so its schedule restarts on recovery.
 
 Trust (``runtime/ray_runtime/checkpoint.py``): after the save, rank 0 writes
 ``manifest.json`` (size and SHA-256 of every file); a load verifies every file against it
 before DCP reads anything (DCP's ``.metadata`` is a pickle), and refuses a checkpoint without
 one.
-
-This module is the stand-in for the shared DCP implementation of the sharding work; it handles
-replicated models (every rank holds full tensors; rank 0's copy is what is written, DCP
-deduplicates replicated tensors).
 """
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from runtime.dcp import latest_sharded, load_sharded, save_sharded, step_name
 from runtime.ray_runtime.checkpoint import verify_manifest, write_manifest
 
 __all__ = ["save_dcp", "load_dcp"]
+
+_KIND = "dta-areal-dcp"
 
 
 def _holder(named_params: list[tuple[str, nn.Parameter]]) -> nn.Module:
@@ -71,32 +77,41 @@ class _ModelAndOptimizer(Stateful):
                            optim_state_dict=state_dict["optim"])
 
 
-def _state(named_params, optimizer, lr_scheduler):
-    state = {"dcp": _ModelAndOptimizer(_holder(named_params), optimizer)}
+def _state(named_params, optimizer, lr_scheduler) -> dict:
+    state = {"dcp": _ModelAndOptimizer(_holder(list(named_params)), optimizer)}
     if lr_scheduler is not None:
-        state["extra"] = {"lr_scheduler": lr_scheduler.state_dict()}
+        state["lr_scheduler"] = lr_scheduler
     return state
 
 
-def save_dcp(path: str, named_params, optimizer=None, lr_scheduler=None) -> None:
-    """Write the parameters (``[(name, Parameter)]``: what the optimizer steps), the
-    optimizer state when ``optimizer`` is given and the LR scheduler's state to ``path``."""
-    os.makedirs(path, exist_ok=True)
-    manifest = os.path.join(path, "manifest.json")
-    if os.path.exists(manifest) and (not dist.is_initialized() or dist.get_rank() == 0):
-        os.remove(manifest)  # the folder is being rewritten (AReaL reuses its recover path)
-    dcp.save(_state(list(named_params), optimizer, lr_scheduler), checkpoint_id=path)
-    if not dist.is_initialized() or dist.get_rank() == 0:  # every rank's files are written
-        write_manifest(path, run_id=None, step=None, extra={"kind": "dta-areal-dcp"})
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_dcp(path: str, named_params, optimizer=None, lr_scheduler=None, *,
+             step: int = 0) -> str:
+    """Write the parameters (``[(name, Parameter)]``: what the optimizer steps), the optimizer
+    state when ``optimizer`` is given and the LR scheduler's state as checkpoint ``step`` under
+    ``path`` (every rank calls this); returns the checkpoint's folder."""
+    final = save_sharded(path, step, _state(named_params, optimizer, lr_scheduler),
+                         meta={"kind": _KIND})
+    if _rank0():
+        write_manifest(final, run_id=None, step=step, extra={"kind": _KIND})
+        for name in os.listdir(path):  # AReaL keeps one recover checkpoint
+            if name.startswith("step-") and name != step_name(step):
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
 
 
 def load_dcp(path: str, named_params, optimizer=None, lr_scheduler=None) -> None:
-    """The inverse of :func:`save_dcp`, in place (the parameters keep their identity, so an
-    optimizer over them stays valid)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"DCP checkpoint {path!r} is not a directory")
-    verify_manifest(path)
-    state = _state(list(named_params), optimizer, lr_scheduler)
-    dcp.load(state, checkpoint_id=path)
-    if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(state["extra"]["lr_scheduler"])
+    """The newest checkpoint under ``path`` back into the parameters, the optimizer and the
+    LR scheduler, in place (every rank calls this; the parameters keep their identity, so an
+    optimizer over them stays valid). Verified against its manifest first."""
+    final = latest_sharded(path)
+    if final is None:
+        raise FileNotFoundError(f"no DCP checkpoint under {path!r} (expected "
+                                f"step-*/meta.json written by save_dcp)")
+    verify_manifest(final)
+    load_sharded(final, _state(named_params, optimizer, lr_scheduler))

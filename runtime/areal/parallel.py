@@ -1,11 +1,12 @@
 """``DataParallel``: how a ``DTATrainEngine`` is laid out over processes.
 
 Every rank holds a full replica of the model; gradients are averaged over the ranks before the
-step. This class is the engine's only contact with ``torch.distributed``: the groups AReaL's
-``TrainEngine`` API exposes (data-parallel, model-parallel, the gloo CPU group), the rank and
-world size, the model placement (:meth:`prepare_model`) and the gradient reduction
+step. This class holds what the training path needs of ``torch.distributed``: the groups
+AReaL's ``TrainEngine`` API exposes (data-parallel, model-parallel, the gloo CPU group), the
+rank and world size, the model placement (:meth:`prepare_model`) and the gradient reduction
 (:meth:`reduce_gradients`). A sharded layout (``fsdp:dN`` with FSDP2) replaces these two
-methods; the engine calls nothing else.
+methods. (The weight-update group to the inference servers is ``rollout.py``'s; DCP's
+collectives are ``dcp.py``'s.)
 """
 from __future__ import annotations
 

@@ -49,6 +49,7 @@ class Trainer:
         self.fault = parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
         self.log = log or (lambda msg: None)
         self.vocab_size, self.max_positions, self.hf_config = model_limits(cfg)
+        self.sharding_report: dict | None = None
         self.required = required_fields(cfg)
         self.cost_model = default_cost_model(self.hf_config)
         self.cluster: ClusterHandle | None = None
@@ -63,6 +64,17 @@ class Trainer:
         self._board = None
 
     # ---------------------------------------------------------------- lifecycle --
+    @property
+    def sharded(self) -> bool:
+        """Sharded state (train.sharding zero1/fsdp on several workers): DCP checkpoints."""
+        return str(self.cfg.train.sharding) != "replicate" and self.num_workers > 1
+
+    def latest_checkpoint(self) -> str | None:
+        if self.sharded:
+            from runtime.dcp import latest_sharded
+            return latest_sharded(self.cfg.train.checkpoint_dir)
+        return ckpt.latest_checkpoint(self.cfg.train.checkpoint_dir)
+
     @property
     def num_workers(self) -> int:
         return int(self.cfg.ray.num_workers)
@@ -79,8 +91,27 @@ class Trainer:
     def backend(self) -> str | None:
         return self.group.backend if self.group is not None else None
 
+    def resolve_sharding(self, batch: Batch | None = None) -> str:
+        """Turn ``train.sharding=auto`` into a mode (memory model, first batch's extent)."""
+        if str(self.cfg.train.sharding) != "auto":
+            return str(self.cfg.train.sharding)
+        from omegaconf import OmegaConf
+
+        from runtime.sharding.auto import resolve
+        tree = PrefixTree(batch.input_ids) if batch is not None else None
+        try:
+            mode, self.sharding_report = resolve(self.cfg, self.hf_config, tree)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
+        cfg = OmegaConf.create(as_dict(self.cfg))
+        cfg.train.sharding = mode
+        self.cfg = cfg
+        self.log(f"train.sharding=auto -> {mode}")
+        return mode
+
     def start(self) -> "Trainer":
         """Ray, then the workers; a failure on the way undoes what was started."""
+        self.resolve_sharding()
         try:
             t0 = time.perf_counter()
             self.log("starting Ray" + (f" (joining {self.address})" if self.address else
@@ -171,7 +202,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
         if failures:
-            last = ckpt.latest_checkpoint(self.cfg.train.checkpoint_dir)
+            last = self.latest_checkpoint()
             message, culprit, verb, applied = failure_message(step, results, failures,
                                                               self.infos, last)
             self.broken = f"step {step}, worker {culprit} {verb}"
@@ -231,6 +262,10 @@ class Trainer:
                          "cost_model": repr(self.cost_model)},
                 "history": [s.brief() for s in self.history], **(extra or {})}
         keep = int(getattr(self.cfg.train, "keep_last", 0) or 0) or None
+        if self.sharded:  # every rank writes its shards (DCP)
+            return ray.get([w.save_checkpoint.remote(os.path.abspath(directory),
+                                                     self.completed_steps, meta, self.run_id,
+                                                     keep) for w in self.workers])[0]
         return ray.get(self.workers[0].save_checkpoint.remote(
             os.path.abspath(directory), self.completed_steps, meta, self.run_id, keep))
 
@@ -259,7 +294,7 @@ class Trainer:
     def recover(self, path: str | None = None) -> dict | None:
         """Replace every worker (new process group) and restore the last checkpoint (or
         ``path``); without a checkpoint, the initial weights (only valid before step 0)."""
-        path = path or ckpt.latest_checkpoint(self.cfg.train.checkpoint_dir)
+        path = path or self.latest_checkpoint()
         self._kill_workers()
         self._start_workers()
         if path:
@@ -271,14 +306,23 @@ class Trainer:
 
     # -------------------------------------------------------------------- tests --
     def worker_state(self, rank: int) -> dict:
+        """Rank ``rank``'s (gathered) model and its optimizer state; sharded, every worker is
+        asked (gathering FSDP's parameters is a collective)."""
         import ray
-        return ray.get(self.workers[rank].state.remote())
+        if not self.sharded:
+            return ray.get(self.workers[rank].state.remote())
+        return ray.get([w.state.remote() for w in self.workers])[rank]
+
+    def param_norms(self) -> list[float]:
+        """Each worker's L2 norm of all parameters (one collective where sharded)."""
+        import ray
+        return ray.get([w.param_norm.remote() for w in self.workers])
 
     def worker_gradients(self, rank: int) -> dict:
         import ray
         return ray.get(self.workers[rank].gradients.remote())
 
-    def digests(self) -> list[float]:
+    def digests(self) -> list[float]:  # noqa: D102 (collective where sharded)
         import ray
         return ray.get([w.digest.remote() for w in self.workers])
 

@@ -113,6 +113,7 @@ def run_training(cfg, source: BatchSourceLike, *,
         _check_export_dir(str(t.export_hf))
     first = source.batch(start)
     trainer.validate(first)  # bad input fails before Ray starts
+    trainer.resolve_sharding(first)  # train.sharding=auto: by the memory model
     log_dir = t.log_dir or t.checkpoint_dir
     metrics = MetricsLog(log_dir, run_id=trainer.run_id) if log_dir else None
     every, last_saved = int(t.checkpoint_every), None
@@ -162,6 +163,10 @@ def run_training(cfg, source: BatchSourceLike, *,
             if metrics is not None:
                 metrics.close()
         out = summarize(trainer.history, trainer)
+        out["sharding"] = str(trainer.cfg.train.sharding)
+        if trainer.sharding_report is not None:
+            out["sharding_auto"] = trainer.sharding_report
+        out["param_norm"] = trainer.param_norms()[0]  # after the last step
         out["run_id"] = trainer.run_id
         out["checkpoint"] = last_saved
         if metrics is not None:

@@ -74,6 +74,9 @@ def summarize(history: list[StepStats], trainer=None) -> dict:
         "peak_memory_bytes": [peaks[r] for r in sorted(peaks)],
         "peak_memory_kind": history[0].workers[0].get("kind"),
         "plan_method": history[-1].plan_method,
+        # per worker, the last step's {params, grads, optimizer} bytes (runtime.sharding)
+        "state_bytes": [w.get("state_bytes") for w in sorted(history[-1].workers,
+                                                               key=lambda w: w["rank"])],
     }
     if trainer is not None:
         out.update(trainer.timings)

@@ -7,13 +7,15 @@ tested without Ray. A step:
 1. ``zero_grad``; ``dta.train.accumulate_gradients`` over the worker's sequences with the
    *whole batch's* :class:`~dta.losses.Totals`, so each worker's gradient is its share of
    the global token mean and their sum is the single-worker gradient;
-2. all-reduce (SUM) the gradients across the group (flat buckets);
-3. clip by the global norm and step. Every replica holds the same all-reduced gradient and
-   the same optimizer state, so the replicas stay identical.
+2. the sharding mode (``train.sharding``, :mod:`runtime.sharding`) reduces the gradients
+   across the group — ``replicate``: all-reduce (SUM), every replica steps alike;
+   ``zero1``: one reduce-scatter, each rank steps its slice of fp32 masters and optimizer
+   state, one all-gather of the new weights; ``fsdp``: FSDP2 reduce-scatters per call;
+3. clip by the global norm and step.
 
-Nothing is applied before the all-reduce has completed: a peer that dies before it makes
-the collective fail on every survivor, which then returns without touching its parameters
-or optimizer state.
+Nothing is applied before the gradient collective has completed: a peer that dies before it
+makes the collective fail on every survivor, which then returns without touching its
+parameters or optimizer state.
 """
 from __future__ import annotations
 
@@ -29,28 +31,29 @@ from dta.batch import Batch
 from dta.config import from_dict, loss_kwargs
 from dta.losses import Totals, batch_totals, make_loss
 from dta.models import build_model, load_model
-from dta.train import accumulate_gradients, clip_and_step, forward_logprobs
+from dta.models import resolve_dtype
+from dta.train import accumulate_gradients, forward_logprobs
+from runtime.sharding import make_strategy, master_dtype_for
+from runtime.sharding.common import optimizer_factory
 
 FAULT_ENV = "DTA_FAULT_INJECT"  # "rank=1,step=2": that rank exits before the all-reduce
 
 
 # -------------------------------------------------------------- replica building --
-def build_replica(cfg, device: str | torch.device = "cpu"):
+def build_replica(cfg, device: str | torch.device = "cpu", dtype=None):
+    """The configured model on ``device``, in ``dtype`` (default: ``model.dtype``)."""
     m = cfg.model
+    dtype = dtype or m.dtype
     if m.path:
-        model = load_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation)
+        model = load_model(m.path, dtype=dtype, attn_implementation=m.attn_implementation)
     else:
-        model = build_model(m.family, m.size, dtype=m.dtype, seed=int(m.seed),
+        model = build_model(m.family, m.size, dtype=dtype, seed=int(m.seed),
                             attn_implementation=m.attn_implementation)
     return model.to(device)
 
 
 def make_optimizer(model, ocfg):
-    params = [p for p in model.parameters() if p.requires_grad]
-    if ocfg.name == "sgd":
-        return torch.optim.SGD(params, lr=float(ocfg.lr), weight_decay=float(ocfg.weight_decay))
-    return torch.optim.AdamW(params, lr=float(ocfg.lr), betas=tuple(float(b) for b in ocfg.betas),
-                             eps=float(ocfg.eps), weight_decay=float(ocfg.weight_decay))
+    return optimizer_factory(ocfg)(p for p in model.parameters() if p.requires_grad)
 
 
 def make_training_loss(cfg):
@@ -81,41 +84,6 @@ def fill_recomputed(model, batch: Batch, names, cfg) -> Batch:
     for n in missing:
         fields[n] = lps
     return Batch(batch.input_ids, fields, batch.weight, batch.group_id)
-
-
-# ---------------------------------------------------------------- grad all-reduce --
-def allreduce_gradients(params, bucket_elems: int = 1 << 24) -> None:
-    """Sum ``.grad`` over the default group; a grad that is None on every rank stays None."""
-    import torch.distributed as dist
-
-    device = params[0].device
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
-                           device=device)
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    bucket: list[torch.Tensor] = []
-    size = 0
-
-    def flush():
-        nonlocal bucket, size
-        if not bucket:
-            return
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        bucket, size = [], 0
-
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() > bucket_elems):
-            flush()
-        bucket.append(g)
-        size += g.numel()
-    flush()
-    dist.all_reduce(present, op=dist.ReduceOp.SUM)
-    for p, g, n in zip(params, grads, present.tolist()):
-        p.grad = g if n > 0 else None
 
 
 # --------------------------------------------------------------------- memory --
@@ -177,8 +145,20 @@ class DFSWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         t0 = time.perf_counter()
-        self.model = build_replica(self.cfg, self.device)
-        self.optimizer = make_optimizer(self.model, self.cfg.optimizer)
+        self.mode = str(self.cfg.train.sharding)
+        if self.mode not in ("replicate", "zero1", "fsdp"):
+            raise ValueError(f"train.sharding={self.mode!r} must be resolved before the "
+                             "workers start (the driver resolves auto)")
+        if self.mode == "fsdp" and self.cfg.walker.policy != "recompute":
+            raise ValueError("train.sharding=fsdp needs walker.policy=recompute (see "
+                             "runtime.sharding.lockstep)")
+        self.compute_dtype = resolve_dtype(self.cfg.model.dtype)
+        built = self.compute_dtype if self.mode == "replicate" else \
+            master_dtype_for(self.compute_dtype)
+        self.model = build_replica(self.cfg, self.device, dtype=built)
+        self.strategy = None  # built once the process group exists (setup_group)
+        if self.world_size == 1:
+            self._build_strategy()
         self.loss = make_training_loss(self.cfg)
         self.recompute = recompute_fields(self.cfg, self.loss)
         self.fault = parse_fault(fault)
@@ -187,6 +167,16 @@ class DFSWorker:
         self.completed_steps = 0
 
     # -------------------------------------------------------------- setup --
+    def _build_strategy(self) -> None:
+        mode = self.mode if self.world_size > 1 else "replicate"  # one rank: nothing to shard
+        self.strategy = make_strategy(mode, self.model, optimizer_factory(self.cfg.optimizer),
+                                      compute_dtype=self.compute_dtype)
+        self.model = self.strategy.model
+
+    @property
+    def optimizer(self):
+        return self.strategy.optimizer
+
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "ip": _node_ip(), "device": str(self.device), "build_s": self.build_s,
@@ -206,6 +196,7 @@ class DFSWorker:
                                 world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=float(timeout_s)))
         self.group = True
+        self._build_strategy()
         return self.info()
 
     # --------------------------------------------------------------- step --
@@ -226,7 +217,7 @@ class DFSWorker:
                          **peak_memory(self.device))
             self.completed_steps += 1
             return stats
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad()
         if batch is not None and len(batch):
             batch = _writable(batch)
             batch = fill_recomputed(self.model, batch, self.recompute, self.cfg)
@@ -250,26 +241,28 @@ class DFSWorker:
         t1 = time.perf_counter()
         if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == int(step):
             os._exit(1)  # fault injection: die after accumulating, before the all-reduce
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.world_size > 1:
-            allreduce_gradients(params)
-        t2 = time.perf_counter()
-        norm, updated = clip_and_step(self.model, self.optimizer,
-                                      self.cfg.optimizer.max_grad_norm)
+        norm, updated = self.strategy.reduce_and_step(self.cfg.optimizer.max_grad_norm)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t3 = time.perf_counter()
         self.completed_steps += 1
         stats.update(grad_norm=float(norm), updated=bool(updated), accumulate_s=t1 - t0,
-                     allreduce_s=t2 - t1, optimizer_s=t3 - t2, step_s=t3 - t0,
+                     update_s=t3 - t1, step_s=t3 - t0,  # update: collectives + optimizer
+                     sharding=self.strategy.mode, state_bytes=self.strategy.state_bytes(),
                      **peak_memory(self.device))
         return stats
 
     # ----------------------------------------------------- state / checkpoints --
     def state(self) -> dict:
-        """CPU copies of the model and optimizer state (for tests and consistency checks)."""
-        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+        """CPU copies of the model (gathered, compute dtype) and of this rank's optimizer
+        state (for tests and consistency checks)."""
+        return {"model": self.strategy.full_state(),
                 "optimizer": _to_cpu(self.optimizer.state_dict())}
+
+    def param_norm(self) -> float:
+        """L2 norm of all parameters (the masters, where sharded); a collective when the
+        mode shards: call it on every rank."""
+        return self.strategy.param_norm()
 
     def gradients(self) -> dict:
         """CPU copies of the last step's (all-reduced, possibly clipped) gradients."""
@@ -278,10 +271,22 @@ class DFSWorker:
 
     def digest(self) -> float:
         with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in self.model.parameters()))
+            return float(sum(v.double().abs().sum()
+                             for v in self.strategy.full_state().values()))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this worker's state is sharded (checkpoints: DCP, written by every rank)."""
+        return self.strategy.mode != "replicate"
 
     def save_checkpoint(self, directory: str, step: int, meta: dict, run_id: str | None = None,
                         keep_last: int | None = None) -> str:
+        """Replicated: rank 0 writes the whole state. Sharded: every rank calls this and
+        writes its shards (:func:`runtime.dcp.save_sharded`; no retention yet)."""
+        if self.sharded:
+            from runtime.dcp import save_sharded
+            return save_sharded(directory, step, self.strategy.sharded_state(),
+                                meta={**meta, "sharding": self.strategy.mode, "run_id": run_id})
         from runtime.ray_runtime.checkpoint import save_checkpoint
         return save_checkpoint(directory, step, self.model, self.optimizer, meta, run_id=run_id,
                                keep_last=keep_last)
@@ -293,8 +298,12 @@ class DFSWorker:
         return path
 
     def load_checkpoint(self, path: str) -> dict:
-        from runtime.ray_runtime.checkpoint import load_checkpoint
-        meta = load_checkpoint(path, self.model, self.optimizer)
+        if self.sharded:
+            from runtime.dcp import load_sharded
+            meta = load_sharded(path, self.strategy.sharded_state())
+        else:
+            from runtime.ray_runtime.checkpoint import load_checkpoint
+            meta = load_checkpoint(path, self.model, self.optimizer)
         self.completed_steps = int(meta["step"])
         return meta
 
@@ -317,6 +326,8 @@ def _writable(batch: Batch) -> Batch:
 
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):  # a DTensor (FSDP2): this rank's shard
+            obj = obj.to_local()
         return obj.detach().cpu().clone()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}

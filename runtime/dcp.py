@@ -1,0 +1,165 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): the one implementation
+the Ray runtime and the AReaL engine use for sharded training state.
+
+``save_sharded(directory, step, state, meta=...)`` — called on **every** rank — writes::
+
+    <directory>/step-000003/      DCP files: one .distcp per rank, .metadata (rank 0)
+                      meta.json   step, world size, caller's meta (written last, by rank 0)
+    <directory>/latest            the newest complete checkpoint's name (atomic replace)
+
+Atomic: the ranks write into ``.tmp-step-000003-<token>`` (the token is rank 0's, broadcast),
+DCP fsyncs its files (``sync_files``), rank 0 fsyncs meta.json and the directory, then
+renames the directory to its final name and replaces ``latest``; a crash at any point leaves
+no half checkpoint under a final name. ``state`` maps names to tensors (plain tensors are
+saved once, DTensors as their shards: the layout DCP re-shards on load where the tensor's
+logical shape allows) or to objects with ``state_dict()`` / ``load_state_dict()``.
+``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json;
+it refuses a checkpoint written at another world size unless ``allow_reshard``.
+
+Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/sharding-dcp.md``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+LATEST = "latest"
+META = "meta.json"
+
+
+class ShardedCheckpointError(RuntimeError):
+    pass
+
+
+def step_name(step: int) -> str:
+    return f"step-{int(step):06d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _broadcast(obj, group=None):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _dcp_state(state: dict) -> dict:
+    """DCP's view: Stateful objects as they are, tensors as they are."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, (torch.Tensor, Stateful)) or hasattr(v, "state_dict"):
+            out[k] = v
+        else:
+            raise TypeError(f"checkpoint entry {k!r} is a {type(v).__name__}, not a tensor or "
+                            "an object with state_dict()/load_state_dict()")
+    return out
+
+
+def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = None,
+                 group=None) -> str:
+    """Write checkpoint ``step`` (every rank calls this); returns its final path."""
+    directory = os.path.abspath(directory)
+    final = os.path.join(directory, step_name(step))
+    token = _broadcast(uuid.uuid4().hex if _rank() == 0 else None, group)
+    tmp = os.path.join(directory, f".tmp-{step_name(step)}-{token}")
+    if _rank() == 0:
+        os.makedirs(tmp, exist_ok=True)
+    _barrier(group)
+    try:
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        dcp.save(_dcp_state(state), storage_writer=writer, process_group=group)
+        _barrier(group)
+        if _rank() == 0:
+            with open(os.path.join(tmp, META), "w") as f:
+                json.dump({"step": int(step), "world_size": _world(), "format": "dcp",
+                           **(meta or {})}, f, indent=1, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(tmp)
+            if os.path.exists(final):  # rewriting a step: move the old one away first
+                trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync(directory)
+            pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
+            with open(pointer, "w") as f:
+                f.write(step_name(step) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(pointer, os.path.join(directory, LATEST))
+            _fsync(directory)
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier(group)
+    return final
+
+
+def latest_sharded(directory: str | None) -> str | None:
+    """The newest complete sharded checkpoint in ``directory``, or None."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    pointer = os.path.join(directory, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(directory, f.read().strip())
+        if os.path.isfile(os.path.join(path, META)):
+            return path
+    names = sorted(n for n in os.listdir(directory)
+                   if n.startswith("step-") and os.path.isfile(os.path.join(directory, n, META)))
+    return os.path.join(directory, names[-1]) if names else None
+
+
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, META)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ShardedCheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
+
+
+def load_sharded(path: str, state: dict, *, group=None, allow_reshard: bool = False) -> dict:
+    """Load ``path`` into ``state`` in place (every rank calls this); returns its meta."""
+    meta = read_meta(path)
+    if meta.get("format") != "dcp":
+        raise ShardedCheckpointError(f"checkpoint {path!r} is not a DCP checkpoint")
+    if int(meta.get("world_size", -1)) != _world() and not allow_reshard:
+        raise ShardedCheckpointError(
+            f"checkpoint {path!r} was written by {meta.get('world_size')} ranks, this run has "
+            f"{_world()} (resume at the same world size)")
+    dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path), process_group=group)
+    return meta

@@ -1,0 +1,81 @@
+"""``zero1``: ZeRO-1 under the walk.
+
+Every rank holds the compute-dtype parameters (gathered once per step, after the update,
+and kept for the whole walk) and accumulates its gradients locally in them, over all the
+walk's forward/backward calls. After the walk: one reduce-scatter of the gradients (in the
+master dtype, fp32 for 16-bit compute), the global norm from the shards, and AdamW on this
+rank's slice of fp32 master weights (optimizer state sharded too); then one all-gather of the
+updated slices into the compute parameters. The collectives per step do not depend on the
+batch's tree (see :mod:`runtime.sharding.flat`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime.sharding.common import clip_coefficient, optimizer_bytes
+from runtime.sharding.flat import FlatShards
+
+
+class Zero1:
+    mode = "zero1"
+
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None):
+        self.model, self.group = model, group
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # masters from the parameters as built (fp32), then the compute copy is cast
+        self.shards = FlatShards(named, group=group, compute_dtype=compute_dtype)
+        self.shards.gather_parameters()  # the compute copy (cast) from the masters
+        self.optimizer = make_optimizer(self.shards.master_params)
+        self._grad_bytes = 0
+
+    def zero_grad(self) -> None:
+        for p in self.shards.params:
+            p.grad = None
+        self.shards.zero_master_grads()
+
+    def reduce_and_step(self, max_grad_norm) -> tuple[float, bool]:
+        b = self.shards.bytes()
+        self._grad_bytes = b["compute_grads"]
+        self.shards.reduce_gradients()
+        self._grad_bytes = max(self._grad_bytes, self.shards.bytes()["grad_shard"])
+        norm = math.sqrt(self.shards.grad_norm_squared())
+        if not math.isfinite(norm):
+            self.shards.zero_master_grads()
+            return norm, False
+        coef = clip_coefficient(norm, max_grad_norm)
+        if coef != 1.0:
+            self.shards.scale_gradients(coef)
+        self.optimizer.step()
+        self.shards.zero_master_grads()
+        self.shards.gather_parameters()
+        return norm, True
+
+    def state_bytes(self) -> dict:
+        b = self.shards.bytes()
+        return {"params": b["compute_params"] + b["master"], "grads": self._grad_bytes,
+                "optimizer": optimizer_bytes(self.optimizer)}
+
+    @torch.no_grad()
+    def param_norm(self) -> float:
+        local = self.shards.master.double().pow(2).sum()
+        return math.sqrt(float(self.shards._all_reduce(local)))
+
+    @torch.no_grad()
+    def full_state(self) -> dict:
+        """The model's state dict (compute dtype; the masters gathered into it)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def sharded_state(self) -> dict:
+        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from runtime.sharding.state import FlatShardsState
+        if not hasattr(self, "_mesh"):
+            self._mesh = init_device_mesh(self.shards.device.type, (self.shards.world,))
+        return {"zero1": FlatShardsState(self.shards, self.optimizer, self._mesh)}
+
+    def master_state(self) -> dict:
+        return {n: p.detach().cpu().clone() for n, p in zip(self.shards.names,
+                                                            self.shards.params)}
