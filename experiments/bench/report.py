@@ -20,7 +20,8 @@ def table(point: dict) -> str:
         f"**{point['label']}**: {info['sequences']} sequences, {info['total_tokens']:,} tokens, "
         f"{info['unique_tokens']:,} unique (sharing {info['sharing_ratio']:.2f}×), "
         f"{info['trainable_tokens']:,} trainable; ideal speed-up (FLOPs of "
-        f"{info['ideal_baseline']} / FLOPs of dfs-retain) **{s['ideal_speedup']:.2f}×**"
+        f"{info['ideal_baseline']} / FLOPs of the tree, every unique token once: dfs-node) "
+        f"**{s['ideal_speedup']:.2f}×**"
         + (f" (planning cost model, LM head on every token: "
            f"{info['ideal_speedup_cost_model']:.2f}×)" if "ideal_speedup_cost_model" in info
            else "")
@@ -48,8 +49,9 @@ def table(point: dict) -> str:
     if hl:
         lines += ["", f"Fastest DFS mode: **{hl['best_dfs']}**, "
                       f"{_f(hl.get('of_ideal'), '{:.2f}')}× the ideal speed-up"
-                  + (f", {_f(hl.get('over_treemask'), '{:.2f}')}× faster than treemask, peak "
-                     f"memory {_f(hl.get('mem_over_treemask'), '{:.2f}')}× the tree mask's"
+                  + (f"; treemask's step time / its own: {_f(hl.get('over_treemask'), '{:.2f}')}× "
+                     f"(median over rounds); peak memory "
+                     f"{_f(hl.get('mem_over_treemask'), '{:.2f}')}× the tree mask's"
                      if "over_treemask" in hl else "") + "."]
     pol = s.get("policy")
     if pol:
