@@ -16,6 +16,12 @@ logical shape allows) or to objects with ``state_dict()`` / ``load_state_dict()`
 ``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json;
 it refuses a checkpoint written at another world size unless ``allow_reshard``.
 
+Trusted like every other checkpoint (``runtime.ray_runtime.checkpoint``): rank 0 writes the
+folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, and
+``load_sharded`` verifies it before DCP reads anything (DCP's ``.metadata`` is a pickle), so
+a tampered or truncated shard is refused naming the file, and the Ray runtime's
+``train.resume=true`` finds and checks sharded checkpoints as it does replicated ones.
+
 Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/sharding-dcp.md``.
 """
 from __future__ import annotations
@@ -29,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
+
+from runtime.ray_runtime.checkpoint import verify_manifest, write_manifest
 
 LATEST = "latest"
 META = "meta.json"
@@ -105,6 +113,8 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
                            **(meta or {})}, f, indent=1, default=str)
                 f.flush()
                 os.fsync(f.fileno())
+            write_manifest(tmp, run_id=(meta or {}).get("run_id"), step=int(step),
+                           extra={"kind": "dcp"})
             _fsync(tmp)
             if os.path.exists(final):  # rewriting a step: move the old one away first
                 trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
@@ -153,7 +163,9 @@ def read_meta(path: str) -> dict:
 
 
 def load_sharded(path: str, state: dict, *, group=None, allow_reshard: bool = False) -> dict:
-    """Load ``path`` into ``state`` in place (every rank calls this); returns its meta."""
+    """Load ``path`` into ``state`` in place (every rank calls this); returns its meta.
+    The manifest is verified first: nothing is read from an unverified folder."""
+    verify_manifest(path)
     meta = read_meta(path)
     if meta.get("format") != "dcp":
         raise ShardedCheckpointError(f"checkpoint {path!r} is not a DCP checkpoint")

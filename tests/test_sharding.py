@@ -226,3 +226,29 @@ def test_ray_zero1_matches_one_process_and_resumes_bit_identically(tmp_path):
                                                                        "optimizer"}
     full = 2 * sum(v.numel() * v.element_size() for v in one.values())
     assert stats.workers[0]["state_bytes"]["optimizer"] <= 0.55 * full
+
+
+def test_dcp_checkpoint_is_checksummed_and_found_for_resume(tmp_path):
+    """A sharded checkpoint carries the manifest (written before the rename): the Ray
+    runtime's resume finds it, and a flipped byte in a shard is refused naming the file
+    before DCP reads anything."""
+    from runtime.dcp import load_sharded, save_sharded
+    from runtime.ray_runtime.checkpoint import CheckpointError, latest_checkpoint, read_meta
+
+    state = {"w": torch.arange(64, dtype=torch.float64)}
+    path = save_sharded(str(tmp_path), 3, state, meta={"run_id": "r1"})
+    assert os.path.isfile(os.path.join(path, "manifest.json"))
+    assert latest_checkpoint(str(tmp_path)) == path and read_meta(path)["step"] == 3
+    into = {"w": torch.zeros(64, dtype=torch.float64)}
+    load_sharded(path, into)
+    assert torch.equal(into["w"], state["w"])
+    shard = next(n for n in os.listdir(path) if n.endswith(".distcp"))
+    with open(os.path.join(path, shard), "r+b") as f:
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    into = {"w": torch.zeros(64, dtype=torch.float64)}
+    with pytest.raises(CheckpointError, match=shard):
+        load_sharded(path, into)
+    assert not into["w"].any()  # nothing was read into the state

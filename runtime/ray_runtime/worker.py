@@ -282,11 +282,15 @@ class DFSWorker:
     def save_checkpoint(self, directory: str, step: int, meta: dict, run_id: str | None = None,
                         keep_last: int | None = None) -> str:
         """Replicated: rank 0 writes the whole state. Sharded: every rank calls this and
-        writes its shards (:func:`runtime.dcp.save_sharded`; no retention yet)."""
+        writes its shards (:func:`runtime.dcp.save_sharded`; rank 0 then applies keep_last)."""
         if self.sharded:
             from runtime.dcp import save_sharded
-            return save_sharded(directory, step, self.strategy.sharded_state(),
+            from runtime.ray_runtime.checkpoint import prune
+            path = save_sharded(directory, step, self.strategy.sharded_state(),
                                 meta={**meta, "sharding": self.strategy.mode, "run_id": run_id})
+            if keep_last and self.rank == 0:
+                prune(directory, keep_last, keep=path)
+            return path
         from runtime.ray_runtime.checkpoint import save_checkpoint
         return save_checkpoint(directory, step, self.model, self.optimizer, meta, run_id=run_id,
                                keep_last=keep_last)
