@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.ray_runtime.checkpoint import verify_manifest, write_manifest
+from runtime.ray_runtime.checkpoint import publish, verify_manifest, write_manifest
 
 LATEST = "latest"
 META = "meta.json"
@@ -116,21 +116,7 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
             write_manifest(tmp, run_id=(meta or {}).get("run_id"), step=int(step),
                            extra={"kind": "dcp"})
             _fsync(tmp)
-            if os.path.exists(final):  # rewriting a step: move the old one away first
-                trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
-                os.replace(final, trash)
-                os.replace(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            _fsync(directory)
-            pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
-            with open(pointer, "w") as f:
-                f.write(step_name(step) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(pointer, os.path.join(directory, LATEST))
-            _fsync(directory)
+            publish(tmp, final)
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)

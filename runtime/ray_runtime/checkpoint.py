@@ -206,6 +206,29 @@ def read_run(directory: str) -> dict | None:
         raise CheckpointError(f"{path!r} is unreadable: {exc}") from None
 
 
+def publish(tmp: str, final: str) -> None:
+    """Make the complete, fsynced checkpoint folder ``tmp`` the checkpoint ``final`` and
+    point ``latest`` at it, each by an atomic rename (a crash leaves either the old state or
+    the new one, never half a checkpoint under a final name). Shared by every format."""
+    directory = os.path.dirname(final)
+    if os.path.exists(final):  # rewriting a step: move the old one away first
+        trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(directory)
+    pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
+    with open(pointer, "w") as f:
+        f.write(os.path.basename(final) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(pointer, 0o644)
+    os.replace(pointer, os.path.join(directory, LATEST))
+    _fsync_dir(directory)
+
+
 def checkpoints(directory: str) -> list[str]:
     """Complete checkpoints (with a manifest) in ``directory``, oldest first."""
     if not directory or not os.path.isdir(directory):
@@ -309,22 +332,7 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
             with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if os.path.exists(final):  # rewriting a step: move the old one away first
-            trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(directory)
-        pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
-        with open(pointer, "w") as f:
-            f.write(step_name(step) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(pointer, 0o644)
-        os.replace(pointer, os.path.join(directory, LATEST))
-        _fsync_dir(directory)
+        publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
