@@ -60,13 +60,18 @@ def print_summary(summary: dict, file=None) -> None:
     peaks = ", ".join(_gib(p) for p in summary["peak_memory_bytes"])
     console.print(f"peak memory per worker ({summary.get('peak_memory_kind')}): {peaks}")
     if summary.get("sharding"):
-        held = ", ".join("?" if b is None else _gib(sum(b.values()))
+        held = ", ".join("?" if b is None else _size(sum(b.values()))
                          for b in summary.get("state_bytes") or [])
         console.print(f"sharding {summary['sharding']}: params + grads + optimizer per worker "
                       f"{held}; parameter norm {summary.get('param_norm', float('nan')):.6f}")
     if "ray_start_s" in summary:
         console.print(f"startup: Ray {summary['ray_start_s']:.1f} s, workers "
                       f"{summary.get('workers_start_s', 0):.1f} s")
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB, or MiB below 1 GiB (a tiny model's state would print as 0.00 GiB)."""
+    return _gib(n) if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def run(args) -> int:
