@@ -378,7 +378,8 @@ def loss_kwargs(cfg) -> dict[str, Any]:
 
 def as_dict(cfg) -> dict:
     out = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(out, dict)
+    if not isinstance(out, dict):
+        raise TypeError(f"a run config must be a mapping, got {type(out).__name__}")
     return out
 
 

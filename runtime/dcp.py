@@ -36,7 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.ray_runtime.checkpoint import publish, verify_manifest, write_manifest
+from runtime.ray_runtime.checkpoint import (latest_checkpoint, publish, verify_manifest,
+                                            write_manifest)
 
 LATEST = "latest"
 META = "meta.json"
@@ -126,18 +127,9 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
 
 
 def latest_sharded(directory: str | None) -> str | None:
-    """The newest complete sharded checkpoint in ``directory``, or None."""
-    if not directory or not os.path.isdir(directory):
-        return None
-    pointer = os.path.join(directory, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            path = os.path.join(directory, f.read().strip())
-        if os.path.isfile(os.path.join(path, META)):
-            return path
-    names = sorted(n for n in os.listdir(directory)
-                   if n.startswith("step-") and os.path.isfile(os.path.join(directory, n, META)))
-    return os.path.join(directory, names[-1]) if names else None
+    """The newest complete sharded checkpoint in ``directory``, or None: complete means
+    published with its manifest, exactly as for the replicated format."""
+    return latest_checkpoint(directory)
 
 
 def read_meta(path: str) -> dict:

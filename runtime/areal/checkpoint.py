@@ -17,7 +17,7 @@ import torch
 
 from areal.api.io_struct import SaveLoadMeta
 
-__all__ = ["CheckpointMixin", "local_state_dict", "local_tokenizer"]
+__all__ = ["CheckpointMixin", "load_hf_weights", "local_state_dict", "local_tokenizer"]
 
 
 class CheckpointMixin:
@@ -92,13 +92,7 @@ class CheckpointMixin:
             self.master.master_to_model()
 
     def _load_hf(self, meta: SaveLoadMeta):
-        state = local_state_dict(meta.path)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = ({"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False)
-                else set())
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"checkpoint {meta.path!r} does not match the model: missing "
-                             f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+        load_hf_weights(self.model, meta.path, what="checkpoint")
         if self.master is not None:
             self.master.model_to_master()
         if meta.with_optim:
@@ -137,4 +131,18 @@ def local_state_dict(path: str) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
+    return state
+
+
+def load_hf_weights(model, path: str, *, what: str) -> dict[str, torch.Tensor]:
+    """An HF weights folder into ``model`` in place; every key must match (a tied
+    ``lm_head.weight`` may be absent). ``what`` names the folder in the error. Returns the
+    state dict read."""
+    state = local_state_dict(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = ({"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False)
+            else set())
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{what} {path!r} does not match the model: missing "
+                         f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
     return state

@@ -251,18 +251,12 @@ class SmokeInferenceEngine(InferenceEngine):
 
     def _load_from_disk(self, meta: WeightUpdateMeta, version: int) -> float:
         from areal.utils import name_resolve, names
-        from runtime.areal.checkpoint import local_state_dict
+        from runtime.areal.checkpoint import load_hf_weights
 
         key = names.update_weights_from_disk(self.config.experiment_name,
                                              self.config.trial_name, version)
         saved_at = float(name_resolve.wait(key, timeout=_RECORD_TIMEOUT_S))
-        state = local_state_dict(meta.path)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = ({"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False)
-                else set())
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"weights in {meta.path!r} do not match the model: missing "
-                             f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+        state = load_hf_weights(self.model, meta.path, what="weights folder")
         self.updates.append(dict(version=meta.version, path=meta.path, record=key,
                                  checksum=float(sum(t.double().sum() for t in state.values()
                                                     if t.is_floating_point()))))
