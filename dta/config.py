@@ -351,11 +351,6 @@ def validate_config(cfg) -> None:
     if _get(cfg, "loss.name") == "nll" and _get(cfg, "loss.decoupled"):
         raise ConfigError("bad value for config key 'loss.decoupled': the nll loss has no "
                           "decoupled form (set loss.name=ppo or actor.use_decoupled_loss=false)")
-    if _get(cfg, "train.sharding") == "fsdp" and _get(cfg, "walker.policy") != "recompute":
-        raise ConfigError("bad value for config key 'train.sharding': fsdp needs "
-                          "walker.policy=recompute (under retain a node's backward waits for "
-                          "its subtree, and the ranks' FSDP collectives cannot be matched); "
-                          "use train.sharding=zero1 with retain")
     address = _get(cfg, "ray.address")
     if address is not None and not str(address).strip():
         raise ConfigError("bad value for config key 'ray.address': empty (use null for a "

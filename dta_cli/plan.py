@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=("bfloat16", "float16", "float32", "float64"),
                      help="compute dtype (fp32 masters under 16 bits; default: bfloat16)")
     mem.add_argument("--policy", default="recompute", choices=("retain", "recompute"),
-                     help="walker memory policy priced (fsdp needs recompute)")
+                     help="walker memory policy priced (default: recompute)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 
@@ -109,9 +109,8 @@ def _memory(args, tree) -> dict:
     config = _memory_config(args.model)
     path, node = batch_extent(tree)
     call = min(args.capacity, path) if args.capacity else node
-    modes = MODES if args.policy == "recompute" else tuple(m for m in MODES if m != "fsdp")
     rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
-                     policy=args.policy, compute_dtype=args.compute_dtype) for m in modes]
+                     policy=args.policy, compute_dtype=args.compute_dtype) for m in MODES]
     budget = None if args.budget_gib is None else args.budget_gib * GIB
     chosen = next((r.mode for r in rows if budget is not None and r.total <= budget), None)
     shape = ModelShape.of(config)

@@ -67,3 +67,23 @@ def test_auto_sharding_is_resolved_on_the_driver_before_workers_start():
                                "train.memory_budget_gib=0.000001"])
     with pytest.raises(TrainingError, match="no mode fits"):
         Trainer(tight).resolve_sharding(batch)
+
+
+def test_dta_plan_prices_fsdp_under_retain_with_the_whole_path(capsys):
+    """fsdp trains under both memory policies: `dta plan --memory --policy retain` prices it,
+    with retain's activations (every pack graph on the longest path alive) as the other
+    modes'."""
+    from dta_cli.main import main
+
+    args = ["plan", "--workload", "tau2-airline", "--scale", "0.05", "--workers", "8",
+            "--memory", "--model", "qwen3-14b", "--json", "--policy"]
+    rows = {}
+    for policy in ("retain", "recompute"):
+        assert main(args + [policy]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+        rows[policy] = {r["mode"]: r for r in out["modes"]}
+    assert list(rows["retain"]) == list(MODES)
+    retain, recompute = rows["retain"]["fsdp"], rows["recompute"]["fsdp"]
+    assert retain["activations"] == rows["retain"]["zero1"]["activations"]
+    assert retain["activations"] > recompute["activations"]
+    assert retain["state"] == recompute["state"]

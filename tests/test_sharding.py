@@ -1,7 +1,8 @@
 """Sharded training (runtime.sharding) on 2 gloo ranks, as the Ray worker runs it
 (``DFSWorker`` in spawned processes, a file:// store on loopback): parameters after 2 steps
 equal one process's (float64 <= 1e-12, float32 <= 1e-6 relative L2) for zero1 (both memory
-policies) and fsdp (recompute); zero1's collectives per step do not grow with the tree; a
+policies) and fsdp (recompute; retain and branched trees: tests/test_sharding_retain.py);
+zero1's collectives per step do not grow with the tree; a
 DCP checkpoint resumed by fresh workers continues bit-identically."""
 from __future__ import annotations
 
@@ -176,11 +177,11 @@ def test_dcp_resume_is_bit_identical(tmp_path):
             assert_identical(got["resumed"], got["straight"], f"{case} rank {rank}")
 
 
-def test_fsdp_with_retain_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="train.sharding.*recompute"):
-        load_config(None, overrides("fsdp", "float32", "retain"))
+def test_sharding_mode_is_checked_and_fsdp_takes_both_policies():
     with pytest.raises(ConfigError, match="train.sharding"):
         load_config(None, ["train.sharding=zero3"])
+    for policy in ("retain", "recompute"):  # fsdp + retain: tests/test_sharding_retain.py
+        assert load_config(None, overrides("fsdp", "float32", policy)).walker.policy == policy
 
 
 # --------------------------------------------------------------- as Ray workers --

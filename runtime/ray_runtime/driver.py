@@ -270,12 +270,16 @@ class Trainer:
             os.path.abspath(directory), self.completed_steps, meta, self.run_id, keep))
 
     def export_hf(self, path: str) -> str:
-        """Write the trained model with ``save_pretrained`` (rank 0; replicas are identical)."""
+        """Write the trained model with ``save_pretrained`` (rank 0; replicas are identical;
+        sharded, every worker takes part in gathering the full state and rank 0 writes)."""
         import ray
 
         if self.broken:
             raise TrainingError(f"refusing to export unusable workers ({self.broken})")
-        return ray.get(self.workers[0].export_hf.remote(os.path.abspath(path)))
+        path = os.path.abspath(path)
+        if self.sharded:
+            return ray.get([w.export_hf.remote(path) for w in self.workers])[0]
+        return ray.get(self.workers[0].export_hf.remote(path))
 
     def load(self, path: str) -> dict:
         import ray

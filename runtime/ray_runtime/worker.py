@@ -149,9 +149,6 @@ class DFSWorker:
         if self.mode not in ("replicate", "zero1", "fsdp"):
             raise ValueError(f"train.sharding={self.mode!r} must be resolved before the "
                              "workers start (the driver resolves auto)")
-        if self.mode == "fsdp" and self.cfg.walker.policy != "recompute":
-            raise ValueError("train.sharding=fsdp needs walker.policy=recompute (see "
-                             "runtime.sharding.lockstep)")
         self.compute_dtype = resolve_dtype(self.cfg.model.dtype)
         built = self.compute_dtype if self.mode == "replicate" else \
             master_dtype_for(self.compute_dtype)
@@ -170,7 +167,8 @@ class DFSWorker:
     def _build_strategy(self) -> None:
         mode = self.mode if self.world_size > 1 else "replicate"  # one rank: nothing to shard
         self.strategy = make_strategy(mode, self.model, optimizer_factory(self.cfg.optimizer),
-                                      compute_dtype=self.compute_dtype)
+                                      compute_dtype=self.compute_dtype,
+                                      policy=str(self.cfg.walker.policy))
         self.model = self.strategy.model
 
     @property
@@ -231,7 +229,8 @@ class DFSWorker:
                                        totals=totals, policy=w.policy,
                                        temperature=float(w.temperature),
                                        logits_chunk=int(w.logits_chunk),
-                                       min_shared=int(w.min_shared), progress=reporter)
+                                       min_shared=int(w.min_shared), progress=reporter,
+                                       **getattr(self.strategy, "walk_options", {}))
             if reporter is not None:
                 reporter.flush()
             stats.update(sequences=len(batch), tokens=res.tree.total_tokens,
@@ -296,9 +295,19 @@ class DFSWorker:
                                keep_last=keep_last)
 
     def export_hf(self, path: str) -> str:
-        """The model as a Hugging Face directory (``save_pretrained``: config + safetensors)."""
-        os.makedirs(path, mode=0o755, exist_ok=True)
-        self.model.save_pretrained(path)
+        """The model as a Hugging Face directory (``save_pretrained``: config + safetensors).
+        Sharded: every rank calls this (gathering the full state is a collective) and rank 0
+        writes it, in the compute dtype (what a replicated run holds and exports)."""
+        if not self.sharded:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            self.model.save_pretrained(path)
+            return path
+        state = self.strategy.full_state()
+        if self.rank == 0:
+            state = {k: v.to(self.compute_dtype) if v.is_floating_point() else v
+                     for k, v in state.items()}
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state)
         return path
 
     def load_checkpoint(self, path: str) -> dict:

@@ -11,7 +11,8 @@ the model and the optimizer before the walk and does all the communication aroun
 
 Every mode has the same small interface: ``model``, ``optimizer``, ``zero_grad()``,
 ``reduce_and_step(max_grad_norm) -> (grad norm, updated)``, ``state_bytes()``,
-``param_norm()``, ``full_state()`` and, for checkpoints, ``sharded_state()`` /
+``param_norm()``, ``full_state()``, ``walk_options`` (walker options the mode needs) and,
+for checkpoints, ``sharded_state()`` /
 ``load_sharded_state()`` (:mod:`runtime.dcp`).
 """
 from __future__ import annotations
@@ -24,9 +25,11 @@ MODES = ("replicate", "zero1", "fsdp")
 
 
 def make_strategy(mode: str, model, make_optimizer, *, group=None,
-                  compute_dtype: torch.dtype | None = None):
+                  compute_dtype: torch.dtype | None = None, policy: str = "recompute"):
     """Wrap ``model`` (built in the master dtype) for ``mode``; ``compute_dtype``: the
-    dtype the walk runs in (16-bit: fp32 masters are kept and the compute copy is cast)."""
+    dtype the walk runs in (16-bit: fp32 masters are kept and the compute copy is cast);
+    ``policy``: the walker's memory policy (fsdp matches the ranks' calls accordingly).
+    Pass the strategy's ``walk_options`` (``getattr(s, "walk_options", {})``) to the walker."""
     compute_dtype = compute_dtype or next(model.parameters()).dtype
     if mode in ("zero1", "fsdp"):
         # The walker's self-check (dta.selfcheck, cached per model) probes the model with its
@@ -44,7 +47,8 @@ def make_strategy(mode: str, model, make_optimizer, *, group=None,
         return Zero1(model, make_optimizer, group=group, compute_dtype=compute_dtype)
     if mode == "fsdp":
         from runtime.sharding.fsdp import FSDP
-        return FSDP(model, make_optimizer, group=group, compute_dtype=compute_dtype)
+        return FSDP(model, make_optimizer, group=group, compute_dtype=compute_dtype,
+                    policy=policy)
     raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES} (or auto, "
                      "resolved before the workers start)")
 

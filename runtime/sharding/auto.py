@@ -3,8 +3,8 @@
 Resolved on the driver before any worker starts, from the model config, the worker count,
 the first batch's longest path and largest node (:func:`dta.planning.memory.batch_extent`)
 and ``train.memory_budget_gib`` (default: the GPU's memory, or this machine's RAM shared by
-the workers). Cheapest = least communication: replicate, then zero1, then fsdp (fsdp only
-under ``walker.policy=recompute``).
+the workers). Cheapest = least communication: replicate, then zero1, then fsdp (either
+memory policy: the estimate prices retain's graphs along the whole path).
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ def resolve(cfg, hf_config, tree=None) -> tuple[str, dict]:
     budget = cfg.train.memory_budget_gib
     budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
     path, call = batch_extent(tree) if tree is not None else (0, 0)
-    modes = MODES if cfg.walker.policy == "recompute" else tuple(m for m in MODES if m != "fsdp")
-    mode, rows = pick_mode(hf_config, W, budget, modes=modes, path_tokens=path,
+    mode, rows = pick_mode(hf_config, W, budget, modes=MODES, path_tokens=path,
                            call_tokens=call, policy=str(cfg.walker.policy),
                            compute_dtype=str(cfg.model.dtype),
                            logits_chunk=int(cfg.walker.logits_chunk))

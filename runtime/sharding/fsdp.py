@@ -14,7 +14,10 @@ Layout, applied to the model from outside before the walk:
   (:mod:`.flat`): fp32 master slice and optimizer state per rank, the compute copy gathered
   once per step, their gradients reduce-scattered once per step.
 - the ranks walk different trees, so their calls are kept matched by
-  :mod:`.lockstep` (dummy one-token calls where a rank has nothing to do).
+  :mod:`.lockstep` (dummy one-token calls where a rank has nothing to do). Under the
+  walker's retain policy a pack's backward runs long after its forward (at its pop): the
+  lockstep's retain protocol matches those backwards, and :attr:`FSDP.walk_options` asks
+  the walker for one LM-head flush per pack, so that one backward covers one decoder call.
 
 The step: clip by the global norm (sharded grads + vocab shards), AdamW on the local shards,
 regather the vocab weights.
@@ -40,11 +43,14 @@ def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
 class FSDP:
     mode = "fsdp"
 
-    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None):
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
+                 policy: str = "recompute"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.model, self.group = model, group
+        if policy not in ("retain", "recompute"):
+            raise ValueError(f"fsdp: unknown walker policy {policy!r} (retain | recompute)")
+        self.model, self.group, self.policy = model, group, policy
         self.world = dist.get_world_size(group)
         device = next(model.parameters()).device
         built = next(model.parameters()).dtype
@@ -53,16 +59,16 @@ class FSDP:
             raise ValueError(f"fsdp: build the model in {master_dtype_for(self.compute_dtype)} "
                              f"(got {built})")
         self.mesh = init_device_mesh(device.type, (self.world,))
-        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=built)
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=built)
         decoder = model.get_decoder()
         vocab = _vocab_params(model)
         self.vocab = FlatShards(vocab, group=group, compute_dtype=self.compute_dtype)
         in_decoder = {id(p) for p in decoder.parameters()}
         self.units = []
         for layer in decoder.layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=True)
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
             self.units.append(layer)
-        fully_shard(decoder, mesh=self.mesh, mp_policy=policy,
+        fully_shard(decoder, mesh=self.mesh, mp_policy=mp,
                     ignored_params={p for _, p in vocab if id(p) in in_decoder})
         self.units.append(decoder)
         for unit in self.units:
@@ -77,7 +83,8 @@ class FSDP:
         vocab_ids = {id(p) for _, p in vocab}
         self.sharded = [p for p in model.parameters() if p.requires_grad
                         and id(p) not in vocab_ids]
-        self.sync = Lockstep(decoder, group)
+        self.sync = Lockstep(decoder, group, kept_graphs=policy == "retain",
+                             units=[decoder, *decoder.layers])
         wrapper = LockstepDecoder(decoder, self.sync)
         model.get_decoder = lambda: wrapper  # what the walker calls; the model is unchanged
         self.optimizer = make_optimizer(self.sharded + self.vocab.master_params)
@@ -86,6 +93,11 @@ class FSDP:
         for layer in decoder.layers:
             layer.register_forward_pre_hook(self._sample)
         self.device = device
+
+    @property
+    def walk_options(self) -> dict:
+        """Walker options this mode needs (``dta.walk.Walker`` keyword arguments)."""
+        return {"head_rows": 0} if self.policy == "retain" else {}
 
     # ------------------------------------------------------------------ memory --
     def _sample(self, module, args):

@@ -6,30 +6,45 @@ so the ranks make different sequences of calls — and collectives must be match
 one. This module pads each rank's sequence with dummy one-token calls (zero gradient) so
 that every rank performs the same kind of event at the same time.
 
-With the walker's *recompute* policy every decoder call is one of two events: **F**, a
-forward without gradient (a push), or **X**, a forward with gradient whose backward follows
-before the next call (a leaf, or a pop's re-forward). Each rank announces its next event
-when it calls the decoder (:class:`LockstepDecoder`), or DONE after its walk; one all-reduce
-(MIN over F < X < DONE) decides the round:
+Events. A rank announces its next event when it calls the decoder
+(:class:`LockstepDecoder`), when the backward of a kept graph reaches that call's outputs
+(:class:`_Tie`), or DONE after its walk:
 
-- some rank wants F: the F ranks forward, the others make a dummy F (the X ranks then
-  announce again);
-- else some rank wants X: the X ranks forward (and then backpropagate), the DONE ranks make
-  a dummy X (forward + backward);
+- **B**: the backward of a graph kept since its forward (*retain*: a pack's backward at its
+  pop, after its subtree; a leaf pack's at its head flush), detected inside
+  ``_Tie.backward``, which runs before any FSDP hook of that graph (the tie sits on the
+  decoder's outputs);
+- **F**: a forward (*retain*: with gradient, the graph kept; *recompute*: a push, no grad);
+- **X** (*recompute* only): a forward with gradient whose backward follows before the next
+  call (a leaf, or a pop's re-forward);
+- **DONE**.
+
+One all-reduce of the per-event counts decides each round, by priority B < F < X < DONE:
+
+- B: the B ranks backpropagate; the others make a dummy X (one-token forward with grad,
+  backward of a zero gradient) and announce again. The dummy's forward all-gathers are
+  matched on the B ranks by gathering every unit in forward order with FSDP's own
+  ``unshard()`` / ``reshard()`` (a forward cannot be used: inside a backward FSDP does not
+  reshard after forward, ``is_bw()``). When every rank announced B, nothing is padded;
+- F: the F ranks forward, the others make a dummy F (no grad) and announce again;
+- X: the X ranks forward and backpropagate, the DONE ranks make a dummy X;
 - all DONE: the session ends.
 
 Every backward passes through the decoder's last hidden state (its K/V outputs are tied to
-it with a zero gradient), so every layer's FSDP hooks fire in every X, real or dummy. Under
-the *retain* policy a node's backward waits for its whole subtree, between other calls: such
-a walk cannot be matched this way and is refused (:class:`LockstepError`). The walker is
-untouched: the runtime hands it a model whose ``get_decoder()`` is the wrapper.
+it with a zero gradient), so every layer's FSDP hooks fire in every backward, real or dummy.
+One backward must cover one decoder call: the runtime asks the walker to flush its LM head
+per pack under retain (``head_rows=0``: a leaf pack is backpropagated alone, right after its
+forward), and a backward reaching a second call's tie is refused (:class:`LockstepError`),
+as is, under recompute, a call whose backward did not follow. The walker is untouched: the
+runtime hands it a model whose ``get_decoder()`` is the wrapper.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-F, X, DONE = 0, 1, 2
+B, F, X, DONE = 0, 1, 2, 3
+KINDS = 4
 
 
 class LockstepError(RuntimeError):
@@ -38,7 +53,8 @@ class LockstepError(RuntimeError):
 
 class _Tie(torch.autograd.Function):
     """Identity on (hidden, *kv) whose backward always sends a gradient (zeros if none) to
-    the hidden state and records that the call's backward ran."""
+    the hidden state; under retain its backward first announces B (the round's collectives
+    then follow in the engine's run of the graph)."""
 
     @staticmethod
     def forward(ctx, sync, hidden, *kv):
@@ -47,26 +63,41 @@ class _Tie(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dhidden, *dkv):
-        ctx.sync.pending_backward = False
+        ctx.sync.before_backward()
         return (None, dhidden, *dkv)  # grads are materialized: zeros where unused
 
 
 class Lockstep:
-    """One step's protocol state on this rank (see the module doc)."""
+    """One step's protocol state on this rank (see the module doc). ``kept_graphs``: the
+    walker's retain policy (forwards with grad keep their graph; backwards are B events)."""
 
-    def __init__(self, decoder, group=None):
+    def __init__(self, decoder, group=None, *, kept_graphs: bool = False, units=()):
         self.decoder, self.group = decoder, group
+        self.kept_graphs = kept_graphs
+        self.units = list(units)  # FSDP modules in forward order (root first)
+        self.world = dist.get_world_size(group)
         self.active = False
         self.pending_backward = False
+        self.backward_task = None
         self.rounds = 0
+        self.by_kind = [0] * KINDS  # rounds won by each event
+        self.mixed_backwards = 0  # B rounds in which some rank made a dummy X
+        self.padded = 0  # dummy events this rank made
 
-    def _decide(self, want: int) -> int:
-        t = torch.tensor([want], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+    def _decide(self, want: int) -> tuple[int, int]:
+        """(the round's event, how many ranks announced it)."""
+        counts = torch.zeros(KINDS, dtype=torch.int64)
+        counts[want] = 1
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.group)
         self.rounds += 1
-        return int(t)
+        kind = next(k for k in range(KINDS) if counts[k] > 0)
+        self.by_kind[kind] += 1
+        if kind == B and int(counts[B]) < self.world:
+            self.mixed_backwards += 1
+        return kind, int(counts[kind])
 
     def _dummy(self, grad: bool) -> None:
+        self.padded += 1
         emb = self.decoder.get_input_embeddings()
         x = torch.zeros(1, 1, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device, requires_grad=grad)
@@ -76,45 +107,86 @@ class Lockstep:
         if grad:
             torch.autograd.backward([h], [torch.zeros_like(h)])
 
+    def _gather_like_forward(self) -> None:
+        """The all-gathers of a forward, without one: each FSDP unit gathered in forward
+        order, the layers freed again (FSDP keeps the root gathered after a forward)."""
+        self.padded += 1
+        for i, unit in enumerate(self.units):
+            unit.unshard()
+            if i:
+                unit.reshard()
+
+    def _follow(self, kind: int) -> None:
+        """A round another event won: make the matching dummy."""
+        self._dummy(grad=kind in (B, X))
+
     def _check_backward_done(self) -> None:
         if self.pending_backward:
             self.active = False
             raise LockstepError(
                 "fsdp: a decoder call with gradient was not backpropagated before the next "
-                "call; the ranks' FSDP collectives cannot be matched (walker.policy=retain "
-                "keeps graphs across calls; use walker.policy=recompute or "
-                "train.sharding=zero1)")
+                "call; the ranks' FSDP collectives cannot be matched (a walk that keeps graphs "
+                "across calls needs the lockstep's retain protocol: walker.policy=retain)")
 
     def before_call(self) -> None:
         if not self.active:
             return
         self._check_backward_done()
-        want = X if torch.is_grad_enabled() else F
+        grad = torch.is_grad_enabled()
+        want = X if grad and not self.kept_graphs else F
         while True:
-            kind = self._decide(want)
+            kind, _ = self._decide(want)
             if kind == want:
                 break
-            self._dummy(grad=False)  # a peer forwards without gradient (kind F < X)
+            self._follow(kind)
         self.pending_backward = want == X
 
+    def before_backward(self) -> None:
+        """A tied call's backward is starting (inside the autograd engine)."""
+        if not self.active:
+            return
+        if not self.kept_graphs:  # recompute: the backward of the X round just announced
+            self.pending_backward = False
+            return
+        task = torch._C._current_graph_task_id()
+        if task == self.backward_task:
+            self.active = False
+            raise LockstepError(
+                "fsdp: one backward reached two decoder calls; their FSDP collectives "
+                "interleave and cannot be matched across ranks (flush the walker's LM head "
+                "per pack: head_rows=0)")
+        self.backward_task = task
+        kind, count = self._decide(B)
+        if kind != B:
+            raise LockstepError(f"fsdp lockstep: a backward lost its round to event {kind}")
+        if count < self.world:  # the other ranks make a dummy X: match its forward
+            self._gather_like_forward()
+
     def begin(self) -> None:
-        self.active, self.pending_backward, self.rounds = True, False, 0
+        self.active, self.pending_backward, self.rounds, self.padded = True, False, 0, 0
+        self.by_kind, self.mixed_backwards, self.backward_task = [0] * KINDS, 0, None
+
+    def stats(self) -> dict:
+        """This step's rounds, by the event that won them, and this rank's dummies."""
+        return {"rounds": self.rounds, "padded": self.padded,
+                "mixed_backwards": self.mixed_backwards,
+                **{name: n for name, n in zip(("B", "F", "X", "DONE"), self.by_kind)}}
 
     def end(self) -> int:
         """After this rank's walk: follow the peers' remaining calls; returns the rounds."""
         self._check_backward_done()
         while True:
-            kind = self._decide(DONE)
+            kind, _ = self._decide(DONE)
             if kind == DONE:
                 break
-            self._dummy(grad=kind == X)
+            self._follow(kind)
         self.active = False
         return self.rounds
 
 
 class LockstepDecoder(torch.nn.Module):
     """The decoder as the walker sees it: each call is announced (an F or an X), and the
-    outputs of an X pass through :class:`_Tie`."""
+    outputs of a call with gradient pass through :class:`_Tie`."""
 
     def __init__(self, decoder, sync: Lockstep):
         super().__init__()
