@@ -311,7 +311,15 @@ class DFSWorker:
         return path
 
     def load_checkpoint(self, path: str) -> dict:
-        if self.sharded:
+        """Same world size and mode; or a sharded checkpoint of any world size re-sharded
+        into this one replica (``runtime.sharding.reshard``); anything else is refused
+        before a parameter is touched."""
+        from runtime.sharding.reshard import check_resumable, load_into_replica
+
+        saved = check_resumable(path, self.world_size, self.strategy.mode)
+        if saved["format"] == "dcp" and not self.sharded:
+            meta = load_into_replica(path, self.model, self.optimizer)
+        elif self.sharded:
             from runtime.dcp import load_sharded
             meta = load_sharded(path, self.strategy.sharded_state())
         else:

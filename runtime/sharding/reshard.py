@@ -1,0 +1,157 @@
+"""Resuming a checkpoint at another world size: what can be re-sharded, and how.
+
+A sharded checkpoint (:mod:`runtime.dcp`) holds *logical* tensors: zero1's masters and
+optimizer states as one flat tensor of all N parameter elements (``Shard(0)``, the
+``torch.chunk`` cut), fsdp's layer parameters and their states as ``Shard(0)`` DTensors of
+the parameters' own shapes, its vocabulary weights flat like zero1's, and per-parameter step
+counts. Nothing in them depends on the world size but the cut, so:
+
+- **W ranks → 1 rank** (:func:`load_into_replica`): one process (a replica: ``dta train``
+  with ``ray.num_workers=1``) reads every logical tensor whole (DCP, no process group),
+  cuts zero1's / the vocabulary's flat tensors back into parameters by the model's
+  parameter order, and fills the model and an AdamW/SGD optimizer's per-parameter state.
+  Nothing is applied before every tensor is read and matches the model.
+- the same world size and mode: :func:`runtime.dcp.load_sharded` (as before);
+- anything else is refused by :func:`check_resumable`, one line naming the checkpoint's and
+  this run's world size and mode, before any parameter is touched: another sharded world
+  size (untested here: this machine runs 2 ranks), a sharded checkpoint into W > 1 replicas,
+  a replicated checkpoint into a sharded run.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from runtime.dcp import ShardedCheckpointError, read_meta
+from runtime.ray_runtime.checkpoint import verify_manifest
+
+
+def layout(path: str) -> dict:
+    """{"format": "dcp" | "replicated", "world": ranks that wrote it, "sharding": mode};
+    the manifest is verified first."""
+    verify_manifest(path)
+    meta = read_meta(path)
+    if meta.get("format") == "dcp":
+        return {"format": "dcp", "world": int(meta.get("world_size", -1)),
+                "sharding": str(meta.get("sharding")), "meta": meta}
+    return {"format": "replicated", "world": int(meta.get("num_workers") or 1),
+            "sharding": "replicate", "meta": meta}
+
+
+def check_resumable(path: str, world: int, mode: str) -> dict:
+    """The checkpoint's layout if this run (``world`` ranks, effective ``mode``) can load it;
+    else a one-line :class:`ShardedCheckpointError`."""
+    saved = layout(path)
+    if saved["format"] == "replicated":
+        if mode == "replicate":
+            return saved
+        why = "a replicated checkpoint is not loaded into sharded state"
+    elif mode == "replicate" and world == 1:
+        return saved  # re-sharded into one replica
+    elif mode == saved["sharding"] and world == saved["world"]:
+        return saved
+    else:
+        why = ("a sharded checkpoint resumes at its own world size and mode, or re-sharded "
+               "on 1 rank (ray.num_workers=1)")
+    raise ShardedCheckpointError(
+        f"checkpoint {path!r} was saved by {saved['world']} rank(s) with "
+        f"train.sharding={saved['sharding']}; this run has {world} rank(s) with "
+        f"train.sharding={mode}: {why}")
+
+
+def _templates(path: str) -> dict[str, torch.Tensor]:
+    """Empty tensors of every saved tensor's logical shape and dtype (from DCP's metadata)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(path).read_metadata()
+    out = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise ShardedCheckpointError(f"checkpoint {path!r}: entry {fqn!r} is not a tensor")
+        out[fqn] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+    return out
+
+
+def _flat(named, saved: dict, prefix: str, keys, path: str) -> dict[str, dict]:
+    """Per parameter name, its slices of the flat tensors ``prefix.master`` and
+    ``prefix.<state key>``, and its step count."""
+    total = sum(p.numel() for _, p in named)
+    master = saved.get(f"{prefix}.master")
+    if master is None or master.numel() != total:
+        raise ShardedCheckpointError(
+            f"checkpoint {path!r}: {prefix}.master holds "
+            f"{None if master is None else master.numel()} elements, the model {total}")
+    steps = saved[f"{prefix}.steps"]
+    out, a = {}, 0
+    for i, (name, p) in enumerate(named):
+        n = p.numel()
+        out[name] = {"param": master[a:a + n].view_as(p), "step": float(steps[i]),
+                     **{k: saved[f"{prefix}.{k}"][a:a + n].view_as(p) for k in keys}}
+        a += n
+    return out
+
+
+def logical_state(path: str, model, keys) -> dict[str, dict]:
+    """Per trainable parameter name: {"param", "step", <optimizer state keys>} as whole
+    tensors, read from the sharded checkpoint ``path`` (one process, no process group)."""
+    from runtime.sharding.fsdp import _vocab_params
+
+    import warnings
+
+    mode = layout(path)["sharding"]
+    saved = _templates(path)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(saved, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if mode == "zero1":
+        return _flat(named, saved, "zero1", keys, path)
+    if mode != "fsdp":
+        raise ShardedCheckpointError(f"checkpoint {path!r}: unknown sharding {mode!r}")
+    vocab = _vocab_params(model)
+    out = _flat(vocab, saved, "vocab", keys, path)
+    vocab_names = {n for n, _ in vocab}
+    for name, p in named:
+        if name in vocab_names:
+            continue
+        param = saved.get(f"fsdp.param.{name}")
+        if param is None or tuple(param.shape) != tuple(p.shape):
+            raise ShardedCheckpointError(f"checkpoint {path!r}: parameter {name!r} is missing "
+                                         "or of another shape")
+        step = saved.get(f"fsdp.optim.{name}.step")
+        out[name] = {"param": param, "step": 0.0 if step is None else float(step),
+                     **{k: saved[f"fsdp.optim.{name}.{k}"] for k in keys}}
+    return out
+
+
+@torch.no_grad()
+def load_into_replica(path: str, model, optimizer) -> dict:
+    """Load the sharded checkpoint ``path`` (any world size) into one replica's ``model``
+    and ``optimizer`` (AdamW/Adam/SGD over the model's trainable parameters, in order);
+    returns its meta. Raises before touching anything if the checkpoint does not fit."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    from runtime.sharding.state import state_keys
+
+    meta = layout(path)["meta"]
+    keys = state_keys(optimizer)
+    state = logical_state(path, model, keys)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, _ in named if n not in state]
+    if missing:
+        raise ShardedCheckpointError(f"checkpoint {path!r} has no state for {missing[:5]}")
+    own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if own != {id(p) for _, p in named}:
+        raise ShardedCheckpointError("load_into_replica: the optimizer must hold exactly the "
+                                     "model's trainable parameters")
+    with_step = type(optimizer).__name__ in ("AdamW", "Adam")
+    for name, p in named:
+        st = state[name]
+        p.copy_(st["param"])
+        optimizer.state.pop(p, None)
+        if st["step"] > 0:
+            new = {k: st[k].to(p.dtype).clone() for k in keys}
+            if with_step:
+                new["step"] = torch.tensor(st["step"], dtype=_get_scalar_dtype())
+            optimizer.state[p] = new
+    return meta

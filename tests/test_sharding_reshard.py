@@ -1,0 +1,71 @@
+"""Re-sharding (runtime.sharding.reshard): a DCP checkpoint written by 2 gloo ranks (zero1,
+fsdp) resumed by one replica holds exactly the saved parameters, and its next step equals
+the 2-rank run's (float64 <= 1e-12); resuming at another sharded world size or mode is
+refused in one line naming both, before any parameter is touched."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dta.config import load_config
+from runtime.sharding.local import run_ranks
+from tests.test_sharding import _step, _worker, overrides, rel_l2
+
+MODES = ("zero1", "fsdp")
+
+
+def save_at_two(rank, world, directory):
+    """Per mode: step 0, save, the full state then, step 1, the full state after; then an
+    fsdp run asked to load the zero1 checkpoint (refused, its parameters unchanged)."""
+    from runtime.dcp import ShardedCheckpointError
+
+    out = {}
+    for mode in MODES:
+        cfg = load_config(None, overrides(mode, "float64", "retain"))
+        w = _worker(cfg, rank, world)
+        _step(w, cfg, 0, rank, world)
+        path = w.save_checkpoint(os.path.join(directory, mode), 1, {"note": "test"})
+        saved = w.state()["model"]
+        _step(w, cfg, 1, rank, world)
+        out[mode] = {"path": path, "saved": saved, "after": w.state()["model"]}
+    cfg = load_config(None, overrides("fsdp", "float64", "retain"))
+    w = _worker(cfg, rank, world)
+    before = w.state()["model"]
+    try:
+        w.load_checkpoint(out["zero1"]["path"])
+        out["refused"] = None
+    except ShardedCheckpointError as exc:
+        out["refused"] = str(exc)
+    out["untouched"] = all((before[k] == v).all() for k, v in w.state()["model"].items())
+    return out
+
+
+def test_two_rank_checkpoints_resume_on_one_rank_and_mismatches_are_refused(tmp_path):
+    from runtime.dcp import ShardedCheckpointError
+    from runtime.sharding.reshard import check_resumable
+
+    (two, _) = run_ranks(save_at_two, 2, str(tmp_path))
+    for mode in MODES:
+        cfg = load_config(None, overrides(mode, "float64", "retain"))
+        one = _worker(cfg, 0, 1)  # ray.num_workers=1: a replica
+        assert one.strategy.mode == "replicate"
+        meta = one.load_checkpoint(two[mode]["path"])
+        assert meta["world_size"] == 2 and meta["sharding"] == mode and meta["step"] == 1
+        loaded = one.state()
+        for name, t in two[mode]["saved"].items():  # exactly the saved parameters
+            assert (loaded["model"][name] == t).all(), f"{mode} {name}"
+        moments = [st for st in one.optimizer.state.values() if st]
+        assert moments and all(float(st["step"]) == 1 for st in moments)
+        _step(one, cfg, 1, 0, 1)
+        err = rel_l2(one.state()["model"], two[mode]["after"])
+        assert err <= 1e-12, f"{mode}: resumed on 1 rank vs 2 ranks, relative L2 {err:.3g}"
+        print(f"{mode}: W=2 -> W=1 resume, step 2 vs the 2-rank run {err:.2g}")
+    message = two["refused"]
+    assert message is not None and "\n" not in message
+    assert "2 rank(s) with train.sharding=zero1" in message and "train.sharding=fsdp" in message
+    assert two["untouched"]
+    with pytest.raises(ShardedCheckpointError, match=r"saved by 2 rank.*this run has 3 rank"):
+        check_resumable(two["fsdp"]["path"], 3, "fsdp")
+    with pytest.raises(ShardedCheckpointError, match=r"this run has 2 rank.*replicate"):
+        check_resumable(two["fsdp"]["path"], 2, "replicate")
