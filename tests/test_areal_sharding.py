@@ -34,7 +34,9 @@ from tests.test_areal import (FT_SPEC, VOCAB, engine_config, grpo, loss_weight_f
 
 CASES = [(mode, policy, dtype) for mode in ("zero1", "fsdp")
          for policy in ("retain", "recompute") for dtype in ("float64", "float32")]
-REFUSED = {("fsdp", "retain")}  # runtime.sharding.lockstep cannot match retain's calls
+MIXED = [("zero1", "retain", "bfloat16"), ("fsdp", "recompute", "bfloat16")]
+REFUSED = {("fsdp", "retain")}
+RUN = CASES + MIXED  # runtime.sharding.lockstep cannot match retain's calls
 TOL = {"float64": 1e-12, "float32": 1e-6}
 LINEAR = OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0,
                          lr_scheduler_type="linear", warmup_steps_proportion=0.0)
@@ -73,6 +75,8 @@ def _rank_setup():
 
 def _engine(path, world, mode, policy, dtype, optimizer=None):
     kw = {"optimizer": optimizer} if optimizer is not None else {}
+    if dtype == "bfloat16":  # AReaL's mixed precision: bf16 compute, fp32 masters (default)
+        kw["dtype"] = "bfloat16"
     eng = DTATrainEngine(engine_config(path, 1, backend=f"fsdp:d{world}", **kw),
                          DTAOptions(policy=policy, sharding=mode if world > 1 else None,
                                     dtype="float64" if dtype == "float64" else None))
@@ -123,7 +127,9 @@ def train_cases(rank, world, path, cases, hf_dir):
             stats = [_step(eng, b, rank, world) for b in batches[:2]]
             res = {"sharding": eng.sharding, "state": eng.full_state_dict(),
                    "norm": eng.param_norm(), "stats": stats,
-                   "master_dtype": str(eng.optimizer.param_groups[0]["params"][0].dtype)}
+                   "master_dtype": str(eng.optimizer.param_groups[0]["params"][0].dtype),
+                   "optim_dtypes": sorted({str(v.dtype) for st in eng.optimizer.state.values()
+                                           for k, v in st.items() if k != "step"})}
             if world > 1 and (mode, policy, dtype) in (("zero1", "retain", "float64"),
                                                        ("fsdp", "recompute", "float32")):
                 target = os.path.join(hf_dir, f"{mode}-{policy}-{dtype}")
@@ -195,20 +201,19 @@ def rel_l2(a, b):
 def runs(model_dir, tmp_path_factory):  # noqa: F811
     hf_dir = str(tmp_path_factory.mktemp("hf"))
     dcp_dir = str(tmp_path_factory.mktemp("dcp") / "recover")
-    two = run_ranks(two_ranks, 2, model_dir, CASES, hf_dir, dcp_dir)
+    two = run_ranks(two_ranks, 2, model_dir, RUN, hf_dir, dcp_dir)
     with pytest.MonkeyPatch.context() as mp:  # one process: the engine's own 1-rank group
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             mp.delenv(key, raising=False)
-        one = train_cases(0, 1, model_dir, [c for c in CASES if c[:2] not in REFUSED],
-                          hf_dir)
-    reference = dict(zip([c for c in CASES if c[:2] not in REFUSED], one))
+        one = train_cases(0, 1, model_dir, [c for c in RUN if c[:2] not in REFUSED], hf_dir)
+    reference = dict(zip([c for c in RUN if c[:2] not in REFUSED], one))
     return [r["cases"] for r in two], reference, [r["dcp"] for r in two]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_two_sharded_engine_ranks_match_one_process(runs, case):
     two, reference, _ = runs
-    i = CASES.index(case)
+    i = RUN.index(case)
     if case[:2] in REFUSED:
         for rank in (0, 1):
             assert "actor.dta.sharding=fsdp needs actor.dta.policy=recompute" in \
@@ -229,12 +234,34 @@ def test_two_sharded_engine_ranks_match_one_process(runs, case):
         assert got["master_dtype"] == str(getattr(torch, case[2]))
 
 
+@pytest.mark.parametrize("case", MIXED, ids=["-".join(c) for c in MIXED])
+def test_mixed_precision_as_areal(runs, case):
+    """bf16 compute, fp32 master weights and AdamW state, fp32 gradient reduction: the
+    sharded step stays within bf16 rounding of one process's."""
+    two, reference, _ = runs
+    ref = reference[case]
+    for rank in (0, 1):
+        got = two[rank][RUN.index(case)]
+        assert got["sharding"] == case[0]
+        assert {str(v.dtype) for v in got["state"].values()} == {"torch.bfloat16"}
+        assert got["master_dtype"] == "torch.float32"
+        assert got["optim_dtypes"] == ["torch.float32"]
+        err = rel_l2(got["state"], ref["state"])
+        gn = max(abs(s["grad_norm"] / r["grad_norm"] - 1)
+                 for s, r in zip(got["stats"], ref["stats"]))
+        print(f"{case} rank {rank}: bf16 params relative L2 {err:.2e}, fp32 master norm "
+              f"{got['norm']:.6f} vs {ref['norm']:.6f}, grad norms within {gn:.1e}")
+        assert err <= 1e-2  # bf16's own rounding: one ulp is 3.9e-3
+        assert got["norm"] == pytest.approx(ref["norm"], rel=1e-4)
+        assert gn <= 1e-2
+
+
 def test_hf_export_is_gathered_on_rank_0_and_loads_back(runs):
     from runtime.areal.checkpoint import local_state_dict
 
     two, reference, _ = runs
     checked = 0
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(RUN):
         got = two[0][i]
         if "hf" not in got:
             continue

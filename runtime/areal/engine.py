@@ -192,12 +192,15 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
                                  f"{storage})")
             self._initialize_sharded(compute, ft_spec)
             return
-        self.model = self.parallel.prepare_model(self._load(compute), self.device).eval()
+        # FSDP2 keeps master weights in optimizer_dtype, read from the checkpoint in it (not
+        # through the compute dtype); so do we, then the model holds their cast
+        self.model = self.parallel.prepare_model(self._load(storage), self.device).eval()
         self.model_config = self.model.config
         self.tokenizer = local_tokenizer(self.config.path)
         params = self._trainable()
-        if storage != compute:  # FSDP2 keeps master weights in optimizer_dtype; so do we
+        if storage != compute:
             self.master = MasterWeights(params, storage)
+            self.model.to(compute)  # the parameter objects stay: the masters map onto them
         if self.optimizer_config is not None:
             self.optimizer = build_optimizer(self.master.master if self.master else params,
                                              self.optimizer_config)
