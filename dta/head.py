@@ -79,14 +79,19 @@ class LMHead:
                 z_raw = torch.nn.functional.linear(h, self.weight, self.bias)
                 z = z_raw.float() if z_raw.dtype in (torch.float16, torch.bfloat16) else z_raw
                 z, cap_tanh = self.transform.apply(z)  # no copy without scale, cap, temperature
-                lse = torch.logsumexp(z, dim=-1)
-                logp = z[u_of, t] - lse[u_of]
                 mm = (z.min(-1).values[u_of], z.max(-1).values[u_of]) if minmax else (None, None)
                 ent = ent_row = None
                 if with_ent:
+                    lse = torch.logsumexp(z, dim=-1)
+                    logp = z[u_of, t] - lse[u_of]
                     p = torch.exp(z - lse[:, None])
                     ent_row = lse - (p * z).sum(-1)
                     ent = ent_row[u_of]
+                else:  # one exp pass, in place: z becomes exp(z − max); p = that / its row sum
+                    z_t, top = z[u_of, t], z.amax(-1)
+                    s = z.sub_(top[:, None]).exp_().sum(-1)
+                    lse = top + s.log()
+                    logp = z_t - lse[u_of]
             outs.append((logp, ent) + mm)
             if not train:
                 continue
@@ -107,12 +112,13 @@ class LMHead:
                 n_u = len(r_u)
                 ga = torch.zeros_like(lp) if ga is None else ga
                 A = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, ga)
-                if not with_ent:  # softmax(z), in place of the logits (not needed any more)
-                    p = z.sub_(lse[:, None]).exp_()
-                if gb is not None:  # entropy: ∂H/∂z = −p (z − lse + H)
-                    B = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, gb)
-                    ent_term = z.sub_(lse[:, None]).add_(ent_row[:, None]).mul_(p).mul_(B[:, None])
-                g = p.mul_(-A[:, None])  # −p A, in place of p
+                if not with_ent:  # −p A = exp(z − max) · (−A / row sum), in place
+                    g = z.mul_((-A / s)[:, None])
+                else:
+                    if gb is not None:  # entropy: ∂H/∂z = −p (z − lse + H)
+                        B = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, gb)
+                        ent_term = z.sub_(lse[:, None]).add_(ent_row[:, None]).mul_(p).mul_(B[:, None])
+                    g = p.mul_(-A[:, None])  # −p A, in place of p
                 if gb is not None:
                     g.sub_(ent_term)
                 g.index_put_((u_of, t), ga, accumulate=True)
@@ -137,13 +143,14 @@ class LMHead:
     def _flush_head(self) -> None:
         if not self._pending_head:
             return
-        h = torch.cat([x for x, _ in self._pending_head])
-        g = torch.cat([y for _, y in self._pending_head])
-        self._pending_head, self._pending_rows = [], 0
+        pending, self._pending_head, self._pending_rows = self._pending_head, [], 0
+        # one piece (a flush of one chunk) is used as it is: no copy of [rows, vocab]
+        h, g = pending[0] if len(pending) == 1 else (torch.cat(x) for x in zip(*pending))
         w = self.weight
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        w.grad.addmm_(g.t(), h)  # ∂L/∂W += gᵀ h, in place: no [vocab, hidden] temporary
+        if w.grad is None:  # ∂L/∂W = gᵀ h, written once (no zero fill of [vocab, hidden])
+            w.grad = (g.t() @ h).contiguous()
+        else:
+            w.grad.addmm_(g.t(), h)  # ∂L/∂W += gᵀ h, in place: no [vocab, hidden] temporary
         if self.bias is not None and self.bias.requires_grad:
             if self.bias.grad is None:
                 self.bias.grad = torch.zeros_like(self.bias)

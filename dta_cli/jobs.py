@@ -147,7 +147,8 @@ def _check_parent(key: str, path: str) -> None:
 
 
 def run_submit(args) -> int:
-    from dta.config import check_dta_train, to_yaml
+    from dta.config import to_yaml
+    from dta.config_keys import check_dta_train
     from dta_cli.common import load_run_config
 
     cfg = load_run_config(args, "submit")

@@ -289,3 +289,53 @@ def test_mask_support_and_single_path_packs(tree):
     assert len(plan) < len(plan_packs(tree, "node"))
     with pytest.raises(PlanningError, match="tree mask"):
         plan_packs(tree, "tree", branches=False)
+
+
+# ------------------------------------------------------------------- chain segments --
+def chain_records(turns: int, vocab: int = 512, seed: int = 1):
+    """One sequence per agent turn, each a strict prefix of the next; loss on its last turn."""
+    rng = np.random.default_rng(seed)
+    tokens, recs = list(rng.integers(3, vocab, 9)), []
+    for _ in range(turns):
+        start = len(tokens)
+        tokens += list(rng.integers(3, vocab, int(rng.integers(2, 6))))
+        mask = np.zeros(len(tokens), np.int64)
+        mask[start:] = 1
+        recs.append({"input_ids": np.asarray(tokens), "loss_mask": mask})
+    return recs
+
+
+def test_auto_merges_chain_segments_into_open_packs():
+    from dta.batch import Batch
+
+    tree = PrefixTree.from_sequences(Batch.from_records(chain_records(40)).input_ids)
+    cost = PackCost.from_config(build_model("qwen3", "tiny", seed=0).config)
+    plan = plan_packs(tree, "auto", cap=32, cost=cost)
+    total = int(sum(p.tokens for p in plan.packs))
+    assert all(p.chain and p.tokens <= 32 for p in plan.packs)
+    open_segments = [p for p in plan.packs if p.children and len(p.nodes) > 1]
+    assert open_segments, "an open pack holds several chain nodes"
+    assert len(plan) <= -(-total // 32) + 2  # segments near the cap, not one pack per node
+    assert len(plan) < len(plan_packs(tree, "node"))
+
+
+def test_chain_segments_exact_float64(f64):
+    from dta.batch import Batch
+
+    model, _ = f64
+    batch = Batch.from_records(chain_records(14))
+    plan = plan_packs(PrefixTree.from_sequences(batch.input_ids), "auto", cap=16,
+                      cost=PackCost.from_config(model.config))
+    assert any(p.children and len(p.nodes) > 1 for p in plan.packs)  # open chain segments
+    model.zero_grad(set_to_none=True)
+    ref = unpacked_gradients(model, batch, NLL())
+    g_ref = grads(model)
+    for policy in ("retain", "recompute"):
+        model.zero_grad(set_to_none=True)
+        res = accumulate_gradients(model, batch, NLL(), policy=policy, packing="auto",
+                                   pack_tokens=16, record=True)
+        assert res.walk.packs == len(plan) < 14
+        assert rel(grads(model), g_ref) <= 1e-10, policy
+        assert abs(res.loss - ref.loss) <= 1e-10 * abs(ref.loss), policy
+        lp = max(float((a - b).abs().max()) for a, b in zip(res.walk.logprobs, ref.logprobs))
+        assert lp <= 1e-10, policy

@@ -240,6 +240,7 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
     # (child subtrees absorbed into u's pack, bins of closed child subtrees, own children)
     best = np.zeros(m)
     closed = np.full(m, np.inf)
+    head = _Heads(m)  # u's own pack: tokens, one path?, modelled cost
     choice: dict[int, tuple] = {}
     for u in range(m - 1, -1, -1):
         if not active[u] or u == 0:
@@ -251,7 +252,7 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
             closed[u] = np.inf
         best[u], choice[u] = _plan_children(kids[u], int(seg[u]), int(tree.end[u]), s, policy,
                                             cap, cost, sub, chain, best, closed, kids, True,
-                                            branches)
+                                            branches, head, u)
     _, choice[0] = _plan_children(kids[0], 0, 0, 0, policy, cap, cost, sub, chain, best, closed,
                                   kids, False, branches)
     packs: list[Pack] = []
@@ -264,29 +265,56 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
             todo.extend(reversed(kids[v]))
         return out
 
-    def emit(parent, prefix, members, head=None):
-        nodes = ([head] if head is not None else []) + [v for c in members for v in subtree_nodes(c)]
-        nodes.sort()
-        toks = int(seg[nodes].sum())
-        is_chain = (len(members) == 0) or (len(members) == 1 and bool(chain[members[0]]))
-        packs.append(Pack(len(packs), nodes, parent, prefix, toks, is_chain))
+    def emit(parent, prefix, nodes, is_chain):
+        nodes = sorted(nodes)
+        packs.append(Pack(len(packs), nodes, parent, prefix, int(seg[nodes].sum()), is_chain))
+
+    def head_pack(u):
+        """u's own pack: u, the subtrees it absorbed, and the head packs of the children it
+        merged (a chain segment with open nodes), recursively; and the packs hanging below
+        (bins of closed subtrees, from u or a merged child)."""
+        absorbed, bins, own, merged = choice[u]
+        nodes = [u] + [v for c in absorbed for v in subtree_nodes(c)]
+        below = [(u, b) for b in bins]
+        heads = list(own)
+        for c in merged:
+            n, b, h = head_pack(c)
+            nodes += n
+            below += b
+            heads += h
+        return nodes, below, heads
 
     todo = [0]
     while todo:
         u = todo.pop()
-        absorbed, bins, own = choice[u]
         if u:
-            emit(int(tree.parent[u]), int(tree.start[u]), absorbed, head=u)
-        for b in bins:
-            emit(u, int(tree.end[u]) if u else 0, b)
-        todo.extend(own)
+            nodes, below, heads = head_pack(u)
+            emit(int(tree.parent[u]), int(tree.start[u]), nodes, bool(head.chain[u]))
+        else:
+            below, heads = [(0, b) for b in choice[0][1]], list(choice[0][2])
+        for v, b in below:
+            emit(v, int(tree.end[v]) if v else 0, [x for c in b for x in subtree_nodes(c)],
+                 _chain(b, chain))
+        todo.extend(heads)
     return PackPlan(tree, packs, policy, cap)
 
 
+class _Heads:
+    """Per node u, the pack u heads (u, its absorbed subtrees, its merged children's head
+    packs): tokens, whether it is one path, and its modelled cost."""
+
+    def __init__(self, m: int):
+        self.tokens = np.zeros(m, dtype=np.int64)
+        self.chain = np.ones(m, bool)
+        self.cost = np.zeros(m)
+
+
 def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, best, closed,
-                   all_kids, has_head, branches=True):
+                   all_kids, has_head, branches=True, head=None, u=None):
     """Plan u's children: which close into packs (grouped in bins), which u absorbs into its
-    own pack, which head their own plans. Returns (modelled cost, choice)."""
+    own pack, which head their own plans -- and (auto) which of those u's pack merges with
+    (their head pack joins u's; what hangs below them stays below). Returns (modelled cost,
+    choice = (absorbed, bins, own, merged))."""
     if policy == "node" or (policy == "siblings" and not branches):
         items, own = [], list(kids)
     elif policy == "siblings":
@@ -330,12 +358,34 @@ def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, b
                 head_chain = together_chain
                 bins[k] = []
         bins = [b for b in bins if b]
+    merged: list[int] = []
+    rest = 0.0  # the merged children's subtrees outside their head packs
+    if has_head and policy == "auto":
+        # a chain segment: u's pack takes a child's own head pack (saving a call) while it
+        # fits the cap and lowers the cost; the child becomes an open node of u's pack
+        for c in sorted(own, key=lambda c: int(head.tokens[c])):
+            t = int(head.tokens[c])
+            if head_tok + t > cap:
+                continue
+            together_chain = head_chain and not absorbed and not merged and bool(head.chain[c])
+            if not branches and not together_chain:
+                continue
+            apart = cost.of(head_tok, start_u, head_chain) + head.cost[c]
+            if cost.of(head_tok + t, start_u, together_chain) < apart:
+                merged.append(c)
+                rest += best[c] - head.cost[c]
+                head_tok += t
+                head_chain = together_chain
+        own = [c for c in own if c not in merged]
     total = (cost.of(head_tok, start_u, head_chain) if has_head else 0.0)
+    if has_head and head is not None:
+        head.tokens[u], head.chain[u], head.cost[u] = head_tok, head_chain, total
+    total += rest
     total += sum(cost.of(sum(int(sub[c]) for c in b), prefix, _chain(b, chain)) for b in bins)
     total += sum(best[c] for c in own)
     for b in bins:
         b.sort()
-    return total, (sorted(absorbed), sorted(bins, key=lambda b: b[0]), sorted(own))
+    return total, (sorted(absorbed), sorted(bins, key=lambda b: b[0]), sorted(own), sorted(merged))
 
 
 def _chain(members, chain) -> bool:

@@ -117,14 +117,19 @@ def main(argv=None) -> int:
     for n, b in batches.items():  # warm-up
         _step(model, b, loss, MODES["dfs-packed"])
         break
+    from tqdm import tqdm
+
     times: dict = {n: {m: [] for m in MODES} for n in turns}
     calls: dict = {n: {} for n in turns}
-    for _ in range(args.repeats):
-        for n in turns:
-            for m, kw in MODES.items():
-                dt, c = _step(model, batches[n], loss, kw)
-                times[n][m].append(dt)
-                calls[n][m] = c
+    with tqdm(total=args.repeats * len(turns) * len(MODES), desc="chain", unit="step") as bar:
+        for _ in range(args.repeats):
+            for n in turns:
+                for m, kw in MODES.items():
+                    bar.set_postfix_str(f"{n} turns {m}")
+                    dt, c = _step(model, batches[n], loss, kw)
+                    times[n][m].append(dt)
+                    calls[n][m] = c
+                    bar.update(1)
     fl = {n: summary(batches[n], model.config, ["microbatch", "dfs-node", "dfs-retain"])
           for n in turns}
     big = max(turns)
@@ -150,9 +155,41 @@ def main(argv=None) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "results.json").write_text(json.dumps(out, indent=1))
     (dest / "results.md").write_text(markdown(out))
+    plot(out, dest / "chain.png")
     print(json.dumps(dict(out, rows=[{k: v for k, v in r.items() if k != "step_s_all"}
                                      for r in rows])) if args.json else markdown(out))
     return 0
+
+
+def plot(out: dict, path: Path) -> None:
+    """Step time per turn count and mode (linear axes, values shown), with the time the first
+    point's step would take if it grew as the micro-batch baseline's FLOPs and as DFS's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    x = [r["turns"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m in MODES:
+        y = [r["step_s"][m] for r in rows]
+        ax.plot(x, y, marker="o", label=m)
+        for xi, yi in zip(x, y):
+            ax.annotate(f"{yi:.2f}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    t0 = rows[0]["step_s"]["dfs-packed"]
+    for key, style, name in (("growth_flops_microbatch", ":", "micro-batch FLOPs"),
+                             ("growth_flops_dfs", "--", "DFS FLOPs")):
+        ax.plot(x, [t0 * r[key] for r in rows], style, color="gray",
+                label=f"dfs-packed at {rows[0]['turns']} turns × growth of {name}")
+    ax.set_xlabel("turns (sequences; each a prefix of the next)")
+    ax.set_ylabel("step time (s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"N-turn chain: step time ({out['date']}, {out['model']}, {out['threads']} threads)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def markdown(out: dict) -> str:

@@ -82,18 +82,22 @@ def _objective(batch: Batch, loss, opts) -> Objective:
 
 
 class _TargetLogprob(torch.autograd.Function):
-    """log_softmax(z)[t] with a one-pass backward: dz = g * (onehot(t) - softmax(z))."""
+    """log_softmax(z)[t] with a one-pass backward: dz = g * (onehot(t) - softmax(z)). As lean
+    as the walker's head (dta.head): one exp pass and one [rows, vocab] temporary, e = exp(z −
+    max), kept for the backward, which forms −g·softmax(z) = e · (−g / Σe) in place."""
 
     @staticmethod
     def forward(ctx, z, t):
-        lse = torch.logsumexp(z, dim=-1)
-        ctx.save_for_backward(z, t, lse)
-        return z.gather(-1, t[:, None])[:, 0] - lse
+        top = z.amax(-1)
+        e = torch.sub(z, top[:, None]).exp_()
+        s = e.sum(-1)
+        ctx.save_for_backward(e, t, s)
+        return z.gather(-1, t[:, None])[:, 0] - (top + s.log())
 
     @staticmethod
     def backward(ctx, g):
-        z, t, lse = ctx.saved_tensors
-        grad = torch.sub(z, lse[:, None]).exp_().mul_(-g[:, None])
+        e, t, s = ctx.saved_tensors
+        grad = e.mul_((-g / s)[:, None])  # e is not needed again (one backward per forward)
         return grad.scatter_add_(1, t[:, None], g[:, None]), None
 
 

@@ -90,7 +90,7 @@ def run_training(cfg, source: BatchSourceLike, *,
                  on_step: Callable[[StepStats], None] | None = None) -> dict:
     """Train ``cfg.train.steps`` steps on ``source.batch(k)``; returns the summary
     (:func:`~runtime.ray_runtime.stats.summarize`)."""
-    from dta.config import check_dta_train
+    from dta.config_keys import check_dta_train
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     check_dta_train(cfg)  # a key dta train would ignore is an error, not a no-op
