@@ -151,8 +151,12 @@ def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
     from omegaconf.errors import ConfigKeyError
 
     cfg = config(tmp_path, smoke_model, "t", "actor.dta.policy=recompute",
-                 "actor.dta.logits_chunk=64")
+                 "actor.dta.logits_chunk=64", "actor.dta.sharding=fsdp")
     assert cfg.actor.dta.policy == "recompute" and cfg.actor.dta.logits_chunk == 64
+    assert cfg.actor.dta.sharding == "fsdp"
+    assert config(tmp_path, smoke_model, "t").actor.dta.sharding is None  # fsdp:dN decides
+    with pytest.raises(ValueError, match="unknown DTA sharding 'zero3'"):
+        config(tmp_path, smoke_model, "t", "actor.dta.sharding=zero3")
     with pytest.raises(ConfigKeyError, match="polcy"):
         config(tmp_path, smoke_model, "t", "+actor.dta.polcy=recompute")
     with pytest.raises(ValueError, match="unknown DTA policy"):

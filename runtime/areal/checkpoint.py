@@ -7,6 +7,14 @@
   masters with mixed precision), the optimizer state when ``with_optim``, and the LR
   scheduler, through the project's sharded-checkpoint module ``runtime/dcp.py``
   (``runtime/areal/dcp.py``) — what AReaL's ``RecoverHandler`` writes and reads.
+
+Sharded (``actor.dta.sharding`` zero1 / fsdp, ``runtime/areal/sharded.py``): ``hf`` gathers
+the whole weights (compute dtype) and rank 0 writes them; loading fills the shards and the
+fp32 masters. ``dcp`` writes the sharded state itself — every rank its slice of the masters
+and of the optimizer state, the step counts, the LR scheduler — and loads it in place at the
+same world size. Refused there, naming the reason: ``hf`` with ``with_optim`` (the optimizer
+state is sharded: use ``dcp``) and ``dcp`` without ``with_optim`` (the sharded state holds
+the masters and the optimizer state together: use ``hf`` for weights only).
 """
 from __future__ import annotations
 
@@ -47,18 +55,49 @@ class CheckpointMixin:
         self.parallel.barrier()
 
     def _save_dcp(self, meta: SaveLoadMeta):
-        from runtime.areal.dcp import save_dcp
+        from runtime.areal.dcp import save_dcp, save_state
 
+        if self.layout is not None:
+            self._check_sharded_dcp(meta)
+            save_state(str(meta.path), self._sharded_dcp_state(), step=self.get_version(),
+                       sharding=self.sharding)
+            return
         if meta.with_optim:
             self._require_optimizer()
         save_dcp(str(meta.path), self._stepped_parameters(),
                  self.optimizer if meta.with_optim else None,
                  self.lr_scheduler if meta.with_optim else None, step=self.get_version())
 
+    def _check_sharded_dcp(self, meta: SaveLoadMeta) -> None:
+        self._require_optimizer()
+        if not meta.with_optim:
+            raise ValueError(f"weight_format='dcp' with with_optim=False under "
+                             f"actor.dta.sharding={self.sharding}: the sharded state holds the "
+                             "fp32 masters with the optimizer state; save weight_format='hf' "
+                             "for the weights alone")
+
+    def _sharded_dcp_state(self) -> dict:
+        state = dict(self.layout.dcp_state())
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler
+        return state
+
+    def _check_sharded_hf(self, meta: SaveLoadMeta) -> None:
+        if self.layout is not None and meta.with_optim:
+            raise ValueError(f"weight_format='hf' with with_optim=True under "
+                             f"actor.dta.sharding={self.sharding}: the optimizer state is "
+                             "sharded over the ranks; use weight_format='dcp'")
+
     def _save_hf(self, meta: SaveLoadMeta):
+        self._check_sharded_hf(meta)
         os.makedirs(meta.path, exist_ok=True)
-        if self.parallel.rank == 0:
+        if self.layout is not None:  # gathered on every rank's part, written by rank 0
+            state = self.layout.full_state_dict(keep=self.parallel.rank == 0)
+            if self.parallel.rank == 0:
+                self.model.save_pretrained(meta.path, state_dict=state)
+        elif self.parallel.rank == 0:
             self.model.save_pretrained(meta.path)
+        if self.parallel.rank == 0:
             if meta.tokenizer is not None:
                 meta.tokenizer.save_pretrained(meta.path)
             if meta.processor is not None:
@@ -81,8 +120,17 @@ class CheckpointMixin:
         self.parallel.barrier()
 
     def _load_dcp(self, meta: SaveLoadMeta):
-        from runtime.areal.dcp import load_dcp
+        from runtime.areal.dcp import load_dcp, load_state
 
+        if self.layout is not None:
+            self._check_sharded_dcp(meta)
+            load_state(str(meta.path), self._sharded_dcp_state(), sharding=self.sharding)
+            if self.lr_scheduler is not None:  # the shards carry no param_groups: the
+                # optimizer steps with the restored schedule's learning rate
+                for group, lr in zip(self.optimizer.param_groups,
+                                     self.lr_scheduler.get_last_lr()):
+                    group["lr"] = lr
+            return
         if meta.with_optim:
             self._require_optimizer()
         load_dcp(str(meta.path), self._stepped_parameters(),
@@ -92,6 +140,11 @@ class CheckpointMixin:
             self.master.master_to_model()
 
     def _load_hf(self, meta: SaveLoadMeta):
+        self._check_sharded_hf(meta)
+        if self.layout is not None:
+            self.layout.load_full_state(local_state_dict(meta.path),
+                                        what=f"checkpoint {meta.path!r}")
+            return
         load_hf_weights(self.model, meta.path, what="checkpoint")
         if self.master is not None:
             self.master.model_to_master()

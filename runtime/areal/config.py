@@ -6,6 +6,8 @@ The PPO knobs come from the resolved ``loss`` section (which follows ``actor.*``
 explicitly), the rest of the actor keys from ``actor``. ``loss.behav_imp_weight_cap`` — the
 pre-1.0 AReaL key — becomes 1.0.4's ``rejection_sampling: {metric: ratio, upper: cap}``
 (token level, action mask: the tokens above the cap are dropped, as DTA's PPO loss does).
+``train.sharding`` becomes ``DTAOptions.sharding`` (``auto``: unset, so the engine shards as
+``fsdp:dN`` means when N > 1).
 """
 from __future__ import annotations
 
@@ -76,5 +78,6 @@ def actor_config_from_dta(cfg, *, experiment_name: str = "dta", trial_name: str 
         kl_ctl=float(actor.kl_ctl), kl_estimator=str(actor.kl_estimator))
     options = DTAOptions(policy=str(cfg.walker.policy), logits_chunk=int(cfg.walker.logits_chunk),
                          min_shared=int(cfg.walker.min_shared),
-                         dtype=None if dtype in _AREAL_DTYPES else dtype)
+                         dtype=None if dtype in _AREAL_DTYPES else dtype,
+                         sharding=None if cfg.train.sharding == "auto" else str(cfg.train.sharding))
     return config, options

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.dcp import latest_sharded, load_sharded, save_sharded, step_name
+from runtime.dcp import latest_sharded, load_sharded, read_meta, save_sharded, step_name
 from runtime.ray_runtime.checkpoint import verify_manifest, write_manifest
 
-__all__ = ["save_dcp", "load_dcp"]
+__all__ = ["save_dcp", "load_dcp", "save_state", "load_state"]
 
 _KIND = "dta-areal-dcp"
 
@@ -93,8 +93,14 @@ def save_dcp(path: str, named_params, optimizer=None, lr_scheduler=None, *,
     """Write the parameters (``[(name, Parameter)]``: what the optimizer steps), the optimizer
     state when ``optimizer`` is given and the LR scheduler's state as checkpoint ``step`` under
     ``path`` (every rank calls this); returns the checkpoint's folder."""
-    final = save_sharded(path, step, _state(named_params, optimizer, lr_scheduler),
-                         meta={"kind": _KIND})
+    return save_state(path, _state(named_params, optimizer, lr_scheduler), step=step)
+
+
+def save_state(path: str, state: dict, *, step: int = 0, sharding: str = "replicate") -> str:
+    """Write ``state`` (DCP entries: tensors, DTensors, Stateful objects — e.g. a sharded
+    layout's ``dcp_state()`` and the LR scheduler) as checkpoint ``step`` under ``path``,
+    recording the engine's ``sharding``; keeps only this one (every rank calls this)."""
+    final = save_sharded(path, step, state, meta={"kind": _KIND, "sharding": sharding})
     if _rank0():
         write_manifest(final, run_id=None, step=step, extra={"kind": _KIND})
         for name in os.listdir(path):  # AReaL keeps one recover checkpoint
@@ -109,9 +115,21 @@ def load_dcp(path: str, named_params, optimizer=None, lr_scheduler=None) -> None
     """The newest checkpoint under ``path`` back into the parameters, the optimizer and the
     LR scheduler, in place (every rank calls this; the parameters keep their identity, so an
     optimizer over them stays valid). Verified against its manifest first."""
+    load_state(path, _state(named_params, optimizer, lr_scheduler))
+
+
+def load_state(path: str, state: dict, *, sharding: str = "replicate") -> dict:
+    """The newest checkpoint under ``path`` into ``state`` in place (every rank), verified
+    against its manifest first; refuses one written under another ``sharding`` (its entries
+    would not match), naming both. Returns its meta."""
     final = latest_sharded(path)
     if final is None:
         raise FileNotFoundError(f"no DCP checkpoint under {path!r} (expected "
                                 f"step-*/meta.json written by save_dcp)")
     verify_manifest(final)
-    load_sharded(final, _state(named_params, optimizer, lr_scheduler))
+    written = read_meta(final).get("sharding", "replicate")
+    if written != sharding:
+        raise ValueError(f"DCP checkpoint {final!r} was written under sharding={written}; "
+                         f"this engine runs sharding={sharding} (load it with the same "
+                         "actor.dta.sharding)")
+    return load_sharded(final, state)

@@ -5,9 +5,10 @@
 list of them), ``loss_fn(logprobs, entropy, mb, vocab_min_logits=, vocab_max_logits=)`` on
 packed 1-D tensors with ``cu_seqlens``, each call weighted by
 ``loss_weight_fn(mb) / Σ loss_weight_fn × DP size`` with gradients averaged over data-parallel
-ranks, gradient clipping, and a skipped update on a non-finite gradient norm. The difference is
-how the gradient is computed: every sequence is its own micro-batch and the batch is walked as
-one prefix tree (``runtime/areal/walks.py``), so a shared prefix is forwarded once.
+ranks (sharded: the same gradient, as a sum of the unscaled shares), gradient clipping, and a
+skipped update on a non-finite gradient norm. The difference is how the gradient is computed:
+every sequence is its own micro-batch and the batch is walked as one prefix tree
+(``runtime/areal/walks.py``), so a shared prefix is forwarded once.
 
 The gradient is the one FSDPEngine computes with one sequence per micro-batch (to floating
 point rounding; tests/test_areal.py checks it against FSDPEngine in float32 and against a
@@ -22,6 +23,7 @@ float64; ``DTAOptions(dtype="float64")`` overrides it for verification.
 The engine is assembled from one-thing modules: ``options.py`` (DTAOptions), ``parallel.py``
 (process groups, model placement, gradient reduction — the seam for sharded layouts),
 ``optimizer.py`` (optimizer, LR scheduler, fp32 master weights, the clipped step),
+``sharded.py`` (``zero1`` / ``fsdp`` layouts through ``runtime.sharding``),
 ``walks.py`` (the DFS walks), ``checkpoint.py`` (save/load), ``rollout.py`` (inference-engine
 connection, weight updates, versions), ``offload.py`` (offload/onload), ``workers.py`` (what
 AReaL's single controller calls on a worker).
@@ -50,8 +52,10 @@ from runtime.areal.optimizer import MasterWeights, build_lr_scheduler, build_opt
 from runtime.areal.options import DTAOptions
 from runtime.areal.parallel import DataParallel
 from runtime.areal.rollout import RolloutMixin
+from runtime.areal.sharded import ShardedLayout, resolve_sharding
 from runtime.areal.walks import WalksMixin
 from runtime.areal.workers import WorkerMixin
+from runtime.sharding import master_dtype_for
 
 __all__ = ["DTAOptions", "DTATrainEngine"]
 
@@ -64,10 +68,12 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
 
     Construct with AReaL's ``TrainEngineConfig`` (or ``PPOActorConfig``) and optional
     :class:`DTAOptions`; then ``create_process_group()`` (optional for a single process) and
-    ``initialize(None, FinetuneSpec(...))`` as with ``FSDPEngine``. Data parallelism only:
-    every rank is a data-parallel replica and gradients are averaged before the step; like
-    FSDPEngine, the engine initializes ``torch.distributed`` when it is not (one process: a
-    file-store group, nothing listens) and destroys it in ``destroy``.
+    ``initialize(None, FinetuneSpec(...))`` as with ``FSDPEngine``. Data parallelism only
+    (``fsdp:dN``): with N > 1 ranks the state is sharded over them (``actor.dta.sharding``:
+    ``zero1`` or ``fsdp``, see :mod:`runtime.areal.sharded`) or replicated
+    (``replicate``: gradients averaged before the step); like FSDPEngine, the engine
+    initializes ``torch.distributed`` when it is not (one process: a file-store group,
+    nothing listens) and destroys it in ``destroy``.
     """
 
     def __init__(self, config: TrainEngineConfig, dta: DTAOptions | None = None):
@@ -90,6 +96,8 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self.device = torch.device("cpu")
         self.master: MasterWeights | None = None  # fp32 master weights, if any
         self.parallel = DataParallel()
+        self.layout: ShardedLayout | None = None  # zero1 / fsdp; None: replicas
+        self.sharding = "replicate"
         self._version = 0
         self._initialized = False
         self._training = True
@@ -174,26 +182,58 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             torch.cuda.set_device(self.device)
         compute = resolve_dtype(self.dta.dtype or self.config.dtype)
         storage = resolve_dtype(self.dta.dtype or self.config.optimizer_dtype)
-        path = self.config.path
-        if self.config.init_from_scratch:
-            import transformers
-
-            cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-            model = transformers.AutoModelForCausalLM.from_config(
-                cfg, dtype=compute, attn_implementation=self.config.attn_impl)
-        else:
-            model = load_model(path, dtype=compute, attn_implementation=self.config.attn_impl)
-        self.model = self.parallel.prepare_model(model, self.device).eval()
+        self.sharding = resolve_sharding(self.dta.sharding, self.world_size, self.policy,
+                                         trains=self.optimizer_config is not None)
+        if self.sharding != "replicate":
+            if storage != master_dtype_for(compute):
+                raise ValueError(f"actor.dta.sharding={self.sharding} keeps "
+                                 f"{master_dtype_for(compute)} master weights for "
+                                 f"dtype={compute}; set optimizer_dtype accordingly (got "
+                                 f"{storage})")
+            self._initialize_sharded(compute, ft_spec)
+            return
+        # FSDP2 keeps master weights in optimizer_dtype, read from the checkpoint in it (not
+        # through the compute dtype); so do we, then the model holds their cast
+        self.model = self.parallel.prepare_model(self._load(storage), self.device).eval()
         self.model_config = self.model.config
-        self.tokenizer = local_tokenizer(path)
+        self.tokenizer = local_tokenizer(self.config.path)
         params = self._trainable()
-        if storage != compute:  # FSDP2 keeps master weights in optimizer_dtype; so do we
+        if storage != compute:
             self.master = MasterWeights(params, storage)
+            self.model.to(compute)  # the parameter objects stay: the masters map onto them
         if self.optimizer_config is not None:
             self.optimizer = build_optimizer(self.master.master if self.master else params,
                                              self.optimizer_config)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optimizer_config,
                                                    ft_spec)
+        self._initialized = True
+
+    def _load(self, dtype: torch.dtype):
+        path = self.config.path
+        if self.config.init_from_scratch:
+            import transformers
+
+            cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            return transformers.AutoModelForCausalLM.from_config(
+                cfg, dtype=dtype, attn_implementation=self.config.attn_impl)
+        return load_model(path, dtype=dtype, attn_implementation=self.config.attn_impl)
+
+    def _initialize_sharded(self, compute: torch.dtype, ft_spec) -> None:
+        """The model built in the master dtype on the device, then sharded (zero1 / fsdp) over
+        the data-parallel group with AReaL's optimizer over the shards."""
+        oc = self.optimizer_config
+        model = self._load(master_dtype_for(compute)).to(self.device).eval()
+        mixed = self.sharding == "fsdp"  # DTensor layers + flat vocabulary shards
+
+        def make_optimizer(params):
+            return build_optimizer(list(params), oc, multi_tensor=not mixed)
+
+        self.layout = ShardedLayout(self.sharding, model, make_optimizer,
+                                    compute_dtype=compute, group=self.parallel.dp_group)
+        self.model, self.optimizer = self.layout.model, self.layout.optimizer
+        self.model_config = self.model.config
+        self.tokenizer = local_tokenizer(self.config.path)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, oc, ft_spec)
         self._initialized = True
 
     @property
@@ -203,7 +243,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
     def destroy(self):
         self._initialized = False
         self.optimizer = self.lr_scheduler = self.model = None
-        self.master = None
+        self.master = self.layout = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -219,17 +259,27 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
     # ------------------------------------------------------------------ optimizer --
     def optimizer_zero_grad(self):
         self._require_optimizer()
+        if self.layout is not None:
+            self.layout.zero_grad()
+            return
         self.optimizer.zero_grad()
         self.model.zero_grad(set_to_none=True)
 
     def optimizer_step(self):
         """Average gradients over data-parallel ranks, clip by the global norm
         (``optimizer.gradient_clipping``), step — or, on a non-finite norm, zero the
-        gradients and skip. Returns ``{update_successful, grad_norm, lr}`` like FSDPEngine."""
+        gradients and skip. Returns ``{update_successful, grad_norm, lr}`` like FSDPEngine.
+        Sharded (zero1 / fsdp), the ranks' gradients are summed (``train_batch`` scales them
+        for it), the step runs on the fp32 master shards, and the model's ``.grad`` is not
+        kept (it was reduce-scattered into the shards)."""
         self._require_optimizer()
-        self.parallel.reduce_gradients(self._trainable())
-        norm, updated = step(self._trainable(), self.optimizer,
-                             self.optimizer_config.gradient_clipping, self.master, self.model)
+        if self.layout is not None:
+            norm, updated = self.layout.step(self.optimizer_config.gradient_clipping)
+        else:
+            self.parallel.reduce_gradients(self._trainable())
+            norm, updated = step(self._trainable(), self.optimizer,
+                                 self.optimizer_config.gradient_clipping, self.master,
+                                 self.model)
         return dict(update_successful=float(updated), grad_norm=float(norm),
                     lr=self.lr_scheduler.get_last_lr()[0])
 
@@ -248,7 +298,9 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self._ensure_ready()
         self.optimizer_zero_grad()
         ids, mbs = self._sequences(input_)
-        scales = self._loss_scales(mbs, loss_weight_fn, multiplier=self.world_size)
+        # replicas average the ranks' gradients (× DP size, as FSDPEngine); shards sum them
+        multiplier = self.world_size if self.layout is None else 1
+        scales = self._loss_scales(mbs, loss_weight_fn, multiplier=multiplier)
         self._walk(ids, mbs, loss_fn, scales, train=True)
         stats = self.optimizer_step()
         stats["num_micro_batches"] = len(mbs)
@@ -263,7 +315,8 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self._ensure_ready()
         ids, mbs = self._sequences(input_)
         scales = self._loss_scales(mbs, loss_weight_fn, multiplier=1)
-        losses = self._walk(ids, mbs, loss_fn, scales, train=False)
+        with self._walk_session():
+            losses = self._walk(ids, mbs, loss_fn, scales, train=False)
         return self.parallel.all_reduce(torch.stack(losses).sum(dtype=torch.float32))
 
     @torch.no_grad()
@@ -288,7 +341,8 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             output_seqlens = lengths
         batch = self._walk_batch(ids)
         tree = PrefixTree(batch.input_ids, min_shared=self.dta.min_shared)
-        res = self._walker().forward(tree, batch)
+        with self._walk_session():
+            res = self._walker().forward(tree, batch)
         self._record_tree(ids, tree, res.tokens)
         outputs = [convert.areal_view(lp, n) for lp, n in zip(res.logprobs, lengths)]
         result = convert.pad_outputs(outputs, list(output_seqlens), aggregate_fn)
@@ -308,7 +362,33 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
     def get_device_stats(self) -> DeviceRuntimeInfo:
         return DeviceRuntimeInfo.get_current()
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's whole weights in the compute dtype, on CPU (the state the rollout
+        receives). Sharded, it gathers them: every rank calls it, each gets them."""
+        self._require_model()
+        if self.layout is not None:
+            return self.layout.full_state_dict()
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def param_norm(self) -> float:
+        """L2 norm of the parameters the optimizer steps (the fp32 masters where there are
+        any; sharded: a collective)."""
+        self._require_model()
+        if self.layout is not None:
+            return self.layout.param_norm()
+        params = self.master.master if self.master is not None else self._trainable()
+        with torch.no_grad():
+            return float(sum(p.double().pow(2).sum() for p in params) ** 0.5)
+
     # ------------------------------------------------------------------- helpers --
+    def _walk_session(self):
+        """Under fsdp, the ranks' decoder calls are matched for a walk outside
+        ``train_batch``; otherwise a no-op."""
+        import contextlib
+
+        return self.layout.walk_session() if self.layout is not None else \
+            contextlib.nullcontext()
+
     def _trainable(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 

@@ -56,8 +56,15 @@ class OffloadMixin:
             torch.cuda.empty_cache()
 
     def offload(self) -> None:
-        """Parameters, gradients, master weights and optimizer state to host memory."""
+        """Parameters, gradients, master weights and optimizer state to host memory.
+        Refused under a sharded layout (zero1 / fsdp): its master slices, optimizer views
+        and FSDP's DTensors are not moved by this code."""
         self._require_model()
+        if getattr(self, "layout", None) is not None:
+            raise NotImplementedError(
+                f"offload() under actor.dta.sharding={self.sharding} is not supported (the "
+                "sharded masters and optimizer state stay on the device); set "
+                "actor.dta.sharding=replicate for a colocated (offloaded) actor")
         if not self.is_offload:
             self._place(torch.device("cpu"))
             self.is_offload = True

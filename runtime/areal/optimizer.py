@@ -15,11 +15,15 @@ from dta.train import clip_and_step
 __all__ = ["build_optimizer", "build_lr_scheduler", "MasterWeights"]
 
 
-def build_optimizer(params, oc) -> torch.optim.Optimizer:
+def build_optimizer(params, oc, *, multi_tensor: bool = True) -> torch.optim.Optimizer:
     """``adam`` (fused AdamW where the device has it), ``adam_bf16`` (AReaL's
-    AnyPrecisionAdamW) or ``sgd``, with the config's hyper-parameters."""
+    AnyPrecisionAdamW) or ``sgd``, with the config's hyper-parameters. ``multi_tensor=False``:
+    AdamW one tensor at a time (FSDP2's DTensor shards beside plain flat shards cannot share
+    a fused or foreach kernel call)."""
     if oc.type == "adam":
         kw = dict(lr=oc.lr, weight_decay=oc.weight_decay, betas=(oc.beta1, oc.beta2), eps=oc.eps)
+        if not multi_tensor:
+            return torch.optim.AdamW(params, foreach=False, **kw)
         try:
             return torch.optim.AdamW(params, fused=True, **kw)
         except (RuntimeError, ValueError):  # a device/dtype without the fused kernel

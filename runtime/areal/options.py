@@ -5,7 +5,9 @@ import dataclasses
 
 from dta.walk import POLICIES
 
-__all__ = ["DTAOptions"]
+__all__ = ["DTAOptions", "SHARDING_MODES"]
+
+SHARDING_MODES = ("replicate", "zero1", "fsdp")
 
 
 @dataclasses.dataclass
@@ -19,15 +21,26 @@ class DTAOptions:
     min_shared: the shortest prefix worth sharing in the tree.
     dtype: the model's and the optimizer's dtype, overriding ``config.dtype`` and
         ``config.optimizer_dtype`` (e.g. ``float64`` for verification, which AReaL rejects).
+    sharding: how the data-parallel ranks hold the model (``runtime.sharding``):
+        ``replicate`` (full replicas, gradients averaged), ``zero1`` (compute parameters
+        gathered once per step, fp32 masters and optimizer state sharded, one reduce-scatter
+        per step) or ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer: ZeRO-3, the layout of
+        AReaL's FSDPEngine). Unset (default): ``fsdp:dN`` with N > 1 shards as AReaL's does —
+        ``fsdp`` where the walk supports it under the memory policy, else ``zero1``
+        (:func:`runtime.areal.sharded.resolve_sharding`). One rank has nothing to shard.
     """
 
     policy: str | None = None
     logits_chunk: int = 1024
     min_shared: int = 1
     dtype: str | None = None
+    sharding: str | None = None
 
     def __post_init__(self):
         if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"unknown DTA policy {self.policy!r}; choose one of {POLICIES}")
+        if self.sharding is not None and self.sharding not in SHARDING_MODES:
+            raise ValueError(f"unknown DTA sharding {self.sharding!r}; choose one of "
+                             f"{SHARDING_MODES} (or leave it unset: fsdp:dN shards)")
         if self.logits_chunk < 1 or self.min_shared < 1:
             raise ValueError("logits_chunk and min_shared must be >= 1")

@@ -1,11 +1,14 @@
 """``DataParallel``: how a ``DTATrainEngine`` is laid out over processes.
 
-Every rank holds a full replica of the model; gradients are averaged over the ranks before the
-step. This class holds what the training path needs of ``torch.distributed``: the groups
+Under ``replicate`` every rank holds a full replica of the model; gradients are averaged over
+the ranks before the step. This class holds what the training path needs of ``torch.distributed``: the groups
 AReaL's ``TrainEngine`` API exposes (data-parallel, model-parallel, the gloo CPU group), the
 rank and world size, the model placement (:meth:`prepare_model`) and the gradient reduction
-(:meth:`reduce_gradients`). A sharded layout (``fsdp:dN`` with FSDP2) replaces these two
-methods. (The weight-update group to the inference servers is ``rollout.py``'s; DCP's
+(:meth:`reduce_gradients`). The sharded layouts (``zero1`` / ``fsdp``,
+``runtime/areal/sharded.py``) replace these two methods and shard over ``dp_group``: as in
+FSDPEngine (no sequence or tensor parallelism), the data-parallel group is the whole world,
+``data_parallel_rank`` / ``_world_size`` are the rank and the world size, and each rank heads
+its own model-parallel group of one. (The weight-update group to the inference servers is ``rollout.py``'s; DCP's
 collectives are ``dcp.py``'s.)
 """
 from __future__ import annotations

@@ -17,7 +17,10 @@ does it (areal 1.0.4, ``engine/fsdp_engine.py:560-1690``):
 * ``set_version`` / ``get_version``: the weight version, a plain int (PPOTrainer sets it to
   ``global_step + 1`` after each update).
 
-Weight tensors leave in the compute dtype (``config.dtype``), never as fp32 masters.
+Weight tensors leave in the compute dtype (``config.dtype``), never as fp32 masters. Under a
+sharded layout (``actor.dta.sharding`` zero1 / fsdp) they are gathered whole first: the disk
+update's HF save on rank 0, and for xccl each tensor in turn on every rank (FSDP's
+all-gathers), broadcast by rank 0.
 """
 from __future__ import annotations
 
@@ -176,14 +179,21 @@ class RolloutMixin:
         if main:
             self.rollout_engine.pause_generation()
         self.parallel.barrier()
-        if main:  # a replica holds full tensors: only rank 0 sends
-            named = ((name, self._export_tensor(p)) for name, p in self.model.named_parameters())
+        if self.layout is not None:  # gathered per tensor: every rank takes part, rank 0 sends
+            named = ((n, self._export_tensor(t)) for n, t in self.layout.named_full_tensors())
+        else:  # a replica holds full tensors: only rank 0 sends
+            named = ((n, self._export_tensor(p)) for n, p in self.model.named_parameters()) \
+                if main else iter(())
+        if main:
             for bucket in param_buckets(named, meta.weight_chunked_mem_mb * 1024 * 1024):
                 specs = [ParamSpec(name=n, shape=tuple(t.shape),
                                    dtype=str(t.dtype).split("torch.")[1]) for n, t in bucket]
                 fut = self.rollout_engine.update_weights_from_distributed(meta, specs)
                 broadcast_bucket([t for _, t in bucket], self.weight_update_group)
                 fut.result()
+        else:
+            for _ in named:  # the gathers rank 0 makes
+                pass
         self.parallel.barrier()
         if main:
             self.rollout_engine.continue_generation()

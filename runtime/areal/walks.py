@@ -108,8 +108,18 @@ class WalksMixin:
         packed logits ``[T, V]`` (every packed segment, padding included, forwarded on its own,
         so sequences never attend to each other), then ``process_output_fn(logits, ctx)`` with
         FSDPEngine's context keys, and ``backward()`` on its result unless ``forward_only``.
-        ``train_batch`` / ``forward_batch`` / ``eval_batch`` are the DFS paths."""
+        ``train_batch`` / ``forward_batch`` / ``eval_batch`` are the DFS paths.
+
+        Sharded: ``zero1`` runs it forward-only; training through it is refused (the sharded
+        reduction sums the ranks' gradients, which ``train_batch`` scales for), and so is
+        ``fsdp`` (its model calls are not matched across the ranks)."""
         self._require_model()
+        layout = getattr(self, "layout", None)
+        if layout is not None and (layout.mode == "fsdp" or not forward_only):
+            raise NotImplementedError(
+                f"forward_backward_batch(forward_only={forward_only}) under "
+                f"actor.dta.sharding={layout.mode}: use train_batch / forward_batch / "
+                "eval_batch (the DFS walks), or actor.dta.sharding=replicate")
         for item in mb_list:
             padded = item.padded_mb
             ids = padded["input_ids"].reshape(-1).to(self.device)
