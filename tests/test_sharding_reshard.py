@@ -69,3 +69,36 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_mismatches_are_refused(tmp_
         check_resumable(two["fsdp"]["path"], 3, "fsdp")
     with pytest.raises(ShardedCheckpointError, match=r"this run has 2 rank.*replicate"):
         check_resumable(two["fsdp"]["path"], 2, "replicate")
+
+
+def resume_at_two(rank, world, path):
+    """Per mode: fresh 2-rank workers load the 1-rank (replicated) checkpoint, then step 1."""
+    out = {}
+    for mode in MODES:
+        cfg = load_config(None, overrides(mode, "float64", "retain"))
+        w = _worker(cfg, rank, world)
+        meta = w.load_checkpoint(path)
+        loaded = w.state()["model"]
+        _step(w, cfg, 1, rank, world)
+        out[mode] = {"meta": meta, "loaded": loaded, "after": w.state()["model"]}
+    return out
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_sharded_ranks(tmp_path):
+    cfg = load_config(None, overrides("zero1", "float64", "retain"))
+    one = _worker(cfg, 0, 1)  # a replica: its checkpoint is model.pt + optimizer.pt
+    _step(one, cfg, 0, 0, 1)
+    path = one.save_checkpoint(str(tmp_path / "one"), 1, {"num_workers": 1})
+    saved = one.state()["model"]
+    _step(one, cfg, 1, 0, 1)
+    after = one.state()["model"]
+    results = run_ranks(resume_at_two, 2, path)
+    for mode in MODES:
+        for rank in (0, 1):
+            got = results[rank][mode]
+            assert got["meta"]["step"] == 1
+            for name, t in saved.items():
+                assert (got["loaded"][name] == t).all(), f"{mode} rank {rank} {name}"
+            err = rel_l2(got["after"], after)
+            assert err <= 1e-12, f"{mode} rank {rank}: relative L2 {err:.3g}"
+        print(f"{mode}: W=1 -> W=2 resume, step 2 vs the 1-rank run {err:.2g}")

@@ -311,14 +311,18 @@ class DFSWorker:
         return path
 
     def load_checkpoint(self, path: str) -> dict:
-        """Same world size and mode; or a sharded checkpoint of any world size re-sharded
-        into this one replica (``runtime.sharding.reshard``); anything else is refused
-        before a parameter is touched."""
-        from runtime.sharding.reshard import check_resumable, load_into_replica
+        """Same world size and mode; a sharded checkpoint of any world size re-sharded into
+        this one replica; a replicated checkpoint cut into this rank's shards
+        (``runtime.sharding.reshard``); anything else is refused before a parameter is
+        touched. Sharded: every rank calls this."""
+        from runtime.sharding.reshard import (check_resumable, load_into_replica,
+                                              load_replicated_into_sharded)
 
         saved = check_resumable(path, self.world_size, self.strategy.mode)
         if saved["format"] == "dcp" and not self.sharded:
             meta = load_into_replica(path, self.model, self.optimizer)
+        elif saved["format"] == "replicated" and self.sharded:
+            meta = load_replicated_into_sharded(path, self.strategy)
         elif self.sharded:
             from runtime.dcp import load_sharded
             meta = load_sharded(path, self.strategy.sharded_state())

@@ -11,13 +11,20 @@ counts. Nothing in them depends on the world size but the cut, so:
   cuts zero1's / the vocabulary's flat tensors back into parameters by the model's
   parameter order, and fills the model and an AdamW/SGD optimizer's per-parameter state.
   Nothing is applied before every tensor is read and matches the model.
+- **a replicated checkpoint → W sharded ranks** (:func:`load_replicated_into_sharded`):
+  every rank reads the whole ``model.pt`` / ``optimizer.pt`` (tensors only, verified) and
+  keeps its own cut of each parameter and optimizer state (zero1 / the vocabulary: the flat
+  slice; fsdp's layers: ``distribute_tensor`` of the local data, no communication), then
+  regathers the compute parameters;
 - the same world size and mode: :func:`runtime.dcp.load_sharded` (as before);
 - anything else is refused by :func:`check_resumable`, one line naming the checkpoint's and
   this run's world size and mode, before any parameter is touched: another sharded world
-  size (untested here: this machine runs 2 ranks), a sharded checkpoint into W > 1 replicas,
-  a replicated checkpoint into a sharded run.
+  size or mode (DCP could re-cut these logical tensors, but it is untested here: this
+  machine runs 2 ranks), a sharded checkpoint into W > 1 replicas.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,10 +50,8 @@ def check_resumable(path: str, world: int, mode: str) -> dict:
     else a one-line :class:`ShardedCheckpointError`."""
     saved = layout(path)
     if saved["format"] == "replicated":
-        if mode == "replicate":
-            return saved
-        why = "a replicated checkpoint is not loaded into sharded state"
-    elif mode == "replicate" and world == 1:
+        return saved  # replicas load it whole; sharded ranks keep their cut of it
+    if mode == "replicate" and world == 1:
         return saved  # re-sharded into one replica
     elif mode == saved["sharding"] and world == saved["world"]:
         return saved
@@ -154,4 +159,84 @@ def load_into_replica(path: str, model, optimizer) -> dict:
             if with_step:
                 new["step"] = torch.tensor(st["step"], dtype=_get_scalar_dtype())
             optimizer.state[p] = new
+    return meta
+
+
+# ------------------------------------------------------ replicated -> sharded --
+def replicated_logical_state(path: str, model, keys) -> dict[str, dict]:
+    """Per trainable parameter name {"param", "step", <state keys>}, from a replicated
+    checkpoint (``model.pt``, ``optimizer.pt`` over the trainable parameters in order)."""
+    from runtime.ray_runtime.checkpoint import load_tensors
+
+    verify_manifest(path)
+    weights = load_tensors(os.path.join(path, "model.pt"))
+    opt = load_tensors(os.path.join(path, "optimizer.pt"))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ids = [i for g in opt.get("param_groups", []) for i in g["params"]]
+    if len(ids) != len(named):
+        raise ShardedCheckpointError(f"checkpoint {path!r}: its optimizer holds {len(ids)} "
+                                     f"parameters, the model {len(named)} trainable ones")
+    out = {}
+    for i, (name, p) in zip(ids, named):
+        w = weights.get(name)
+        if w is None or tuple(w.shape) != tuple(p.shape):
+            raise ShardedCheckpointError(f"checkpoint {path!r}: parameter {name!r} is missing "
+                                         "or of another shape")
+        st = opt["state"].get(i) or {}
+        if st and any(k not in st for k in keys):
+            raise ShardedCheckpointError(f"checkpoint {path!r}: optimizer state of {name!r} "
+                                         f"lacks one of {list(keys)}")
+        out[name] = {"param": w, "step": float(st.get("step", 1 if st else 0)),
+                     **{k: st[k] if st else torch.zeros_like(w) for k in keys}}
+    return out
+
+
+def _load_flat(shards, optimizer, state, keys) -> None:
+    """Give a FlatShards (and its optimizer pieces) this rank's slice of ``state``."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    flat = {}
+    for k in ("param", *keys):
+        whole = torch.cat([state[n][k].reshape(-1).to(shards.master_dtype) for n in shards.names])
+        flat["master" if k == "param" else k] = whole[shards.lo:shards.hi].to(shards.device)
+    steps = torch.tensor([state[n]["step"] for n in shards.names], dtype=torch.float64)
+    shards.load_flat_state(optimizer, flat, steps, step_dtype=_get_scalar_dtype())
+
+
+@torch.no_grad()
+def load_replicated_into_sharded(path: str, strategy) -> dict:
+    """Load a replicated checkpoint into a zero1/fsdp strategy (every rank calls this: the
+    compute parameters are regathered); returns its meta."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    from runtime.sharding.state import state_keys
+
+    meta = layout(path)["meta"]
+    optimizer = strategy.optimizer
+    keys = state_keys(optimizer)
+    state = replicated_logical_state(path, strategy.model, keys)  # all read before any copy
+    if strategy.mode == "zero1":
+        _load_flat(strategy.shards, optimizer, state, keys)
+        return meta
+    if strategy.mode != "fsdp":
+        raise ShardedCheckpointError(f"cannot load {path!r} into a {strategy.mode} strategy")
+    vocab = {id(p) for p in strategy.vocab.params}
+    for name, p in strategy.model.named_parameters():
+        if not p.requires_grad or id(p) in vocab:
+            continue
+
+        def local(t, like=p):
+            return distribute_tensor(t.to(like.dtype), like.device_mesh, like.placements,
+                                     src_data_rank=None)
+
+        st = state[name]
+        p.copy_(local(st["param"]))
+        optimizer.state.pop(p, None)
+        if st["step"] > 0:
+            new = {k: local(st[k]) for k in keys}
+            if type(optimizer).__name__ in ("AdamW", "Adam"):
+                new["step"] = torch.tensor(st["step"], dtype=_get_scalar_dtype())
+            optimizer.state[p] = new
+    _load_flat(strategy.vocab, optimizer, state, keys)
     return meta
