@@ -29,8 +29,8 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from runtime.dcp import ShardedCheckpointError, read_meta
-from runtime.ray_runtime.checkpoint import verify_manifest
+from runtime.dcp import ShardedCheckpointError
+from runtime.ray_runtime.checkpoint import read_meta, verify_manifest
 
 
 def layout(path: str) -> dict:
