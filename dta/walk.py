@@ -165,16 +165,20 @@ class Walker:
             if f.pieces is None or f.pieces[0] != node:
                 local = int(np.flatnonzero(f.layout.tree_nodes == node)[0])
                 rows = f.layout.path_rows(local)
+                cached = True
                 with torch.enable_grad():  # kept for later forwards with grad (recompute)
                     if len(rows) == f.layout.tokens:
                         kv = f.state
                     elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
                         a, b = int(rows[0]), int(rows[0]) + len(rows)
                         kv = [(k[:, :, a:b], v[:, :, a:b]) for k, v in f.state]
-                    else:
+                    else:  # rebuilt per pack: a backward through it frees its saved index
                         idx = torch.as_tensor(rows, device=self.device)
                         kv = [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in f.state]
-                f.pieces = (node, kv)
+                        cached = False
+                f.pieces = (node, kv) if cached else None
+                per_frame.append(kv)
+                continue
             per_frame.append(f.pieces[1])
         covered = sum(kv[0][0].shape[2] for kv in per_frame)
         if covered != layout.prefix:
