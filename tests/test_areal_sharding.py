@@ -5,8 +5,9 @@ ranks (``fsdp:d2``, spawned processes, a file:// store on loopback), against one
   sequences) equal one process's on the whole batch: float64 <= 1e-12, float32 <= 1e-6
   relative L2, for zero1 and fsdp under both memory policies (fsdp + retain: the clear
   refusal while the runtime cannot match its calls);
-* the HF export is gathered and written by rank 0 (compared with one process), and loading it
-  back restores the weights and the fp32 masters;
+* the HF export is gathered and written by rank 0 (compared with one process), loading it
+  back restores the weights and the fp32 masters, and an xccl update gathers every tensor
+  (rank 0 sends);
 * a DCP save (AReaL's ``SaveLoadMeta(weight_format="dcp")``) under zero1, then a fresh
   engine loads it and continues: bit-identical to the uninterrupted run (weights, optimizer
   shards, LR schedule);
@@ -111,6 +112,51 @@ def _optimizer_state(eng):
     return out
 
 
+def _xccl_update(eng, rank):
+    """``update_weights`` of type xccl with the broadcast recorded on rank 0 (the NCCL group to
+    the inference servers is tests/test_areal_members.py's; here the gathers are the point):
+    returns rank 0's received ``{name: tensor}`` and the inference engine's calls."""
+    from concurrent.futures import Future
+
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.io_struct import WeightUpdateMeta
+
+    import runtime.areal.rollout as rollout
+
+    calls, sent = [], []
+
+    def done():
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    class Recording:
+        def pause_generation(self):
+            calls.append("pause")
+
+        def continue_generation(self):
+            calls.append("continue")
+
+        def update_weights_from_distributed(self, meta, specs):
+            calls.append(("bucket", [s.name for s in specs]))
+            return done()
+
+    meta = WeightUpdateMeta.from_fsdp_xccl(ModelAllocation.from_str("sglang:d1"),
+                                           weight_chunked_mem_mb=1)
+    eng.rollout_engine, eng.rollout_coordinator = Recording(), object()
+    eng.weight_update_group = "recorded" if rank == 0 else None
+    eng._weight_update_address = ("127.0.0.1", 0)
+    broadcast = rollout.broadcast_bucket
+    rollout.broadcast_bucket = lambda tensors, group: sent.extend(t.clone() for t in tensors)
+    try:
+        eng.update_weights(meta.with_version(1))
+    finally:
+        rollout.broadcast_bucket = broadcast
+        eng.rollout_engine = eng.rollout_coordinator = eng.weight_update_group = None
+    names = [n for c in calls if isinstance(c, tuple) for n in c[1]]
+    return dict(zip(names, sent)), calls
+
+
 def train_cases(rank, world, path, cases, hf_dir):
     """Each case: 2 steps, the gathered weights and the parameter norm. zero1/retain/float64
     and fsdp/recompute/float32 also export HF after step 2, take a third step and load the
@@ -132,6 +178,7 @@ def train_cases(rank, world, path, cases, hf_dir):
                                            for k, v in st.items() if k != "step"})}
             if world > 1 and (mode, policy, dtype) in (("zero1", "retain", "float64"),
                                                        ("fsdp", "recompute", "float32")):
+                res["xccl"], res["xccl_calls"] = _xccl_update(eng, rank)
                 target = os.path.join(hf_dir, f"{mode}-{policy}-{dtype}")
                 eng.save(SaveLoadMeta(path=target, weight_format="hf", with_optim=False))
                 _step(eng, batches[2], rank, world)
@@ -276,6 +323,22 @@ def test_hf_export_is_gathered_on_rank_0_and_loads_back(runs):
             for k, v in saved.items():
                 assert torch.equal(r["reloaded"][k], v), (case, rank, k)
             assert r["reloaded_norm"] == r["norm"]
+    assert checked == 2
+
+
+def test_xccl_update_gathers_every_tensor_and_rank_0_sends(runs):
+    two, _, _ = runs
+    checked = 0
+    for i, case in enumerate(RUN):
+        if "xccl" not in two[0][i]:
+            continue
+        checked += 1
+        state, sent, calls = two[0][i]["state"], two[0][i]["xccl"], two[0][i]["xccl_calls"]
+        assert calls[0] == "pause" and calls[-1] == "continue" and len(calls) >= 3
+        assert set(sent) == set(state) - ({"lm_head.weight"} - set(sent))
+        for name, t in sent.items():
+            assert t.dtype == state[name].dtype and torch.equal(t, state[name]), (case, name)
+        assert two[1][i]["xccl"] == {} and two[1][i]["xccl_calls"] == []  # rank 1 gathers only
     assert checked == 2
 
 
