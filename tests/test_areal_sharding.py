@@ -4,7 +4,8 @@ ranks (``fsdp:d2``, spawned processes, a file:// store on loopback), against one
 * parameters after 2 ``train_batch`` steps (AReaL's grpo_loss_fn, each rank half of the
   sequences) equal one process's on the whole batch: float64 <= 1e-12, float32 <= 1e-6
   relative L2, for zero1 and fsdp under both memory policies (fsdp + retain: the clear
-  refusal while the runtime cannot match its calls);
+  refusal while the runtime cannot match its calls); then forward_batch on each rank's
+  half and eval_batch (all-reduced) agree with one process's;
 * the HF export is gathered and written by rank 0 (compared with one process), loading it
   back restores the weights and the fp32 masters, and an xccl update gathers every tensor
   (rank 0 sends);
@@ -171,7 +172,12 @@ def train_cases(rank, world, path, cases, hf_dir):
                 out.append({"refused": str(exc)})
                 continue
             stats = [_step(eng, b, rank, world) for b in batches[:2]]
-            res = {"sharding": eng.sharding, "state": eng.full_state_dict(),
+            mine = {k: v[rank::world] for k, v in batches[2].items()}
+            logp = eng.forward_batch({k: mine[k] for k in ("input_ids", "attention_mask")})
+            lengths = mine["attention_mask"].sum(-1).tolist()
+            walked = dict(logp=[row[:n - 1] for row, n in zip(logp, lengths)],
+                          eval=float(eng.eval_batch(mine, grpo(), loss_weight_fn)))
+            res = {"walked": walked, "sharding": eng.sharding, "state": eng.full_state_dict(),
                    "norm": eng.param_norm(), "stats": stats,
                    "master_dtype": str(eng.optimizer.param_groups[0]["params"][0].dtype),
                    "optim_dtypes": sorted({str(v.dtype) for st in eng.optimizer.state.values()
@@ -279,6 +285,13 @@ def test_two_sharded_engine_ranks_match_one_process(runs, case):
         for s, r in zip(got["stats"], ref["stats"]):
             assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6)
         assert got["master_dtype"] == str(getattr(torch, case[2]))
+        # forward_batch on this rank's half and eval_batch (all-reduced) after the steps
+        for j, row in enumerate(got["walked"]["logp"]):
+            want = ref["walked"]["logp"][rank + 2 * j]
+            assert row.shape == want.shape
+            assert float((row - want).abs().max()) <= 10 * TOL[case[2]], (case, rank, j)
+        # eval_batch sums in float32 (as AReaL): rank partial sums vs one sum
+        assert got["walked"]["eval"] == pytest.approx(ref["walked"]["eval"], rel=1e-5)
 
 
 @pytest.mark.parametrize("case", MIXED, ids=["-".join(c) for c in MIXED])
