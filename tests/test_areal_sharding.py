@@ -9,7 +9,7 @@ ranks (``fsdp:d2``, spawned processes, a file:// store on loopback), against one
 * the HF export is gathered and written by rank 0 (compared with one process), loading it
   back restores the weights and the fp32 masters, and an xccl update gathers every tensor
   (rank 0 sends);
-* a DCP save (AReaL's ``SaveLoadMeta(weight_format="dcp")``) under zero1, then a fresh
+* a DCP save (AReaL's ``SaveLoadMeta(weight_format="dcp")``) under zero1 and fsdp, then a fresh
   engine loads it and continues: bit-identical to the uninterrupted run (weights, optimizer
   shards, LR schedule);
 * what a sharded engine refuses, each with a one-line error.
@@ -197,44 +197,67 @@ def train_cases(rank, world, path, cases, hf_dir):
     return out
 
 
+DCP_CASES = [("zero1", "retain"), ("fsdp", "recompute")]
+
+
+def _dcp_round_trip(rank, world, path, directory, mode, policy):
+    """Uninterrupted steps 0, 1 vs step 0, DCP save, a fresh engine loads, step 1. Returns
+    both final states and the fresh engine (for the refusals)."""
+    b0, b1 = _batches(2)
+    eng = _engine(path, world, mode, policy, "float32", optimizer=LINEAR)
+    _step(eng, b0, rank, world)
+    eng.set_version(1)
+    eng.save(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
+    _step(eng, b1, rank, world)
+    straight = dict(state=eng.full_state_dict(), optim=_optimizer_state(eng),
+                    lr=eng.lr_scheduler.get_last_lr()[0], norm=eng.param_norm())
+    eng.destroy()
+    fresh = _engine(path, world, mode, policy, "float32", optimizer=LINEAR)
+    fresh.load(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
+    lr_loaded = fresh.lr_scheduler.get_last_lr()[0]
+    _step(fresh, b1, rank, world)
+    resumed = dict(state=fresh.full_state_dict(), optim=_optimizer_state(fresh),
+                   lr=fresh.lr_scheduler.get_last_lr()[0], norm=fresh.param_norm())
+    files = sorted(os.listdir(os.path.join(directory, "step-000001")))
+    return fresh, {"straight": straight, "resumed": resumed, "lr_loaded": lr_loaded,
+                   "files": files}
+
+
+def _refusals(eng, directory, other):
+    attempts = {
+        "offload": eng.offload,
+        "hf_with_optim": lambda: eng.save(SaveLoadMeta(
+            path=os.path.join(directory, "hf"), weight_format="hf", with_optim=True)),
+        "dcp_without_optim": lambda: eng.save(SaveLoadMeta(
+            path=directory, weight_format="dcp", with_optim=False)),
+        "forward_backward": lambda: eng.forward_backward_batch([], None),
+        "other_mode": lambda: eng.load(SaveLoadMeta(path=other, weight_format="dcp",
+                                                    with_optim=True)),
+    }
+    refused = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            refused[name] = None
+        except (ValueError, NotImplementedError) as exc:
+            refused[name] = str(exc)
+    return refused
+
+
 def dcp_and_refusals(rank, world, path, directory):
-    """zero1: uninterrupted 2 steps vs step 0, DCP save, a fresh engine loads, step 1. Then
-    what a sharded engine refuses."""
+    """The DCP round trip under zero1 and fsdp, then what a sharded engine refuses."""
+    out, engines = {}, {}
     with _rank_setup():
-        b0, b1 = _batches(2)
-        eng = _engine(path, world, "zero1", "retain", "float32", optimizer=LINEAR)
-        _step(eng, b0, rank, world)
-        eng.set_version(1)
-        eng.save(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
-        _step(eng, b1, rank, world)
-        straight = dict(state=eng.full_state_dict(), optim=_optimizer_state(eng),
-                        lr=eng.lr_scheduler.get_last_lr()[0], norm=eng.param_norm())
-        eng.destroy()
-        fresh = _engine(path, world, "zero1", "retain", "float32", optimizer=LINEAR)
-        fresh.load(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
-        lr_loaded = fresh.lr_scheduler.get_last_lr()[0]
-        _step(fresh, b1, rank, world)
-        resumed = dict(state=fresh.full_state_dict(), optim=_optimizer_state(fresh),
-                       lr=fresh.lr_scheduler.get_last_lr()[0], norm=fresh.param_norm())
-        refused = {}
-        attempts = {
-            "offload": fresh.offload,
-            "hf_with_optim": lambda: fresh.save(SaveLoadMeta(
-                path=os.path.join(directory, "hf"), weight_format="hf", with_optim=True)),
-            "dcp_without_optim": lambda: fresh.save(SaveLoadMeta(
-                path=directory, weight_format="dcp", with_optim=False)),
-            "forward_backward": lambda: fresh.forward_backward_batch([], None),
-        }
-        for name, attempt in attempts.items():
-            try:
-                attempt()
-                refused[name] = None
-            except (ValueError, NotImplementedError) as exc:
-                refused[name] = str(exc)
-        files = sorted(os.listdir(os.path.join(directory, "step-000001")))
-        fresh.destroy()
-    return {"straight": straight, "resumed": resumed, "lr_loaded": lr_loaded,
-            "refused": refused, "files": files}
+        for mode, policy in DCP_CASES:
+            engines[mode], out[mode] = _dcp_round_trip(rank, world, path,
+                                                       os.path.join(directory, mode),
+                                                       mode, policy)
+        for mode, other in (("zero1", "fsdp"), ("fsdp", "zero1")):
+            out[mode]["refused"] = _refusals(engines[mode], os.path.join(directory, mode),
+                                             os.path.join(directory, other))
+        for eng in engines.values():
+            eng.destroy()
+    return out
 
 
 def two_ranks(rank, world, path, cases, hf_dir, dcp_dir):
@@ -355,10 +378,12 @@ def test_xccl_update_gathers_every_tensor_and_rank_0_sends(runs):
     assert checked == 2
 
 
-def test_zero1_dcp_round_trip_continues_bit_identically(runs):
-    res = runs[2]
-    for rank in (0, 1):
-        r = res[rank]
+@pytest.mark.parametrize("mode", [m for m, _ in DCP_CASES])
+def test_dcp_round_trip_continues_bit_identically(runs, mode):
+    """AReaL's SaveLoadMeta(weight_format="dcp", with_optim=True), what RecoverHandler
+    writes: every rank its shards; a fresh engine's load + the next step == uninterrupted."""
+    res = [runs[2][rank][mode] for rank in (0, 1)]
+    for rank, r in enumerate(res):
         assert ".metadata" in r["files"] and "manifest.json" in r["files"]
         assert r["lr_loaded"] < LINEAR.lr  # the schedule resumed, not restarted
         s, t = r["straight"], r["resumed"]
@@ -368,13 +393,16 @@ def test_zero1_dcp_round_trip_continues_bit_identically(runs):
             for k in s[part]:
                 assert torch.equal(s[part][k], t[part][k]), (rank, part, k)
         refused = r["refused"]
-        assert "offload() under actor.dta.sharding=zero1" in refused["offload"]
+        assert f"offload() under actor.dta.sharding={mode}" in refused["offload"]
         assert "use weight_format='dcp'" in refused["hf_with_optim"]
-        assert "with_optim=False under actor.dta.sharding=zero1" in \
+        assert f"with_optim=False under actor.dta.sharding={mode}" in \
             refused["dcp_without_optim"]
         assert "forward_backward_batch(forward_only=False)" in refused["forward_backward"]
+        other = "fsdp" if mode == "zero1" else "zero1"
+        assert f"written under sharding={other}; this engine runs sharding={mode}" in \
+            refused["other_mode"]
     # the optimizer state is sharded: each rank holds half of a replica's (AdamW: 2 / param)
-    sizes = [sum(v.numel() for v in res[r]["straight"]["optim"].values()) for r in (0, 1)]
+    sizes = [sum(v.numel() for v in r["straight"]["optim"].values()) for r in res]
     replica = 2 * sum(v.numel() for v in res[0]["straight"]["state"].values())
     assert all(n <= 0.55 * replica for n in sizes), (sizes, replica)
 
