@@ -4,10 +4,12 @@ ranks (``fsdp:d2``, spawned processes, a file:// store on loopback), against one
 * parameters after 2 ``train_batch`` steps (AReaL's grpo_loss_fn, each rank half of the
   sequences) equal one process's on the whole batch: float64 <= 1e-12, float32 <= 1e-6
   relative L2, for zero1 and fsdp under both memory policies (fsdp + retain: the clear
-  refusal while the runtime cannot match its calls);
-* the HF export is gathered and written by rank 0 (compared with one process), and loading it
-  back restores the weights and the fp32 masters;
-* a DCP save (AReaL's ``SaveLoadMeta(weight_format="dcp")``) under zero1, then a fresh
+  refusal while the runtime cannot match its calls); then forward_batch on each rank's
+  half and eval_batch (all-reduced) agree with one process's;
+* the HF export is gathered and written by rank 0 (compared with one process), loading it
+  back restores the weights and the fp32 masters, and an xccl update gathers every tensor
+  (rank 0 sends);
+* a DCP save (AReaL's ``SaveLoadMeta(weight_format="dcp")``) under zero1 and fsdp, then a fresh
   engine loads it and continues: bit-identical to the uninterrupted run (weights, optimizer
   shards, LR schedule);
 * what a sharded engine refuses, each with a one-line error.
@@ -111,6 +113,51 @@ def _optimizer_state(eng):
     return out
 
 
+def _xccl_update(eng, rank):
+    """``update_weights`` of type xccl with the broadcast recorded on rank 0 (the NCCL group to
+    the inference servers is tests/test_areal_members.py's; here the gathers are the point):
+    returns rank 0's received ``{name: tensor}`` and the inference engine's calls."""
+    from concurrent.futures import Future
+
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.io_struct import WeightUpdateMeta
+
+    import runtime.areal.rollout as rollout
+
+    calls, sent = [], []
+
+    def done():
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    class Recording:
+        def pause_generation(self):
+            calls.append("pause")
+
+        def continue_generation(self):
+            calls.append("continue")
+
+        def update_weights_from_distributed(self, meta, specs):
+            calls.append(("bucket", [s.name for s in specs]))
+            return done()
+
+    meta = WeightUpdateMeta.from_fsdp_xccl(ModelAllocation.from_str("sglang:d1"),
+                                           weight_chunked_mem_mb=1)
+    eng.rollout_engine, eng.rollout_coordinator = Recording(), object()
+    eng.weight_update_group = "recorded" if rank == 0 else None
+    eng._weight_update_address = ("127.0.0.1", 0)
+    broadcast = rollout.broadcast_bucket
+    rollout.broadcast_bucket = lambda tensors, group: sent.extend(t.clone() for t in tensors)
+    try:
+        eng.update_weights(meta.with_version(1))
+    finally:
+        rollout.broadcast_bucket = broadcast
+        eng.rollout_engine = eng.rollout_coordinator = eng.weight_update_group = None
+    names = [n for c in calls if isinstance(c, tuple) for n in c[1]]
+    return dict(zip(names, sent)), calls
+
+
 def train_cases(rank, world, path, cases, hf_dir):
     """Each case: 2 steps, the gathered weights and the parameter norm. zero1/retain/float64
     and fsdp/recompute/float32 also export HF after step 2, take a third step and load the
@@ -125,13 +172,19 @@ def train_cases(rank, world, path, cases, hf_dir):
                 out.append({"refused": str(exc)})
                 continue
             stats = [_step(eng, b, rank, world) for b in batches[:2]]
-            res = {"sharding": eng.sharding, "state": eng.full_state_dict(),
+            mine = {k: v[rank::world] for k, v in batches[2].items()}
+            logp = eng.forward_batch({k: mine[k] for k in ("input_ids", "attention_mask")})
+            lengths = mine["attention_mask"].sum(-1).tolist()
+            walked = dict(logp=[row[:n - 1] for row, n in zip(logp, lengths)],
+                          eval=float(eng.eval_batch(mine, grpo(), loss_weight_fn)))
+            res = {"walked": walked, "sharding": eng.sharding, "state": eng.full_state_dict(),
                    "norm": eng.param_norm(), "stats": stats,
                    "master_dtype": str(eng.optimizer.param_groups[0]["params"][0].dtype),
                    "optim_dtypes": sorted({str(v.dtype) for st in eng.optimizer.state.values()
                                            for k, v in st.items() if k != "step"})}
             if world > 1 and (mode, policy, dtype) in (("zero1", "retain", "float64"),
                                                        ("fsdp", "recompute", "float32")):
+                res["xccl"], res["xccl_calls"] = _xccl_update(eng, rank)
                 target = os.path.join(hf_dir, f"{mode}-{policy}-{dtype}")
                 eng.save(SaveLoadMeta(path=target, weight_format="hf", with_optim=False))
                 _step(eng, batches[2], rank, world)
@@ -144,44 +197,67 @@ def train_cases(rank, world, path, cases, hf_dir):
     return out
 
 
+DCP_CASES = [("zero1", "retain"), ("fsdp", "recompute")]
+
+
+def _dcp_round_trip(rank, world, path, directory, mode, policy):
+    """Uninterrupted steps 0, 1 vs step 0, DCP save, a fresh engine loads, step 1. Returns
+    both final states and the fresh engine (for the refusals)."""
+    b0, b1 = _batches(2)
+    eng = _engine(path, world, mode, policy, "float32", optimizer=LINEAR)
+    _step(eng, b0, rank, world)
+    eng.set_version(1)
+    eng.save(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
+    _step(eng, b1, rank, world)
+    straight = dict(state=eng.full_state_dict(), optim=_optimizer_state(eng),
+                    lr=eng.lr_scheduler.get_last_lr()[0], norm=eng.param_norm())
+    eng.destroy()
+    fresh = _engine(path, world, mode, policy, "float32", optimizer=LINEAR)
+    fresh.load(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
+    lr_loaded = fresh.lr_scheduler.get_last_lr()[0]
+    _step(fresh, b1, rank, world)
+    resumed = dict(state=fresh.full_state_dict(), optim=_optimizer_state(fresh),
+                   lr=fresh.lr_scheduler.get_last_lr()[0], norm=fresh.param_norm())
+    files = sorted(os.listdir(os.path.join(directory, "step-000001")))
+    return fresh, {"straight": straight, "resumed": resumed, "lr_loaded": lr_loaded,
+                   "files": files}
+
+
+def _refusals(eng, directory, other):
+    attempts = {
+        "offload": eng.offload,
+        "hf_with_optim": lambda: eng.save(SaveLoadMeta(
+            path=os.path.join(directory, "hf"), weight_format="hf", with_optim=True)),
+        "dcp_without_optim": lambda: eng.save(SaveLoadMeta(
+            path=directory, weight_format="dcp", with_optim=False)),
+        "forward_backward": lambda: eng.forward_backward_batch([], None),
+        "other_mode": lambda: eng.load(SaveLoadMeta(path=other, weight_format="dcp",
+                                                    with_optim=True)),
+    }
+    refused = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            refused[name] = None
+        except (ValueError, NotImplementedError) as exc:
+            refused[name] = str(exc)
+    return refused
+
+
 def dcp_and_refusals(rank, world, path, directory):
-    """zero1: uninterrupted 2 steps vs step 0, DCP save, a fresh engine loads, step 1. Then
-    what a sharded engine refuses."""
+    """The DCP round trip under zero1 and fsdp, then what a sharded engine refuses."""
+    out, engines = {}, {}
     with _rank_setup():
-        b0, b1 = _batches(2)
-        eng = _engine(path, world, "zero1", "retain", "float32", optimizer=LINEAR)
-        _step(eng, b0, rank, world)
-        eng.set_version(1)
-        eng.save(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
-        _step(eng, b1, rank, world)
-        straight = dict(state=eng.full_state_dict(), optim=_optimizer_state(eng),
-                        lr=eng.lr_scheduler.get_last_lr()[0], norm=eng.param_norm())
-        eng.destroy()
-        fresh = _engine(path, world, "zero1", "retain", "float32", optimizer=LINEAR)
-        fresh.load(SaveLoadMeta(path=directory, weight_format="dcp", with_optim=True))
-        lr_loaded = fresh.lr_scheduler.get_last_lr()[0]
-        _step(fresh, b1, rank, world)
-        resumed = dict(state=fresh.full_state_dict(), optim=_optimizer_state(fresh),
-                       lr=fresh.lr_scheduler.get_last_lr()[0], norm=fresh.param_norm())
-        refused = {}
-        attempts = {
-            "offload": fresh.offload,
-            "hf_with_optim": lambda: fresh.save(SaveLoadMeta(
-                path=os.path.join(directory, "hf"), weight_format="hf", with_optim=True)),
-            "dcp_without_optim": lambda: fresh.save(SaveLoadMeta(
-                path=directory, weight_format="dcp", with_optim=False)),
-            "forward_backward": lambda: fresh.forward_backward_batch([], None),
-        }
-        for name, attempt in attempts.items():
-            try:
-                attempt()
-                refused[name] = None
-            except (ValueError, NotImplementedError) as exc:
-                refused[name] = str(exc)
-        files = sorted(os.listdir(os.path.join(directory, "step-000001")))
-        fresh.destroy()
-    return {"straight": straight, "resumed": resumed, "lr_loaded": lr_loaded,
-            "refused": refused, "files": files}
+        for mode, policy in DCP_CASES:
+            engines[mode], out[mode] = _dcp_round_trip(rank, world, path,
+                                                       os.path.join(directory, mode),
+                                                       mode, policy)
+        for mode, other in (("zero1", "fsdp"), ("fsdp", "zero1")):
+            out[mode]["refused"] = _refusals(engines[mode], os.path.join(directory, mode),
+                                             os.path.join(directory, other))
+        for eng in engines.values():
+            eng.destroy()
+    return out
 
 
 def two_ranks(rank, world, path, cases, hf_dir, dcp_dir):
@@ -232,6 +308,13 @@ def test_two_sharded_engine_ranks_match_one_process(runs, case):
         for s, r in zip(got["stats"], ref["stats"]):
             assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6)
         assert got["master_dtype"] == str(getattr(torch, case[2]))
+        # forward_batch on this rank's half and eval_batch (all-reduced) after the steps
+        for j, row in enumerate(got["walked"]["logp"]):
+            want = ref["walked"]["logp"][rank + 2 * j]
+            assert row.shape == want.shape
+            assert float((row - want).abs().max()) <= 10 * TOL[case[2]], (case, rank, j)
+        # eval_batch sums in float32 (as AReaL): rank partial sums vs one sum
+        assert got["walked"]["eval"] == pytest.approx(ref["walked"]["eval"], rel=1e-5)
 
 
 @pytest.mark.parametrize("case", MIXED, ids=["-".join(c) for c in MIXED])
@@ -279,10 +362,28 @@ def test_hf_export_is_gathered_on_rank_0_and_loads_back(runs):
     assert checked == 2
 
 
-def test_zero1_dcp_round_trip_continues_bit_identically(runs):
-    res = runs[2]
-    for rank in (0, 1):
-        r = res[rank]
+def test_xccl_update_gathers_every_tensor_and_rank_0_sends(runs):
+    two, _, _ = runs
+    checked = 0
+    for i, case in enumerate(RUN):
+        if "xccl" not in two[0][i]:
+            continue
+        checked += 1
+        state, sent, calls = two[0][i]["state"], two[0][i]["xccl"], two[0][i]["xccl_calls"]
+        assert calls[0] == "pause" and calls[-1] == "continue" and len(calls) >= 3
+        assert set(sent) == set(state) - ({"lm_head.weight"} - set(sent))
+        for name, t in sent.items():
+            assert t.dtype == state[name].dtype and torch.equal(t, state[name]), (case, name)
+        assert two[1][i]["xccl"] == {} and two[1][i]["xccl_calls"] == []  # rank 1 gathers only
+    assert checked == 2
+
+
+@pytest.mark.parametrize("mode", [m for m, _ in DCP_CASES])
+def test_dcp_round_trip_continues_bit_identically(runs, mode):
+    """AReaL's SaveLoadMeta(weight_format="dcp", with_optim=True), what RecoverHandler
+    writes: every rank its shards; a fresh engine's load + the next step == uninterrupted."""
+    res = [runs[2][rank][mode] for rank in (0, 1)]
+    for rank, r in enumerate(res):
         assert ".metadata" in r["files"] and "manifest.json" in r["files"]
         assert r["lr_loaded"] < LINEAR.lr  # the schedule resumed, not restarted
         s, t = r["straight"], r["resumed"]
@@ -292,13 +393,16 @@ def test_zero1_dcp_round_trip_continues_bit_identically(runs):
             for k in s[part]:
                 assert torch.equal(s[part][k], t[part][k]), (rank, part, k)
         refused = r["refused"]
-        assert "offload() under actor.dta.sharding=zero1" in refused["offload"]
+        assert f"offload() under actor.dta.sharding={mode}" in refused["offload"]
         assert "use weight_format='dcp'" in refused["hf_with_optim"]
-        assert "with_optim=False under actor.dta.sharding=zero1" in \
+        assert f"with_optim=False under actor.dta.sharding={mode}" in \
             refused["dcp_without_optim"]
         assert "forward_backward_batch(forward_only=False)" in refused["forward_backward"]
+        other = "fsdp" if mode == "zero1" else "zero1"
+        assert f"written under sharding={other}; this engine runs sharding={mode}" in \
+            refused["other_mode"]
     # the optimizer state is sharded: each rank holds half of a replica's (AdamW: 2 / param)
-    sizes = [sum(v.numel() for v in res[r]["straight"]["optim"].values()) for r in (0, 1)]
+    sizes = [sum(v.numel() for v in r["straight"]["optim"].values()) for r in res]
     replica = 2 * sum(v.numel() for v in res[0]["straight"]["state"].values())
     assert all(n <= 0.55 * replica for n in sizes), (sizes, replica)
 
