@@ -3,8 +3,7 @@ ranks (``fsdp:d2``, spawned processes, a file:// store on loopback), against one
 
 * parameters after 2 ``train_batch`` steps (AReaL's grpo_loss_fn, each rank half of the
   sequences) equal one process's on the whole batch: float64 <= 1e-12, float32 <= 1e-6
-  relative L2, for zero1 and fsdp under both memory policies (fsdp + retain: the clear
-  refusal while the runtime cannot match its calls); then forward_batch on each rank's
+  relative L2, for zero1 and fsdp under both memory policies; then forward_batch on each rank's
   half and eval_batch (all-reduced) agree with one process's;
 * the HF export is gathered and written by rank 0 (compared with one process), loading it
   back restores the weights and the fp32 masters, and an xccl update gathers every tensor
@@ -37,7 +36,6 @@ from tests.test_areal import (FT_SPEC, VOCAB, engine_config, grpo, loss_weight_f
 CASES = [(mode, policy, dtype) for mode in ("zero1", "fsdp")
          for policy in ("retain", "recompute") for dtype in ("float64", "float32")]
 MIXED = [("zero1", "retain", "bfloat16"), ("fsdp", "recompute", "bfloat16")]
-REFUSED = {("fsdp", "retain")}
 RUN = CASES + MIXED  # runtime.sharding.lockstep cannot match retain's calls
 TOL = {"float64": 1e-12, "float32": 1e-6}
 LINEAR = OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0,
@@ -166,11 +164,7 @@ def train_cases(rank, world, path, cases, hf_dir):
     with _rank_setup():
         batches = _batches()
         for mode, policy, dtype in cases:
-            try:
-                eng = _engine(path, world, mode, policy, dtype)
-            except ValueError as exc:
-                out.append({"refused": str(exc)})
-                continue
+            eng = _engine(path, world, mode, policy, dtype)
             stats = [_step(eng, b, rank, world) for b in batches[:2]]
             mine = {k: v[rank::world] for k, v in batches[2].items()}
             logp = eng.forward_batch({k: mine[k] for k in ("input_ids", "attention_mask")})
@@ -281,8 +275,8 @@ def runs(model_dir, tmp_path_factory):  # noqa: F811
     with pytest.MonkeyPatch.context() as mp:  # one process: the engine's own 1-rank group
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             mp.delenv(key, raising=False)
-        one = train_cases(0, 1, model_dir, [c for c in RUN if c[:2] not in REFUSED], hf_dir)
-    reference = dict(zip([c for c in RUN if c[:2] not in REFUSED], one))
+        one = train_cases(0, 1, model_dir, RUN, hf_dir)
+    reference = dict(zip(RUN, one))
     return [r["cases"] for r in two], reference, [r["dcp"] for r in two]
 
 
@@ -290,11 +284,6 @@ def runs(model_dir, tmp_path_factory):  # noqa: F811
 def test_two_sharded_engine_ranks_match_one_process(runs, case):
     two, reference, _ = runs
     i = RUN.index(case)
-    if case[:2] in REFUSED:
-        for rank in (0, 1):
-            assert "actor.dta.sharding=fsdp needs actor.dta.policy=recompute" in \
-                two[rank][i]["refused"]
-        return
     ref = reference[case]
     assert ref["sharding"] == "replicate"
     for rank in (0, 1):
@@ -408,15 +397,13 @@ def test_dcp_round_trip_continues_bit_identically(runs, mode):
 
 
 def test_sharding_is_resolved_as_fsdp_dn_means_it():
-    assert resolve_sharding(None, 1, "retain") == "replicate"
-    assert resolve_sharding("fsdp", 1, "retain") == "replicate"  # one rank: nothing to shard
-    assert resolve_sharding(None, 2, "recompute") == "fsdp"
-    assert resolve_sharding(None, 2, "retain") == "zero1"
-    assert resolve_sharding(None, 2, "retain", trains=False) == "replicate"
-    assert resolve_sharding("replicate", 4, "retain") == "replicate"
-    with pytest.raises(ValueError, match="actor.dta.sharding=fsdp needs actor.dta.policy"):
-        resolve_sharding("fsdp", 2, "retain")
+    assert resolve_sharding(None, 1) == "replicate"
+    assert resolve_sharding("fsdp", 1) == "replicate"  # one rank: nothing to shard
+    assert resolve_sharding(None, 2) == "fsdp"  # AReaL's fsdp:d2
+    assert resolve_sharding(None, 2, trains=False) == "replicate"  # a reference model
+    assert resolve_sharding("replicate", 4) == "replicate"
+    assert resolve_sharding("zero1", 4) == "zero1"
     with pytest.raises(ValueError, match="needs an optimizer"):
-        resolve_sharding("zero1", 2, "retain", trains=False)
+        resolve_sharding("zero1", 2, trains=False)
     with pytest.raises(ValueError, match="unknown DTA sharding 'zero3'"):
         DTAOptions(sharding="zero3")

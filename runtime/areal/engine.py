@@ -182,7 +182,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             torch.cuda.set_device(self.device)
         compute = resolve_dtype(self.dta.dtype or self.config.dtype)
         storage = resolve_dtype(self.dta.dtype or self.config.optimizer_dtype)
-        self.sharding = resolve_sharding(self.dta.sharding, self.world_size, self.policy,
+        self.sharding = resolve_sharding(self.dta.sharding, self.world_size,
                                          trains=self.optimizer_config is not None)
         if self.sharding != "replicate":
             if storage != master_dtype_for(compute):
@@ -229,7 +229,8 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             return build_optimizer(list(params), oc, multi_tensor=not mixed)
 
         self.layout = ShardedLayout(self.sharding, model, make_optimizer,
-                                    compute_dtype=compute, group=self.parallel.dp_group)
+                                    compute_dtype=compute, policy=self.policy,
+                                    group=self.parallel.dp_group)
         self.model, self.optimizer = self.layout.model, self.layout.optimizer
         self.model_config = self.model.config
         self.tokenizer = local_tokenizer(self.config.path)

@@ -25,9 +25,9 @@ class DTAOptions:
         ``replicate`` (full replicas, gradients averaged), ``zero1`` (compute parameters
         gathered once per step, fp32 masters and optimizer state sharded, one reduce-scatter
         per step) or ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer: ZeRO-3, the layout of
-        AReaL's FSDPEngine). Unset (default): ``fsdp:dN`` with N > 1 shards as AReaL's does —
-        ``fsdp`` where the walk supports it under the memory policy, else ``zero1``
-        (:func:`runtime.areal.sharded.resolve_sharding`). One rank has nothing to shard.
+        AReaL's FSDPEngine). Unset (default): ``fsdp:dN`` with N > 1 shards as AReaL's does,
+        ``fsdp`` (:func:`runtime.areal.sharded.resolve_sharding`). One rank has nothing to
+        shard.
     """
 
     policy: str | None = None

@@ -1,9 +1,9 @@
 """Sharded layouts of ``DTATrainEngine``: ``zero1`` and ``fsdp`` through ``runtime.sharding``.
 
 AReaL's ``fsdp:dN`` backend means FSDP2 sharding over the N data-parallel ranks. The engine
-shards the same way when ``actor.dta.sharding`` (:class:`~runtime.areal.options.DTAOptions`)
-says so, or by default whenever there is more than one rank (:func:`resolve_sharding`); the
-runtime's modes (``runtime.sharding.make_strategy``) do all the communication around the
+shards the same way: ``fsdp`` by default whenever there is more than one rank, or what
+``actor.dta.sharding`` (:class:`~runtime.areal.options.DTAOptions`) says
+(:func:`resolve_sharding`); the runtime's modes (``runtime.sharding.make_strategy``) do all the communication around the
 walk, which never knows it is distributed:
 
 - ``zero1``: the compute-dtype parameters are gathered once per step and kept for the walk;
@@ -11,7 +11,9 @@ walk, which never knows it is distributed:
   slice of fp32 master weights (optimizer state sharded), one all-gather of the new weights;
 - ``fsdp``: FSDP2 ``fully_shard`` per decoder layer (fp32 ``Shard(0)`` DTensors gathered per
   call in the compute dtype, gradients reduce-scattered in fp32); the embedding and LM head
-  as zero1-style flat shards; the ranks' decoder calls matched by ``runtime.sharding.lockstep``.
+  as zero1-style flat shards; the ranks' decoder calls matched by ``runtime.sharding.lockstep``
+  under both memory policies (under ``retain`` the mode asks the walker for one LM-head flush
+  per pack: :attr:`ShardedLayout.walk_options`).
 
 The runtime's modes SUM the ranks' gradients, where FSDPEngine averages them after scaling
 each rank's loss by the data-parallel size: ``train_batch`` then scales by
@@ -31,39 +33,24 @@ import torch.distributed as dist
 
 from runtime.sharding import make_strategy, master_dtype_for
 
-__all__ = ["ShardedLayout", "resolve_sharding", "fsdp_walks"]
+__all__ = ["ShardedLayout", "resolve_sharding"]
 
 logger = logging.getLogger("DTATrainEngine")
 
 
-def fsdp_walks(policy: str) -> bool:
-    """Whether ``fsdp`` can keep the ranks' calls matched under the walker's memory policy
-    (``runtime.sharding.lockstep``: a node's backward under ``retain`` waits for its whole
-    subtree, between other calls)."""
-    return policy == "recompute"
-
-
-def resolve_sharding(option: str | None, world_size: int, policy: str, *,
-                     trains: bool = True) -> str:
+def resolve_sharding(option: str | None, world_size: int, *, trains: bool = True) -> str:
     """The layout of an engine: ``replicate`` on one rank (nothing to shard) and for an
     inference-only engine left unset; else the ``actor.dta.sharding`` option, or — unset —
-    what AReaL's ``fsdp:dN`` means: ``fsdp`` where the walk supports it under ``policy``,
-    else ``zero1``. Raises ValueError naming the keys for what cannot run."""
+    what AReaL's ``fsdp:dN`` means: ``fsdp``. Raises ValueError naming the key for a sharded
+    mode without an optimizer."""
     if world_size <= 1:
         return "replicate"
     if option is None:
-        if not trains:
-            return "replicate"
-        return "fsdp" if fsdp_walks(policy) else "zero1"
+        return "fsdp" if trains else "replicate"
     if option != "replicate" and not trains:
         raise ValueError(f"actor.dta.sharding={option} needs an optimizer: an engine with "
                          "optimizer=None is inference only and runs replicated "
                          "(leave actor.dta.sharding unset)")
-    if option == "fsdp" and not fsdp_walks(policy):
-        raise ValueError(f"actor.dta.sharding=fsdp needs actor.dta.policy=recompute (got "
-                         f"{policy!r}: under retain a node's backward waits for its whole "
-                         "subtree, so the ranks' FSDP collectives cannot be matched); use "
-                         "actor.dta.sharding=zero1 with retain")
     return option
 
 
@@ -73,7 +60,7 @@ class ShardedLayout:
     (fp32 for 16-bit compute); it is cast / sharded in place."""
 
     def __init__(self, mode: str, model, make_optimizer, *, compute_dtype: torch.dtype,
-                 group=None):
+                 policy: str, group=None):
         if mode not in ("zero1", "fsdp"):
             raise ValueError(f"ShardedLayout shards zero1 or fsdp, not {mode!r}")
         built = next(model.parameters()).dtype
@@ -83,12 +70,17 @@ class ShardedLayout:
                              f"{compute_dtype}), got {built}")
         self.mode, self.compute_dtype, self.group = mode, compute_dtype, group
         self.strategy = make_strategy(mode, model, make_optimizer, group=group,
-                                      compute_dtype=compute_dtype)
+                                      compute_dtype=compute_dtype, policy=policy)
         self.model = self.strategy.model
         self.optimizer = self.strategy.optimizer
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         logger.info("sharding=%s over %d ranks (compute %s, masters %s)", mode,
                     dist.get_world_size(group), compute_dtype, built)
+
+    @property
+    def walk_options(self) -> dict:
+        """Walker options the mode needs (``dta.walk.Walker`` keyword arguments)."""
+        return dict(getattr(self.strategy, "walk_options", {}))
 
     # ------------------------------------------------------------------- the step --
     def zero_grad(self) -> None:

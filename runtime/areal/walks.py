@@ -89,8 +89,9 @@ class WalksMixin:
         return values or [torch.zeros((), device=self.device)]
 
     def _walker(self) -> Walker:
+        options = self.layout.walk_options if self.layout is not None else {}
         return Walker(self.model, policy=self.policy, logits_chunk=self.dta.logits_chunk,
-                      temperature=float(self.config.temperature))
+                      temperature=float(self.config.temperature), **options)
 
     def _record_tree(self, ids, walked: PrefixTree, forwarded: int, loss: float | None = None):
         stats = PrefixTree(ids, min_shared=self.dta.min_shared).stats()
