@@ -511,17 +511,19 @@ engine = DTATrainEngine(engine_config({path!r}, 1, backend="fsdp:d2"))
 engine.create_process_group()
 engine.initialize(None, FT_SPEC)
 assert engine.data_parallel_world_size == 2 and engine.data_parallel_rank == rank
+assert engine.sharding == "fsdp"  # what AReaL's fsdp:d2 means (actor.dta.sharding unset)
 stats = engine.train_batch(mine, grpo(), loss_weight_fn)
+params = engine.full_state_dict()  # gathered: a collective on every rank
 if rank == 0:
-    torch.save(dict(stats=stats, params={{n: p.detach() for n, p in engine.model.named_parameters()}}),
-               {out!r})
+    torch.save(dict(stats=stats, params=params), {out!r})
 engine.destroy()
 """
 
 
 def test_two_data_parallel_ranks_match_one(model_dir, records, eager_areal, tmp_path):
-    """2 gloo ranks, each with half the sequences: the global loss weight is all-reduced and
-    the gradients averaged, so the step is the 1-rank step on the whole batch."""
+    """2 gloo ranks (``fsdp:d2``: sharded with fsdp by default), each with half the sequences:
+    the global loss weight is all-reduced and the gradients summed over the shards, so the
+    step is the 1-rank step on the whole batch."""
     import subprocess
     import sys
 
