@@ -1,7 +1,8 @@
 """Re-sharding (runtime.sharding.reshard): a DCP checkpoint written by 2 gloo ranks (zero1,
-fsdp) resumed by one replica holds exactly the saved parameters, and its next step equals
-the 2-rank run's (float64 <= 1e-12); resuming at another sharded world size or mode is
-refused in one line naming both, before any parameter is touched."""
+fsdp) resumed by one replica or by 3 ranks, and a 1-rank checkpoint resumed by 2 sharded
+ranks, hold exactly the saved parameters, and their next step equals the original run's
+(float64 <= 1e-12); resuming in another sharded mode is refused in one line naming both
+world sizes and modes, before any parameter is touched."""
 from __future__ import annotations
 
 import os
@@ -66,9 +67,38 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_mismatches_are_refused(tmp_
     assert "2 rank(s) with train.sharding=zero1" in message and "train.sharding=fsdp" in message
     assert two["untouched"]
     with pytest.raises(ShardedCheckpointError, match=r"saved by 2 rank.*this run has 3 rank"):
-        check_resumable(two["fsdp"]["path"], 3, "fsdp")
+        check_resumable(two["fsdp"]["path"], 3, "zero1")
     with pytest.raises(ShardedCheckpointError, match=r"this run has 2 rank.*replicate"):
         check_resumable(two["fsdp"]["path"], 2, "replicate")
+
+
+@pytest.mark.slow  # 3 gloo ranks on this 2-core machine: ~60 s
+def test_two_rank_checkpoints_resume_on_three_ranks(tmp_path):
+    """The same mode at 3 ranks: DCP re-cuts every logical tensor (zero1's flat masters and
+    moments, fsdp's per-parameter DTensors and vocabulary shards)."""
+    (two, _) = run_ranks(save_at_two, 2, str(tmp_path))
+    three = run_ranks(resume_at_three, 3, {m: two[m]["path"] for m in MODES})
+    for mode in MODES:
+        for rank in range(3):
+            got = three[rank][mode]
+            for name, t in two[mode]["saved"].items():
+                assert (got["loaded"][name] == t).all(), f"{mode} rank {rank} {name}"
+            err = rel_l2(got["after"], two[mode]["after"])
+            assert err <= 1e-12, f"{mode} W=3 rank {rank}: relative L2 {err:.3g}"
+        print(f"{mode}: W=2 -> W=3 resume, step 2 vs the 2-rank run {err:.2g}")
+
+
+def resume_at_three(rank, world, paths):
+    """Per mode: 3 fresh ranks load the 2-rank checkpoint (the same mode), then step 1."""
+    out = {}
+    for mode in MODES:
+        cfg = load_config(None, overrides(mode, "float64", "retain"))
+        w = _worker(cfg, rank, world)
+        meta = w.load_checkpoint(paths[mode])
+        loaded = w.state()["model"]
+        _step(w, cfg, 1, rank, world)
+        out[mode] = {"meta": meta, "loaded": loaded, "after": w.state()["model"]}
+    return out
 
 
 def resume_at_two(rank, world, path):

@@ -311,8 +311,8 @@ class DFSWorker:
         return path
 
     def load_checkpoint(self, path: str) -> dict:
-        """Same world size and mode; a sharded checkpoint of any world size re-sharded into
-        this one replica; a replicated checkpoint cut into this rank's shards
+        """A sharded checkpoint in this run's mode at any world size (DCP re-cuts it), or
+        re-sharded into this one replica; a replicated checkpoint cut into this rank's shards
         (``runtime.sharding.reshard``); anything else is refused before a parameter is
         touched. Sharded: every rank calls this."""
         from runtime.sharding.reshard import (check_resumable, load_into_replica,
@@ -323,9 +323,9 @@ class DFSWorker:
             meta = load_into_replica(path, self.model, self.optimizer)
         elif saved["format"] == "replicated" and self.sharded:
             meta = load_replicated_into_sharded(path, self.strategy)
-        elif self.sharded:
+        elif self.sharded:  # the same mode; DCP re-cuts for another world size
             from runtime.dcp import load_sharded
-            meta = load_sharded(path, self.strategy.sharded_state())
+            meta = load_sharded(path, self.strategy.sharded_state(), allow_reshard=True)
         else:
             from runtime.ray_runtime.checkpoint import load_checkpoint
             meta = load_checkpoint(path, self.model, self.optimizer)

@@ -16,11 +16,11 @@ counts. Nothing in them depends on the world size but the cut, so:
   keeps its own cut of each parameter and optimizer state (zero1 / the vocabulary: the flat
   slice; fsdp's layers: ``distribute_tensor`` of the local data, no communication), then
   regathers the compute parameters;
-- the same world size and mode: :func:`runtime.dcp.load_sharded` (as before);
+- **W ranks → W' ranks, the same mode** (W' = W included): :func:`runtime.dcp.load_sharded`;
+  DCP re-cuts each logical tensor for the new ranks (``allow_reshard``);
 - anything else is refused by :func:`check_resumable`, one line naming the checkpoint's and
-  this run's world size and mode, before any parameter is touched: another sharded world
-  size or mode (DCP could re-cut these logical tensors, but it is untested here: this
-  machine runs 2 ranks), a sharded checkpoint into W > 1 replicas.
+  this run's world size and mode, before any parameter is touched: another sharded mode, a
+  sharded checkpoint into W > 1 replicas.
 """
 from __future__ import annotations
 
@@ -53,11 +53,11 @@ def check_resumable(path: str, world: int, mode: str) -> dict:
         return saved  # replicas load it whole; sharded ranks keep their cut of it
     if mode == "replicate" and world == 1:
         return saved  # re-sharded into one replica
-    elif mode == saved["sharding"] and world == saved["world"]:
-        return saved
+    elif mode == saved["sharding"]:
+        return saved  # DCP re-cuts the logical tensors for this world size
     else:
-        why = ("a sharded checkpoint resumes at its own world size and mode, or re-sharded "
-               "on 1 rank (ray.num_workers=1)")
+        why = ("a sharded checkpoint resumes in its own mode (at any world size), or "
+               "re-sharded on 1 rank (ray.num_workers=1)")
     raise ShardedCheckpointError(
         f"checkpoint {path!r} was saved by {saved['world']} rank(s) with "
         f"train.sharding={saved['sharding']}; this run has {world} rank(s) with "
