@@ -39,9 +39,24 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     if is_causal and key.shape[2] > q_len:  # an unmasked causal call is upper-left aligned
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        is_causal=is_causal, enable_gqa=True)
+        query, key, value, attn_mask=_additive(attention_mask, query.dtype), dropout_p=dropout,
+        scale=scaling, is_causal=is_causal, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+_last_mask: list = [None, None, None]  # (bool mask, dtype, its additive form)
+
+
+def _additive(mask, dtype):
+    """A boolean mask as SDPA converts it (0 where visible, -inf elsewhere: the same values,
+    so the same result), converted once per forward instead of once per layer call: every
+    layer of a forward passes the same mask tensor."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    if _last_mask[0] is not mask or _last_mask[1] != dtype:
+        _last_mask[:] = [mask, dtype, torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+                         .masked_fill_(~mask, float("-inf"))]
+    return _last_mask[2]
 
 
 def register() -> str:
@@ -61,6 +76,7 @@ def _set_impl(model, name: str) -> None:
             configs[id(cfg)] = cfg
     for cfg in configs.values():
         cfg._attn_implementation = name
+    _last_mask[:] = [None, None, None]
 
 
 @contextlib.contextmanager

@@ -339,3 +339,32 @@ def test_chain_segments_exact_float64(f64):
         assert abs(res.loss - ref.loss) <= 1e-10 * abs(ref.loss), policy
         lp = max(float((a - b).abs().max()) for a, b in zip(res.walk.logprobs, ref.logprobs))
         assert lp <= 1e-10, policy
+
+
+def test_mask_converted_once_per_forward_same_gradients(monkeypatch):
+    """dta_sdpa turns a pack's boolean mask into SDPA's additive form once per forward (not
+    once per layer): the gradients are bit-for-bit those of passing the boolean mask."""
+    import dta.attention as attention
+
+    model = build_model("qwen3", "tiny", dtype="float32", seed=0)
+    batch = hard_batch(model)
+    conversions = []
+    real = attention._additive
+
+    def counting(mask, dtype):
+        out = real(mask, dtype)
+        if out is not mask and not any(out is c for c in conversions):  # a new conversion
+            conversions.append(out)
+        return out
+
+    def run(fn):
+        monkeypatch.setattr(attention, "_additive", fn)
+        model.zero_grad(set_to_none=True)
+        res = accumulate_gradients(model, batch, NLL(), packing="auto", pack_tokens=CAP)
+        return res, [p.grad.clone() for p in model.parameters()]
+
+    res, g_once = run(counting)
+    _, g_bool = run(lambda mask, dtype: mask)
+    assert all(torch.equal(a, b) for a, b in zip(g_once, g_bool))
+    layers = model.config.num_hidden_layers
+    assert 0 < len(conversions) <= res.walk.forward_calls < layers * res.walk.forward_calls
