@@ -196,8 +196,11 @@ class Walker:
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
         check_router_aux_loss(self.model, self.router_aux_loss)
-        with native_gqa(self.model, self.native_gqa):
-            return self._train(tree, objective, record, progress)
+        try:
+            with native_gqa(self.model, self.native_gqa):
+                return self._train(tree, objective, record, progress)
+        finally:
+            self.head.release()
 
     def _train(self, tree, objective, record, progress) -> WalkResult:
         res = WalkResult()
@@ -322,6 +325,7 @@ class Walker:
                     res.max_path = max(res.max_path, len(path))
                 if progress is not None:
                     progress(layout.tokens)
+        self.head.release()
         res.logprobs, res.entropy, *mm = rec.split()
         if minmax:
             res.vocab_min, res.vocab_max = mm

@@ -368,3 +368,38 @@ def test_mask_converted_once_per_forward_same_gradients(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(g_once, g_bool))
     layers = model.config.num_hidden_layers
     assert 0 < len(conversions) <= res.walk.forward_calls < layers * res.walk.forward_calls
+
+
+def test_head_workspace_reused_then_released():
+    """On CPU the head writes every chunk's logits into one reused buffer: the same gradients
+    as fresh logits per chunk (float32 round-off: ∂L/∂W is then added chunk by chunk), and the
+    buffer is dropped when the walk ends. (Float64 exactness: the tests above, which run
+    with the workspace.)"""
+    from dta.objective import Objective
+    from dta.walk import Walker
+
+    model = build_model("qwen3", "tiny", dtype="float32", seed=0)
+    batch = hard_batch(model)
+    tree = PrefixTree(batch.input_ids)
+
+    def run(reuse):
+        model.zero_grad(set_to_none=True)
+        walker = Walker(model, packing="auto", pack_tokens=CAP, logits_chunk=7)
+        walker.head._reuse = reuse
+        storages, real = [], walker.head._logits
+
+        def logits(h):
+            out, in_ws = real(h)
+            storages.append(out.untyped_storage().data_ptr() if in_ws else None)
+            return out, in_ws
+
+        walker.head._logits = logits
+        walker.train(tree, Objective(batch, NLL(), "token_mean"))
+        assert walker.head._workspace is None  # released at the end of the walk
+        return [p.grad.clone() for p in model.parameters()], storages
+
+    g_ws, used = run(True)
+    g_fresh, fresh = run(False)
+    assert len(used) > 3 and len(set(used)) < len(used) and None not in used  # reused
+    assert set(fresh) == {None}
+    assert rel(g_ws, g_fresh) <= 1e-6
