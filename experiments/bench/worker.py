@@ -85,7 +85,8 @@ def warmup_batch(batch):
                 rec[k] = v[i][-96:]
         recs.append(rec)
     out = Batch.from_records(recs)
-    assert all(np.array_equal(out.loss_mask(k), mask) for k in range(2))
+    if not all(np.array_equal(out.loss_mask(k), mask) for k in range(2)):
+        raise RuntimeError("warm-up batch: the loss mask did not survive Batch.from_records")
     return out
 
 
