@@ -124,8 +124,8 @@ class LMHead:
                         B = torch.zeros(n_u, dtype=z.dtype, device=z.device).index_add_(0, u_of, gb)
                         ent_term = z.sub_(lse[:, None]).add_(ent_row[:, None]).mul_(p).mul_(B[:, None])
                     g = p.mul_(-A[:, None])  # −p A, in place of p
-                if gb is not None:
-                    g.sub_(ent_term)
+                    if gb is not None:
+                        g.sub_(ent_term)
                 g.index_put_((u_of, t), ga, accumulate=True)
                 g = self.transform.backward_(g, cap_tanh).to(h.dtype)
                 dhidden.index_add_(0, r_u, g @ self.weight)

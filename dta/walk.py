@@ -163,28 +163,30 @@ class Walker:
         per_frame = []
         for f, node in zip(path, through):
             if f.pieces is None or f.pieces[0] != node:
-                local = int(np.flatnonzero(f.layout.tree_nodes == node)[0])
-                rows = f.layout.path_rows(local)
-                cached = True
-                with torch.enable_grad():  # kept for later forwards with grad (recompute)
-                    if len(rows) == f.layout.tokens:
-                        kv = f.state
-                    elif np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-                        a, b = int(rows[0]), int(rows[0]) + len(rows)
-                        kv = [(k[:, :, a:b], v[:, :, a:b]) for k, v in f.state]
-                    else:  # rebuilt per pack: a backward through it frees its saved index
-                        idx = torch.as_tensor(rows, device=self.device)
-                        kv = [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in f.state]
-                        cached = False
-                f.pieces = (node, kv) if cached else None
+                kv, reusable = self._rows_through(f, node)
+                f.pieces = (node, kv) if reusable else None
                 per_frame.append(kv)
-                continue
-            per_frame.append(f.pieces[1])
+            else:
+                per_frame.append(f.pieces[1])
         covered = sum(kv[0][0].shape[2] for kv in per_frame)
         if covered != layout.prefix:
             raise RuntimeError(f"the path's K/V cover {covered} positions, the pack starts at "
                                f"{layout.prefix}")
         return [[kv[layer] for kv in per_frame] for layer in range(len(self.io.layer_kinds))]
+
+    def _rows_through(self, f: Frame, node: int):
+        """Frame ``f``'s per-layer K/V rows on the root path through tree node ``node``, and
+        whether later packs may reuse them: the whole state or a slice (a view) may; rows
+        gathered by ``index_select`` may not (a backward through them frees the saved index)."""
+        rows = f.layout.path_rows(int(np.flatnonzero(f.layout.tree_nodes == node)[0]))
+        with torch.enable_grad():  # kept for later forwards with grad (recompute)
+            if len(rows) == f.layout.tokens:
+                return f.state, True
+            a, b = int(rows[0]), int(rows[0]) + len(rows)
+            if np.array_equal(rows, np.arange(a, b)):
+                return [(k[:, :, a:b], v[:, :, a:b]) for k, v in f.state], True
+            idx = torch.as_tensor(rows, device=self.device)
+            return [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in f.state], False
 
     def _terms(self, tree, layout: PackLayout, objective: Objective, record: bool) -> NodeTerms:
         return NodeTerms.concat([
