@@ -42,13 +42,7 @@ def flat_grad(model) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops: on a loaded 2-core machine, 2 OpenMP threads are up to 10x slower than one
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is fastest
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,7 @@ from tests.cases import SEQUENCE_LOSS, hard_batch, hard_sequences
 CAP = 20  # small enough that subtrees, siblings and auto differ on the hard batch
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is fastest
 
 
 @pytest.fixture(scope="module")

@@ -128,13 +128,16 @@ def resume_cases(rank, world, cases, directory):
 
 
 # ------------------------------------------------------------------------- tests --
-def _one_process(case):
+def _one_process(case, export=None, make_overrides=None):
+    """The same 2 steps in this process (replicated, W = 1); optionally its HF export."""
     threads = torch.get_num_threads()
     try:
-        cfg = load_config(None, overrides(*case))
+        cfg = load_config(None, (make_overrides or overrides)(*case))
         w = _worker(cfg, 0, 1)
         for k in range(2):
             _step(w, cfg, k, 0, 1)
+        if export:
+            w.export_hf(export)
         return w.state()["model"], w.param_norm()
     finally:
         torch.set_num_threads(threads)

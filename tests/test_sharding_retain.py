@@ -12,7 +12,7 @@ import pytest
 
 from dta.config import load_config
 from runtime.sharding.local import run_ranks
-from tests.test_sharding import TOL, _step, _worker, rel_l2
+from tests.test_sharding import TOL, _one_process, _step, _worker, rel_l2
 
 BRANCHED = ["workload.scale=small"]
 CASES = [("fsdp", "float64", "retain"), ("fsdp", "float32", "retain"),
@@ -41,19 +41,8 @@ def train_cases(rank, world, cases, directory):
 
 
 def one_process(case, export=None):
-    """The same 2 steps in this process (replicated, W = 1); optionally its HF export."""
-    import torch
-    threads = torch.get_num_threads()
-    try:
-        cfg = load_config(None, overrides(*case))
-        w = _worker(cfg, 0, 1)
-        for k in range(2):
-            _step(w, cfg, k, 0, 1)
-        if export:
-            w.export_hf(export)
-        return w.state()["model"], w.param_norm()
-    finally:
-        torch.set_num_threads(threads)
+    """The same 2 steps in this process (replicated, W = 1) on the branched batch."""
+    return _one_process(case, export, make_overrides=overrides)
 
 
 def walk_orders(case):
