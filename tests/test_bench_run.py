@@ -113,3 +113,50 @@ def test_summary_flags_wrong_and_failed_modes():
                                                      trainable_tokens=10,
                                                      ideal_baseline="microbatch")))
     assert "WRONG" in md and "FAILED" in md
+
+
+def test_disturbance_counts_other_processes_and_steal():
+    """What else ran during a step: the machine's busy CPU less the step's own, per second;
+    the summary keeps the worst run and the table shows it."""
+    from experiments.bench.worker import cpu_times, disturbance
+
+    got = cpu_times()
+    assert got is not None and got[0] > 0 and got[1] >= 0  # Linux: /proc/stat is there
+    d = disturbance((100.0, 5.0), (130.0, 6.0), own_cpu_s=20.0, step_s=10.0)
+    assert d == dict(others_cores=1.0, steal_cores=0.1)
+    assert disturbance((100.0, 5.0), (110.0, 5.0), own_cpu_s=12.0, step_s=10.0)["others_cores"] == 0.0
+    assert disturbance(None, got, 1.0, 1.0) == dict(others_cores=None, steal_cores=None)
+
+    from experiments.bench.report import table
+    from experiments.bench.run import BenchConfig, summarize
+
+    cfg = BenchConfig(modes=("microbatch", "dfs-retain"), repeats=2, threads=2)
+    info = dict(total_tokens=1000, sharing_ratio=4.0, ideal_speedup=3.0,
+                flops={m: 1e9 for m in cfg.modes}, sequences=3, unique_tokens=250,
+                trainable_tokens=10, ideal_baseline="microbatch")
+    runs = [dict(mode=m, repeat=r, ok=True, step_s=1.0, peak_mem_mb=1.0, grad_rel_err=0.0,
+                 others_cores=o, steal_cores=0.01 * r)
+            for r, o in ((0, 0.05), (1, 0.75)) for m in cfg.modes]
+    s = summarize(cfg, runs, info)
+    assert s["disturbance"] == dict(others_cores_max=0.75, steal_cores_max=0.01, threads=2)
+    assert s["modes"]["dfs-retain"]["others_cores_max"] == 0.75
+    assert "other processes 0.75" in table(dict(label="x", summary=s, info=info))
+
+
+def test_chain_bench_tiny(tmp_path):
+    """The chain bench end to end on a tiny model: every mode timed at every turn count,
+    FLOP growth beside it, the copy share of each mode, the disturbance, the plot."""
+    out = tmp_path / "chain"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.chain", "--turns", "2,4", "--repeats", "1",
+         "--model-size", "tiny", "--out", str(out), "--json"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["turns"] for r in d["rows"]] == [2, 4]
+    big = d["rows"][1]
+    assert big["tokens"] > d["rows"][0]["tokens"] and big["growth_flops_microbatch"] > big["growth_flops_dfs"] > 1
+    assert set(big["step_s"]) == set(d["copy"]) and all(v > 0 for v in big["step_s"].values())
+    assert all(0 < c["copy_share"] < 1 for c in d["copy"].values())
+    assert d["disturbance"]["others_cores"] >= 0 and d["disturbance"]["steal_cores"] >= 0
+    assert (out / "chain.png").exists() and "Disturbance" in (out / "results.md").read_text()

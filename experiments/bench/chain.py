@@ -121,6 +121,11 @@ def main(argv=None) -> int:
 
     times: dict = {n: {m: [] for m in MODES} for n in turns}
     calls: dict = {n: {} for n in turns}
+    import resource
+
+    from experiments.bench.worker import cpu_times, disturbance
+
+    cpu0, ru0, t0 = cpu_times(), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     with tqdm(total=args.repeats * len(turns) * len(MODES), desc="chain", unit="step") as bar:
         for _ in range(args.repeats):
             for n in turns:
@@ -130,6 +135,9 @@ def main(argv=None) -> int:
                     times[n][m].append(dt)
                     calls[n][m] = c
                     bar.update(1)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    disturbed = disturbance(cpu0, cpu_times(), ru1.ru_utime - ru0.ru_utime + ru1.ru_stime
+                            - ru0.ru_stime, time.perf_counter() - t0)
     fl = {n: summary(batches[n], model.config, ["microbatch", "dfs-node", "dfs-retain"])
           for n in turns}
     big = max(turns)
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
         r["growth_flops_dfs"] = r["flops_dfs"] / base["flops_dfs"]
     out = dict(date=time.strftime("%Y-%m-%d"), model=f"qwen3-{args.model_size}",
                threads=args.threads, repeats=args.repeats, rows=rows,
-               copy_share_at=big, copy=shares, base_turns=lo)
+               copy_share_at=big, copy=shares, base_turns=lo, disturbance=disturbed)
     dest = Path(args.out or f"results/bench-{time.strftime('%Y-%m-%d')}-chain")
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "results.json").write_text(json.dumps(out, indent=1))
@@ -203,6 +211,11 @@ def markdown(out: dict) -> str:
                      + " | ".join(f"{r['step_s'][m]:.2f}" for m in MODES) + " | "
                      + " / ".join(f"{r['growth'][m]:.2f}" for m in MODES)
                      + f" | {r['growth_flops_microbatch']:.2f} | {r['growth_flops_dfs']:.2f} |")
+    d = out.get("disturbance") or {}
+    if d.get("others_cores") is not None:
+        lines += ["", f"Disturbance over the timed steps (cores on average, beside the "
+                      f"bench's own {out['threads']} threads): other processes "
+                      f"{d['others_cores']:.2f}, the host's steal {d['steal_cores']:.2f}."]
     lines += ["", f"Copy share of the step at {out['copy_share_at']} turns (self CPU time of "
               "copy kernels / all self CPU time, one profiled step):", ""]
     for m, c in out["copy"].items():

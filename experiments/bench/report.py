@@ -28,9 +28,9 @@ def table(point: dict) -> str:
         + f"; best unpacked baseline: {s['best_baseline']}.",
         "",
         "| mode | step s (median) | tokens/s | speed-up | of ideal | GFLOP | GFLOP/s | peak MB "
-        "| mem/padded | mem/baseline | calls fwd/bwd/head | packs | user/sys s | grad rel err "
-        "| status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| mem/padded | mem/baseline | calls fwd/bwd/head | packs | user/sys s | others "
+        "| grad rel err | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for mode, m in s["modes"].items():
         lines.append("| " + " | ".join([
@@ -42,6 +42,7 @@ def table(point: dict) -> str:
             _f(m.get("mem_ratio_baseline"), "{:.2f}"), _calls(m.get("calls")),
             _f((m.get("calls") or {}).get("packs"), "{}"),
             f"{_f(m['user_s'], '{:.0f}')}/{_f(m['sys_s'], '{:.0f}')}",
+            _f(m.get("others_cores_max"), "{:.2f}"),
             _f(m["grad_rel_err"], "{:.1e}"),
             m["status"] + (f" ({m['failed']} failed: {m['error'][:60]})" if m["failed"] else ""),
         ]) + " |")
@@ -53,6 +54,12 @@ def table(point: dict) -> str:
                      f"(median over rounds); peak memory "
                      f"{_f(hl.get('mem_over_treemask'), '{:.2f}')}× the tree mask's"
                      if "over_treemask" in hl else "") + "."]
+    d = s.get("disturbance")
+    if d and d.get("others_cores_max") is not None:
+        lines += ["", f"Disturbance (the most in any timed step, in cores on average over the "
+                      f"step, beside the run's own {d['threads']} threads): other processes "
+                      f"{d['others_cores_max']:.2f}, the host's steal {d['steal_cores_max']:.2f}. "
+                      "Per mode: column *others*."]
     pol = s.get("policy")
     if pol:
         lines += ["", f"Memory policy: recompute / retain = {pol['recompute_time_over_retain']:.2f}× "

@@ -198,6 +198,11 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _max(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
 def summarize(cfg: BenchConfig, runs: list[dict], info: dict) -> dict:
     """Per mode: medians, speed-up over the best unpacked baseline (median of per-round
     ratios), memory ratios, gradient error and its verdict."""
@@ -217,7 +222,9 @@ def summarize(cfg: BenchConfig, runs: list[dict], info: dict) -> dict:
             user_s=_median([x.get("user_s") for x in ok]), sys_s=_median([x.get("sys_s") for x in ok]),
             grad_rel_err=max(errs) if errs else None, flops=flops,
             gflops_per_s=flops / step / 1e9 if flops and step else None,
-            calls=ok[0].get("calls") if ok else None)
+            calls=ok[0].get("calls") if ok else None,
+            others_cores_max=_max([x.get("others_cores") for x in ok]),
+            steal_cores_max=_max([x.get("steal_cores") for x in ok]))
         m = modes[mode]
         m["grad_ok"] = None if m["grad_rel_err"] is None else m["grad_rel_err"] <= cfg.tol
         m["status"] = ("FAILED" if not ok else "WRONG" if m["grad_ok"] is False
@@ -240,6 +247,10 @@ def summarize(cfg: BenchConfig, runs: list[dict], info: dict) -> dict:
     out = dict(best_baseline=best, sharing_ratio=info["sharing_ratio"],
                ideal_speedup=info["ideal_speedup"], tolerance=cfg.tol, modes=modes)
     out["headline"] = headline(runs, modes)
+    out["disturbance"] = dict(
+        others_cores_max=_max([x.get("others_cores") for x in runs if x["ok"]]),
+        steal_cores_max=_max([x.get("steal_cores") for x in runs if x["ok"]]),
+        threads=cfg.threads)
     r, c = modes.get("dfs-retain"), modes.get("dfs-recompute")
     if r and c and r["step_s"] and c["step_s"]:
         out["policy"] = dict(recompute_time_over_retain=c["step_s"] / r["step_s"],
@@ -322,6 +333,7 @@ def compact(results: dict) -> dict:
                     ideal_speedup=s["ideal_speedup"], best_baseline=s["best_baseline"],
                     total_tokens=p["info"]["total_tokens"], sequences=p["info"]["sequences"],
                     policy=s.get("policy"), headline=s.get("headline"),
+                    disturbance=s.get("disturbance"),
                     modes={m: {k: v.get(k) for k in keys} for m, v in s["modes"].items()})
 
     pts = [point(p) for p in results["points"]]

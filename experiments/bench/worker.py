@@ -16,6 +16,8 @@ and where to write the result (JSON) and the flattened gradient (``.npy``). The 
    sampling RSS every ``sample_ms``; the peak growth is the larger of the sampled peak and,
    when the step raised the process's high-water mark, ``ru_maxrss`` (exact) minus the
    baseline. On CUDA: ``max_memory_allocated`` minus the allocated baseline;
+   what else ran meanwhile (:func:`disturbance`: other processes' CPU and the host's steal,
+   in cores) is recorded with it, so a disturbed run can be told from a slow one;
 4. saves the gradient (float32; a fixed strided sample per parameter when the model has more
    than ``grad_full_max`` parameters) and the result.
 """
@@ -31,6 +33,29 @@ import time
 import traceback
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """The machine's busy and steal CPU seconds so far (``/proc/stat``; None where absent):
+    busy = user + nice + system + irq + softirq over all cores; steal = time the hypervisor
+    gave this machine's cores to someone else."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / TICK, steal / TICK
+
+
+def disturbance(before, after, own_cpu_s: float, step_s: float) -> dict:
+    """What else ran during a timed step, in cores on average: other processes' CPU (the
+    machine's busy time less this process's) and the hypervisor's steal."""
+    if before is None or after is None or step_s <= 0:
+        return dict(others_cores=None, steal_cores=None)
+    others = max(after[0] - before[0] - own_cpu_s, 0.0)
+    return dict(others_cores=others / step_s, steal_cores=(after[1] - before[1]) / step_s)
 
 
 def rss_bytes() -> int:
@@ -156,11 +181,13 @@ def measure(ctx: Context, mode: str, repeat: int, grad_path: str) -> dict:
     base_rss, maxrss0 = rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sampler = PeakSampler(float(spec.get("sample_ms", 2)) / 1000)
     sampler.start()
+    cpu0 = cpu_times()
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     value, calls = run_mode(mode, model, batch, ctx.loss, **ctx.opts)
     ctx.sync()
     step_s = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu1 = cpu_times()
     peak_rss = sampler.stop()
     maxrss1 = ru1.ru_maxrss * 1024
     peak_cpu = max(peak_rss, maxrss1 if maxrss1 > maxrss0 else 0) - base_rss
@@ -175,6 +202,8 @@ def measure(ctx: Context, mode: str, repeat: int, grad_path: str) -> dict:
         peak_mem_mb=peak / 2**20, peak_rss_growth_mb=peak_cpu / 2**20,
         baseline_rss_mb=base_rss / 2**20, maxrss_exact=maxrss1 > maxrss0,
         user_s=ru1.ru_utime - ru0.ru_utime, sys_s=ru1.ru_stime - ru0.ru_stime,
+        **disturbance(cpu0, cpu1, ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
+                      step_s),
         threads=torch.get_num_threads(), device=ctx.device, grad_stride=stride,
         grad_norm=float(np.linalg.norm(grad.astype(np.float64))),
         params=sum(p.numel() for p in model.parameters()), grad_path=grad_path)
