@@ -135,12 +135,17 @@ def test_disturbance_counts_other_processes_and_steal():
                 flops={m: 1e9 for m in cfg.modes}, sequences=3, unique_tokens=250,
                 trainable_tokens=10, ideal_baseline="microbatch")
     runs = [dict(mode=m, repeat=r, ok=True, step_s=1.0, peak_mem_mb=1.0, grad_rel_err=0.0,
-                 others_cores=o, steal_cores=0.01 * r)
+                 others_cores=o, steal_cores=0.01 * r, probe_gflops=100.0 + 50 * r)
             for r, o in ((0, 0.05), (1, 0.75)) for m in cfg.modes]
     s = summarize(cfg, runs, info)
-    assert s["disturbance"] == dict(others_cores_max=0.75, steal_cores_max=0.01, threads=2)
+    assert s["disturbance"] == dict(others_cores_max=0.75, steal_cores_max=0.01, threads=2,
+                                    probe_gflops=[100.0, 100.0, 150.0, 150.0])
     assert s["modes"]["dfs-retain"]["others_cores_max"] == 0.75
-    assert "other processes 0.75" in table(dict(label="x", summary=s, info=info))
+    md = table(dict(label="x", summary=s, info=info))
+    assert "other processes 0.75" in md and "100–150 GFLOP/s" in md
+    from experiments.bench.worker import probe_gflops
+
+    assert probe_gflops(0.02, n=64) > 0
 
 
 def test_chain_bench_tiny(tmp_path):

@@ -60,6 +60,10 @@ def table(point: dict) -> str:
                       f"step, beside the run's own {d['threads']} threads): other processes "
                       f"{d['others_cores_max']:.2f}, the host's steal {d['steal_cores_max']:.2f}. "
                       "Per mode: column *others*."]
+        probes = [x for x in d.get("probe_gflops") or [] if x is not None]
+        if probes:
+            lines[-1] += (f" Machine speed just before each timed step (fp32 GEMM probe): "
+                          f"{min(probes):.0f}–{max(probes):.0f} GFLOP/s.")
     pol = s.get("policy")
     if pol:
         lines += ["", f"Memory policy: recompute / retain = {pol['recompute_time_over_retain']:.2f}× "

@@ -17,7 +17,8 @@ and where to write the result (JSON) and the flattened gradient (``.npy``). The 
    when the step raised the process's high-water mark, ``ru_maxrss`` (exact) minus the
    baseline. On CUDA: ``max_memory_allocated`` minus the allocated baseline;
    what else ran meanwhile (:func:`disturbance`: other processes' CPU and the host's steal,
-   in cores) is recorded with it, so a disturbed run can be told from a slow one;
+   in cores) is recorded with it, and the machine's speed just before (:func:`probe_gflops`),
+   so a disturbed run can be told from a slow one;
 4. saves the gradient (float32; a fixed strided sample per parameter when the model has more
    than ``grad_full_max`` parameters) and the result.
 """
@@ -78,6 +79,21 @@ class PeakSampler(threading.Thread):
         self.join()
         self.peak = max(self.peak, rss_bytes())
         return self.peak
+
+
+def probe_gflops(seconds: float = 0.25, n: int = 384) -> float:
+    """The machine's speed just now: GFLOP/s of fp32 [n, n] @ [n, n] products for about
+    ``seconds`` on this process's threads. Beside a step, it tells a slow machine (another
+    tenant, frequency scaling) from a slow mode; it is measured, never used to correct."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    count, t0 = 0, time.perf_counter()
+    while (dt := time.perf_counter() - t0) < seconds:
+        a @ b
+        count += 1
+    return 2 * n ** 3 * count / dt / 1e9
 
 
 def load_batch(spec: dict, vocab_size: int):
@@ -174,6 +190,7 @@ def measure(ctx: Context, mode: str, repeat: int, grad_path: str) -> dict:
     warm_s = time.perf_counter() - t
     model.zero_grad(set_to_none=True)
     gc.collect()
+    probe = probe_gflops() if not ctx.cuda else None
     if ctx.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -202,6 +219,7 @@ def measure(ctx: Context, mode: str, repeat: int, grad_path: str) -> dict:
         peak_mem_mb=peak / 2**20, peak_rss_growth_mb=peak_cpu / 2**20,
         baseline_rss_mb=base_rss / 2**20, maxrss_exact=maxrss1 > maxrss0,
         user_s=ru1.ru_utime - ru0.ru_utime, sys_s=ru1.ru_stime - ru0.ru_stime,
+        probe_gflops=probe,
         **disturbance(cpu0, cpu1, ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime,
                       step_s),
         threads=torch.get_num_threads(), device=ctx.device, grad_stride=stride,
