@@ -141,8 +141,9 @@ def test_disturbance_counts_other_processes_and_steal():
     assert s["disturbance"] == dict(others_cores_max=0.75, steal_cores_max=0.01, threads=2,
                                     probe_gflops=[100.0, 100.0, 150.0, 150.0])
     assert s["modes"]["dfs-retain"]["others_cores_max"] == 0.75
-    md = table(dict(label="x", summary=s, info=info))
+    md = table(dict(label="x", summary=s, info=info, runs=runs))
     assert "other processes 0.75" in md and "100–150 GFLOP/s" in md
+    assert "dfs-retain round 1 (0.75 / 0.01)" in md and "round 0" not in md
     from experiments.bench.worker import probe_gflops
 
     assert probe_gflops(0.02, n=64) > 0

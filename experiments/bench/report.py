@@ -4,6 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
+DISTURBED_CORES = 0.1  # a run during which others or the host took more is listed
+
+
 def _f(x, fmt="{:.2f}", none="–"):
     return none if x is None else fmt.format(x)
 
@@ -60,6 +63,12 @@ def table(point: dict) -> str:
                       f"step, beside the run's own {d['threads']} threads): other processes "
                       f"{d['others_cores_max']:.2f}, the host's steal {d['steal_cores_max']:.2f}. "
                       "Per mode: column *others*."]
+        hit = [f"{r['mode']} round {r['repeat']} ({r.get('others_cores') or 0:.2f} / "
+               f"{r.get('steal_cores') or 0:.2f})" for r in point.get("runs", [])
+               if r.get("ok") and max(r.get("others_cores") or 0, r.get("steal_cores") or 0)
+               > DISTURBED_CORES]
+        lines[-1] += (f" Disturbed runs (others / steal above {DISTURBED_CORES} cores): "
+                      + (", ".join(hit) if hit else "none") + ".")
         probes = [x for x in d.get("probe_gflops") or [] if x is not None]
         if probes:
             lines[-1] += (f" Machine speed just before each timed step (fp32 GEMM probe): "
