@@ -17,6 +17,28 @@ def _calls(c) -> str:
     return "/".join(str(c.get(k, "–")) for k in ("forward_calls", "backward_calls", "head_calls"))
 
 
+def _disturbance(point: dict) -> list[str]:
+    """What else ran during the timed steps: the worst run, the runs over the threshold, and
+    the machine's speed just before each step (experiments.bench.worker records them)."""
+    d = point["summary"].get("disturbance")
+    if not d or d.get("others_cores_max") is None:
+        return []
+    hit = [f"{r['mode']} round {r['repeat']} ({r.get('others_cores') or 0:.2f} / "
+           f"{r.get('steal_cores') or 0:.2f})" for r in point.get("runs", [])
+           if r.get("ok") and max(r.get("others_cores") or 0, r.get("steal_cores") or 0)
+           > DISTURBED_CORES]
+    text = (f"Disturbance (the most in any timed step, in cores on average over the step, "
+            f"beside the run's own {d['threads']} threads): other processes "
+            f"{d['others_cores_max']:.2f}, the host's steal {d['steal_cores_max']:.2f}. Per "
+            f"mode: column *others*. Disturbed runs (others / steal above {DISTURBED_CORES} "
+            f"cores): " + (", ".join(hit) if hit else "none") + ".")
+    probes = [x for x in d.get("probe_gflops") or [] if x is not None]
+    if probes:
+        text += (f" Machine speed just before each timed step (fp32 GEMM probe): "
+                 f"{min(probes):.0f}–{max(probes):.0f} GFLOP/s.")
+    return ["", text]
+
+
 def table(point: dict) -> str:
     s, info = point["summary"], point["info"]
     lines = [
@@ -57,22 +79,7 @@ def table(point: dict) -> str:
                      f"(median over rounds); peak memory "
                      f"{_f(hl.get('mem_over_treemask'), '{:.2f}')}× the tree mask's"
                      if "over_treemask" in hl else "") + "."]
-    d = s.get("disturbance")
-    if d and d.get("others_cores_max") is not None:
-        lines += ["", f"Disturbance (the most in any timed step, in cores on average over the "
-                      f"step, beside the run's own {d['threads']} threads): other processes "
-                      f"{d['others_cores_max']:.2f}, the host's steal {d['steal_cores_max']:.2f}. "
-                      "Per mode: column *others*."]
-        hit = [f"{r['mode']} round {r['repeat']} ({r.get('others_cores') or 0:.2f} / "
-               f"{r.get('steal_cores') or 0:.2f})" for r in point.get("runs", [])
-               if r.get("ok") and max(r.get("others_cores") or 0, r.get("steal_cores") or 0)
-               > DISTURBED_CORES]
-        lines[-1] += (f" Disturbed runs (others / steal above {DISTURBED_CORES} cores): "
-                      + (", ".join(hit) if hit else "none") + ".")
-        probes = [x for x in d.get("probe_gflops") or [] if x is not None]
-        if probes:
-            lines[-1] += (f" Machine speed just before each timed step (fp32 GEMM probe): "
-                          f"{min(probes):.0f}–{max(probes):.0f} GFLOP/s.")
+    lines += _disturbance(point)
     pol = s.get("policy")
     if pol:
         lines += ["", f"Memory policy: recompute / retain = {pol['recompute_time_over_retain']:.2f}× "
