@@ -32,6 +32,8 @@ open packs are still batched).
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -198,9 +200,16 @@ class Walker:
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
         check_router_aux_loss(self.model, self.router_aux_loss)
+        with self._walking():
+            return self._train(tree, objective, record, progress)
+
+    @contextlib.contextmanager
+    def _walking(self):
+        """A walk's scope: attention on SDPA's native grouped-query path, and the head's
+        logits workspace released when the walk ends (also when it raises)."""
         try:
             with native_gqa(self.model, self.native_gqa):
-                return self._train(tree, objective, record, progress)
+                yield
         finally:
             self.head.release()
 
@@ -305,7 +314,7 @@ class Walker:
         plan = self.plan(tree)
         res.plan = plan.stats()
         path: list[Frame] = []
-        with native_gqa(self.model, self.native_gqa):
+        with self._walking():
             for kind, i in plan.walk():
                 if kind == "pop":
                     path.pop()
@@ -327,7 +336,6 @@ class Walker:
                     res.max_path = max(res.max_path, len(path))
                 if progress is not None:
                     progress(layout.tokens)
-        self.head.release()
         res.logprobs, res.entropy, *mm = rec.split()
         if minmax:
             res.vocab_min, res.vocab_max = mm
