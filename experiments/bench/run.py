@@ -224,8 +224,7 @@ def summarize(cfg: BenchConfig, runs: list[dict], info: dict) -> dict:
             gflops_per_s=flops / step / 1e9 if flops and step else None,
             calls=ok[0].get("calls") if ok else None,
             others_cores_max=_max([x.get("others_cores") for x in ok]),
-            steal_cores_max=_max([x.get("steal_cores") for x in ok]),
-            probe_gflops=_median([x.get("probe_gflops") for x in ok]))
+            steal_cores_max=_max([x.get("steal_cores") for x in ok]))
         m = modes[mode]
         m["grad_ok"] = None if m["grad_rel_err"] is None else m["grad_rel_err"] <= cfg.tol
         m["status"] = ("FAILED" if not ok else "WRONG" if m["grad_ok"] is False
