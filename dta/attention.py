@@ -4,9 +4,11 @@
   query heads whenever a mask is passed (a pack with branches, or any forward over a cached
   prefix: a mask is then materialized). :func:`sdpa_gqa_forward` calls
   ``scaled_dot_product_attention(..., enable_gqa=True)`` instead, which reads the K/V heads
-  in place and is the same computation. It is registered under the name ``dta_sdpa`` for
-  attention and (with HF's own SDPA mask builder) for masks; :func:`native_gqa` switches a
-  model from ``sdpa`` to it for the duration of a walk.
+  in place and is the same computation. A forward over cached keys is split at the cache
+  boundary on CPU (:mod:`dta.split_attention`: the cached keys without a mask, the pack's
+  own keys causal or with their tree mask). It is registered under the name ``dta_sdpa``
+  for attention and (with HF's own SDPA mask builder) for masks; :func:`native_gqa`
+  switches a model from ``sdpa`` to it for the duration of a walk.
 * :class:`PathCache`: the cache of one forward, built from the path's K/V *pieces* (the
   autograd leaves of each pack on the path, or their rows on the path): the pieces and the new
   K/V are concatenated once, inside ``update`` -- instead of concatenating the path once to
@@ -17,20 +19,31 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from dta.split_attention import Split, split_attention, split_of
 
 GQA_NAME = "dta_sdpa"
 
 
 def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                      scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """HF's SDPA attention, with grouped-query heads read in place (``enable_gqa``)."""
+    """HF's SDPA attention, with grouped-query heads read in place (``enable_gqa``), and a
+    forward over cached keys split at the cache boundary (:mod:`dta.split_attention`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+    if any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    forms = _mask_forms(attention_mask, query)
+    if forms is not None and forms.split is not None and not (dropout and module.training):
+        out = split_attention(query, key, value, forms.split, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     q_len = query.shape[2]
@@ -39,24 +52,41 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     if is_causal and key.shape[2] > q_len:  # an unmasked causal call is upper-left aligned
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=_additive(attention_mask, query.dtype), dropout_p=dropout,
-        scale=scaling, is_causal=is_causal, enable_gqa=True)
+        query, key, value, attn_mask=attention_mask if forms is None else forms.additive,
+        dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
-_last_mask: list = [None, None, None]  # (bool mask, dtype, its additive form)
+@dataclass
+class MaskForms:
+    mask: torch.Tensor  # the boolean mask these are forms of (kept: compared by identity)
+    dtype: torch.dtype
+    split: Split | None
+    _additive: torch.Tensor | None = None
+
+    @property
+    def additive(self) -> torch.Tensor:
+        """0 where visible, -inf elsewhere: what SDPA converts a boolean mask to."""
+        if self._additive is None:
+            self._additive = torch.zeros(self.mask.shape, dtype=self.dtype, device=self.mask.device
+                                         ).masked_fill_(~self.mask, float("-inf"))
+        return self._additive
 
 
-def _additive(mask, dtype):
-    """A boolean mask as SDPA converts it (0 where visible, -inf elsewhere: the same values,
-    so the same result), converted once per forward instead of once per layer call: every
-    layer of a forward passes the same mask tensor."""
+_forms: list[MaskForms] = []  # the current forward's masks (two: full and sliding layers)
+
+
+def _mask_forms(mask, query) -> MaskForms | None:
+    """A boolean mask's additive form and split, made once per forward instead of once per
+    layer call: every layer of a forward passes the same mask tensor (per layer type)."""
     if mask is None or mask.dtype != torch.bool:
-        return mask
-    if _last_mask[0] is not mask or _last_mask[1] != dtype:
-        _last_mask[:] = [mask, dtype, torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-                         .masked_fill_(~mask, float("-inf"))]
-    return _last_mask[2]
+        return None
+    for f in _forms:
+        if f.mask is mask and f.dtype == query.dtype:
+            return f
+    split = split_of(mask, query.dtype) if query.device.type == "cpu" else None
+    _forms[:] = [MaskForms(mask, query.dtype, split), *_forms[:1]]
+    return _forms[0]
 
 
 def register() -> str:
@@ -76,17 +106,15 @@ def _set_impl(model, name: str) -> None:
             configs[id(cfg)] = cfg
     for cfg in configs.values():
         cfg._attn_implementation = name
-    _last_mask[:] = [None, None, None]
+    _forms.clear()
 
 
 @contextlib.contextmanager
 def native_gqa(model, enabled: bool = True):
-    """Run a model that uses ``sdpa`` with grouped-query K/V heads on ``dta_sdpa`` (exact:
-    the same SDPA call without the ``repeat_kv`` copies); other models run unchanged."""
-    cfg = model.config
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if not enabled or cfg._attn_implementation != "sdpa" or not heads or kv == heads:
+    """Run a model that uses ``sdpa`` on ``dta_sdpa`` (exact: the same attention without the
+    ``repeat_kv`` copies of grouped-query K/V, and split at the cache boundary); other
+    models run unchanged."""
+    if not enabled or model.config._attn_implementation != "sdpa":
         yield
         return
     register()

@@ -336,33 +336,32 @@ def test_chain_segments_exact_float64(f64):
         assert lp <= 1e-10, policy
 
 
-def test_mask_converted_once_per_forward_same_gradients(monkeypatch):
-    """dta_sdpa turns a pack's boolean mask into SDPA's additive form once per forward (not
-    once per layer): the gradients are bit-for-bit those of passing the boolean mask."""
+def test_mask_forms_made_once_per_forward_and_split_is_exact(monkeypatch):
+    """dta_sdpa analyses a pack's boolean mask once per forward (not once per layer), and
+    every forward over cached keys is split at the cache boundary: on an MHA and a GQA
+    model the packed walk then trains to float64 round-off of the unsplit walk."""
     import dta.attention as attention
+    import dta.split_attention as sa
 
-    model = build_model("qwen3", "tiny", dtype="float32", seed=0)
-    batch = hard_batch(model)
-    conversions = []
-    real = attention._additive
-
-    def counting(mask, dtype):
-        out = real(mask, dtype)
-        if out is not mask and not any(out is c for c in conversions):  # a new conversion
-            conversions.append(out)
-        return out
-
-    def run(fn):
-        monkeypatch.setattr(attention, "_additive", fn)
+    for kv in (4, 2):  # the tiny model has 4 heads: MHA, then grouped-query
+        model = build_model("qwen3", "tiny", dtype="float64", seed=0, num_key_value_heads=kv)
+        make_truly_float64(model)
+        batch = hard_batch(model)
+        made, splits = [], []
+        real_split_of, real_apply = attention.split_of, sa.SplitAttention.apply
+        monkeypatch.setattr(attention, "split_of", lambda m, d: made.append(m) or real_split_of(m, d))
+        monkeypatch.setattr(sa.SplitAttention, "apply", lambda *a: splits.append(1) or real_apply(*a))
         model.zero_grad(set_to_none=True)
         res = accumulate_gradients(model, batch, NLL(), packing="auto", pack_tokens=CAP)
-        return res, [p.grad.clone() for p in model.parameters()]
-
-    res, g_once = run(counting)
-    _, g_bool = run(lambda mask, dtype: mask)
-    assert all(torch.equal(a, b) for a, b in zip(g_once, g_bool))
-    layers = model.config.num_hidden_layers
-    assert 0 < len(conversions) <= res.walk.forward_calls < layers * res.walk.forward_calls
+        g_split = grads(model)
+        layers = model.config.num_hidden_layers
+        assert 0 < len(made) <= res.walk.forward_calls < layers * res.walk.forward_calls
+        assert len(splits) > 0 and len(splits) % layers == 0
+        monkeypatch.setattr(attention, "split_of", lambda m, d: None)  # one masked call each
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, batch, NLL(), packing="auto", pack_tokens=CAP)
+        assert rel(g_split, grads(model)) <= 1e-12, kv
+        monkeypatch.undo()
 
 
 def test_head_workspace_reused_then_released():

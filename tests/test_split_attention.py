@@ -1,0 +1,63 @@
+"""Attention over cached keys split at the cache boundary (dta.split_attention): which masks
+split, and the split's output and gradients against one masked SDPA call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dta.split_attention import split_attention, split_of
+
+F = torch.nn.functional
+
+
+def mask_of(T: int, P: int, own: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.ones(T, P, dtype=torch.bool), own], 1)[None, None]
+
+
+def tree_own(T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.ones(T, T, dtype=torch.bool).tril() & (
+        (torch.rand(T, T, generator=g) < 0.5) | torch.eye(T, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("T,P,chain,heads,kv", [(7, 11, False, 4, 2), (7, 11, True, 4, 2),
+                                                (1, 5, True, 4, 4), (40, 90, False, 6, 2),
+                                                (40, 90, True, 3, 3)])
+def test_split_equals_one_masked_call(dtype, tol, T, P, chain, heads, kv):
+    torch.manual_seed(T + P)
+    D = 8
+    # q as the attention layers pass it: a [B, T, H, D] tensor transposed (not contiguous)
+    q = torch.randn(1, T, heads, D, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, kv, P + T, D, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, kv, P + T, D, dtype=dtype, requires_grad=True)
+    own = torch.ones(T, T, dtype=torch.bool).tril() if chain else tree_own(T, T)
+    mask = mask_of(T, P, own)
+    split = split_of(mask, dtype)
+    assert split is not None and split.past == P and (split.inner is None) == chain
+    g = torch.randn(1, heads, T, D, dtype=dtype)
+    out = []
+    for fn in (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.37,
+                                                      enable_gqa=heads != kv),
+               lambda: split_attention(q, k, v, split, 0.37)):
+        q.grad = k.grad = v.grad = None
+        o = fn()
+        o.backward(g)
+        out.append([o.detach(), q.grad, k.grad, v.grad])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *out):
+        assert float((a - b).abs().max() / a.abs().max()) <= tol, name
+
+
+def test_masks_that_do_not_split():
+    T, P = 4, 6
+    ok = mask_of(T, P, torch.ones(T, T, dtype=torch.bool).tril())
+    assert split_of(ok, torch.float32) is not None
+    window = ok.clone()
+    window[0, 0, 3, 0] = False  # a cached key out of a sliding window
+    no_self = mask_of(T, P, torch.ones(T, T, dtype=torch.bool).tril())
+    no_self[0, 0, 2, P + 2] = False  # a row that does not see its own key
+    no_past = ok[..., P:]  # no cached keys
+    batched = ok.expand(2, 1, T, T + P)  # a mask per sequence
+    for m in (window, no_self, no_past, batched):
+        assert split_of(m, torch.float32) is None
+    assert split_of(ok, torch.bfloat16) is None  # only float32 and float64 are split
