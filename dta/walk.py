@@ -92,7 +92,8 @@ class Walker:
     node, ``tree`` forwards the whole tree in one masked call); pack_tokens: the cap of a pack;
     head_rows: queued head rows that force a flush (default ``logits_chunk``; 0: every pack's
     head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs);
-    native_gqa: run SDPA's grouped-query path (``dta.attention``) during the walk.
+    native_gqa: run ``sdpa`` models on ``dta_sdpa`` during the walk (``dta.attention``: SDPA's
+        grouped-query path, and forwards over cached keys split at the cache boundary).
     router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for the
     router's load-balancing loss; "exclude" trains the policy loss without it (see
     ``dta.modeling.check_router_aux_loss``). self_check: compare the walker's path with the
