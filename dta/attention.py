@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from dta.split_attention import Split, split_attention, split_of
+from dta.split_attention import Split, additive_mask, split_attention, split_of
 
 GQA_NAME = "dta_sdpa"
 
@@ -66,10 +66,9 @@ class MaskForms:
 
     @property
     def additive(self) -> torch.Tensor:
-        """0 where visible, -inf elsewhere: what SDPA converts a boolean mask to."""
+        """0 where visible, -inf elsewhere: what SDPA converts a boolean mask to (made once)."""
         if self._additive is None:
-            self._additive = torch.zeros(self.mask.shape, dtype=self.dtype, device=self.mask.device
-                                         ).masked_fill_(~self.mask, float("-inf"))
+            self._additive = additive_mask(self.mask, self.dtype)
         return self._additive
 
 

@@ -38,6 +38,11 @@ class Split:
     inner: torch.Tensor | None  # additive [1, 1, T, T] mask of the pack's own keys; None: causal
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = visible) as SDPA converts it: 0 where visible, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def split_of(mask: torch.Tensor, dtype: torch.dtype) -> Split | None:
     """The split of a boolean ``[1, 1, T, S]`` mask (True = visible), or None."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or dtype not in DTYPES:
@@ -53,8 +58,7 @@ def split_of(mask: torch.Tensor, dtype: torch.dtype) -> Split | None:
     causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril_()
     if torch.equal(own, causal):
         return Split(past, None)
-    inner = torch.zeros(1, 1, T, T, dtype=dtype, device=mask.device).masked_fill_(~own, float("-inf"))
-    return Split(past, inner)
+    return Split(past, additive_mask(own, dtype)[None, None])
 
 
 def _fold(x: torch.Tensor, kv: int) -> torch.Tensor:
