@@ -33,7 +33,6 @@ open packs are still batched).
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 
 import numpy as np
