@@ -28,6 +28,23 @@ from experiments.bench import modes as M
 
 
 @dataclass(frozen=True)
+class Flops:
+    """A mode's FLOPs by kind of work: the decoder body's matrix products (per token), its
+    attention (per (query, key) pair) and the LM head (per evaluated row)."""
+
+    body: float = 0.0
+    attention: float = 0.0
+    head: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.body + self.attention + self.head
+
+    def __add__(self, other: "Flops") -> "Flops":
+        return Flops(self.body + other.body, self.attention + other.attention, self.head + other.head)
+
+
+@dataclass(frozen=True)
 class Coefs:
     token: float  # decoder body, forward + backward, per token
     attention: float  # forward + backward, per (query, key) pair
@@ -92,8 +109,8 @@ def _chunk(opts) -> int:
     return int(opts.get("logits_chunk") or 1024)
 
 
-def _padded_flops(batch: Batch, groups, c: Coefs, chunk: int) -> float:
-    masks, total = _trainable(batch), 0.0
+def _padded_flops(batch: Batch, groups, c: Coefs, chunk: int) -> Flops:
+    masks, total = _trainable(batch), Flops()
     for g in groups:
         g = [i for i in g if masks[i].any()]
         if not g:
@@ -101,8 +118,8 @@ def _padded_flops(batch: Batch, groups, c: Coefs, chunk: int) -> float:
         lens = [len(batch.input_ids[i]) for i in g]
         S = max(lens)
         pairs = S * (S + 1) / 2 if min(lens) == S else S * S  # no padding: no mask, causal
-        total += len(g) * (c.token * S + c.attention * pairs)
-        total += c.head_rows(sum(int(masks[i].sum()) for i in g), chunk)
+        total += Flops(len(g) * c.token * S, len(g) * c.attention * pairs,
+                       c.head_rows(sum(int(masks[i].sum()) for i in g), chunk))
     return total
 
 
@@ -118,13 +135,13 @@ def microbatch_flops(batch, c, opts):
 
 
 def treemask_flops(batch, c, opts):
-    active, total = _active(batch), 0.0
+    active, total = _active(batch), Flops()
     budget = int(opts.get("tree_tokens") or M.DEFAULT_TREE_TOKENS)
     for pack in M.tree_packs([batch.input_ids[i] for i in active], budget):
         ids = [active[k] for k in pack]
         T = PrefixTree([batch.input_ids[i] for i in ids]).stats().unique_tokens
-        total += (c.token * T + c.attention * T * T
-                  + c.head_rows(tree_head_pairs(batch, ids), _chunk(opts)))
+        total += Flops(c.token * T, c.attention * T * T,
+                       c.head_rows(tree_head_pairs(batch, ids), _chunk(opts)))
     return total
 
 
@@ -146,7 +163,7 @@ def _dfs_parts(batch: Batch) -> dict:
 def dfs_node_flops(batch, c, opts):
     """The walk node by node: every unique token once, each attending to its root path."""
     p = _dfs_parts(batch)
-    return c.token * p["tokens"] + c.attention * p["pairs"] + c.head * p["head"]
+    return Flops(c.token * p["tokens"], c.attention * p["pairs"], c.head * p["head"])
 
 
 def _pack_plan(batch: Batch, c: Coefs, opts):
@@ -172,12 +189,12 @@ def _packed_flops(batch, c, opts, recompute: bool):
     path the causal part only; recompute adds a no-grad forward of every open pack."""
     plan = _pack_plan(batch, c, opts)
     p = _dfs_parts(batch)
-    total = c.head * p["head"]
+    total = Flops(head=c.head * p["head"])
     for pk in plan.packs:
         T, P = float(pk.tokens), float(pk.prefix)
         pairs = T * P + T * (T + 1) / 2 if pk.chain else T * (P + T)
-        body = c.token * T + c.attention * pairs
-        total += body + (body / 3 if recompute and pk.children else 0.0)
+        again = 4 / 3 if recompute and pk.children else 1.0
+        total += Flops(again * c.token * T, again * c.attention * pairs)
     return total
 
 
@@ -190,16 +207,21 @@ def dfs_recompute_flops(batch, c, opts):
     return _packed_flops(batch, c, opts, True)
 
 
-MODE_FLOPS: dict[str, Callable[[Batch, Coefs, dict], float]] = {
+MODE_FLOPS: dict[str, Callable[[Batch, Coefs, dict], Flops]] = {
     "padded": padded_flops, "microbatch": microbatch_flops, "treemask": treemask_flops,
     "treemask-flex": treemask_flops, "dfs-node": dfs_node_flops, "dfs-retain": dfs_retain_flops,
     "dfs-recompute": dfs_recompute_flops,
 }
 
 
-def mode_flops(mode: str, batch: Batch, config, opts: dict | None = None) -> float | None:
+def mode_flop_parts(mode: str, batch: Batch, config, opts: dict | None = None) -> Flops | None:
     fn = MODE_FLOPS.get(mode)
-    return None if fn is None else float(fn(batch, coefficients(config), opts or {}))
+    return None if fn is None else fn(batch, coefficients(config), opts or {})
+
+
+def mode_flops(mode: str, batch: Batch, config, opts: dict | None = None) -> float | None:
+    parts = mode_flop_parts(mode, batch, config, opts)
+    return None if parts is None else float(parts.total)
 
 
 def summary(batch: Batch, config, modes, opts: dict | None = None) -> dict:
