@@ -82,14 +82,12 @@ def _step(model, batch, loss, kw):
 
 
 def copy_share(model, batch, loss, kw) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+    from experiments.bench.profile import self_times
 
     model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _step(model, batch, loss, kw)
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    copies = {e.key: e.self_cpu_time_total for e in events if e.key in COPY_OPS}
+    _, self_us = self_times(lambda: _step(model, batch, loss, kw))
+    total = sum(self_us.values())
+    copies = {k: v for k, v in self_us.items() if k in COPY_OPS}
     return dict(copy_share=sum(copies.values()) / total if total else None,
                 copy_ms={k: v / 1e3 for k, v in copies.items()}, total_ms=total / 1e3)
 

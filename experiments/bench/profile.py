@@ -59,22 +59,28 @@ def by_kind(self_us: dict[str, float], wall_s: float) -> dict[str, float]:
     return out
 
 
-def profiled_step(mode: str, model, batch, loss, opts: dict) -> tuple[float, dict[str, float]]:
-    """(wall seconds, self CPU microseconds per operator) of one profiled step of ``mode``."""
+def self_times(step) -> tuple[float, dict[str, float]]:
+    """(wall seconds, self CPU microseconds per operator) of ``step()`` under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from experiments.bench.modes import run_mode
-
-    model.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
-        run_mode(mode, model, batch, loss, **opts)
+        step()
         wall = time.perf_counter() - t
-    model.zero_grad(set_to_none=True)
     self_us: dict[str, float] = {}
     for e in prof.key_averages():
         self_us[e.key] = self_us.get(e.key, 0.0) + e.self_cpu_time_total
     return wall, self_us
+
+
+def profiled_step(mode: str, model, batch, loss, opts: dict) -> tuple[float, dict[str, float]]:
+    """:func:`self_times` of one step of ``mode``, from and back to zeroed gradients."""
+    from experiments.bench.modes import run_mode
+
+    model.zero_grad(set_to_none=True)
+    out = self_times(lambda: run_mode(mode, model, batch, loss, **opts))
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def compare(rows: dict[str, dict]) -> dict[str, dict]:
