@@ -204,15 +204,17 @@ class DFSWorker:
                     ifname: str | None = None) -> dict:
         """Join the process group: ``file://PATH`` (same node) or ``tcp://IP:PORT`` (rank 0's
         :meth:`open_store`). Without ``ifname``, gloo/NCCL use the interface that holds this
-        node's Ray address."""
+        node's Ray address, unless the worker's environment names one."""
         if self.world_size == 1:
             return self.info()
         import torch.distributed as dist
 
-        ifname = ifname or _interface_of(_node_ip())
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
             os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+        elif (own := _interface_of(_node_ip())) is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", own)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", own)
         timeout = datetime.timedelta(seconds=float(timeout_s))
         if init_method.startswith("tcp://"):
             from torch.distributed import TCPStore
