@@ -116,6 +116,7 @@ class RayConfig:
     num_workers: int = 2
     cpus_per_worker: float = 1.0
     gpus_per_worker: Optional[float] = None  # None: 1 when the cluster has GPUs, else 0
+    placement: str = "pack"  # the workers' placement group: pack (fewest nodes) | spread
     object_store_memory: int = 256 * 1024 ** 2  # bytes, local instance only
     namespace: str = "dta"
     temp_dir: Optional[str] = None  # local instance: default a fresh /tmp/dta-ray-* dir
@@ -266,6 +267,7 @@ CHOICES: dict[str, tuple] = {
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
     "train.sharding": ("replicate", "zero1", "fsdp", "auto"),
+    "ray.placement": ("pack", "spread"),
     "actor.kl_estimator": ("k1", "k2", "k3"),
     "actor.adv_norm.mean_level": ("batch", "group", None),
     "actor.adv_norm.std_level": ("batch", "group", None),

@@ -49,6 +49,11 @@ def print_summary(summary: dict, file=None) -> None:
         t.add_row(str(first + k), f"{loss:.5f}", f"{norm:.4f}", f"{s:.2f} s")
     console.print(t)
     console.print(f"backend {summary.get('backend', '?')}; plan {summary.get('plan_method')}")
+    if summary.get("worker_nodes"):
+        console.print(f"workers on {summary['nodes']} Ray node(s) (ray.placement="
+                      f"{summary.get('placement')}; rendezvous "
+                      f"{summary.get('rendezvous') or 'none, one worker'}): "
+                      + ", ".join(n[:8] for n in summary["worker_nodes"]))
     tot, uniq, fwd = summary["tokens_total"], summary["tokens_unique"], summary["tokens_forwarded"]
     console.print(f"tokens: {tot:,} total (unpacked), {uniq:,} unique in the batch trees "
                   f"(sharing ratio {summary['sharing_ratio']:.2f}x); forwarded by the workers "

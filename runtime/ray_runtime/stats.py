@@ -81,5 +81,11 @@ def summarize(history: list[StepStats], trainer=None) -> dict:
     if trainer is not None:
         out.update(trainer.timings)
         out["backend"] = getattr(trainer, "backend", None)
+        group = getattr(trainer, "group", None)
+        if group is not None:  # where the workers ran (ray.placement) and how they met
+            out["worker_nodes"] = group.worker_nodes  # Ray node id per rank
+            out["nodes"] = len(set(group.worker_nodes))
+            out["placement"] = group.placement.strategy if group.placement else None
+            out["rendezvous"] = group.rendezvous
         out["completed_steps"] = trainer.completed_steps
     return out

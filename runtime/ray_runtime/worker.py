@@ -160,6 +160,7 @@ class DFSWorker:
         self.recompute = recompute_fields(self.cfg, self.loss)
         self.fault = parse_fault(fault)
         self.group = False
+        self._store = None  # rank 0's TCP store server (multi-node rendezvous)
         self.build_s = time.perf_counter() - t0
         self.completed_steps = 0
 
@@ -177,12 +178,33 @@ class DFSWorker:
 
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "ip": _node_ip(), "device": str(self.device), "build_s": self.build_s,
+                "ip": _node_ip(), "node_id": _node_id(), "device": str(self.device),
+                "build_s": self.build_s,
                 "threads": torch.get_num_threads(),
                 "params": int(sum(p.numel() for p in self.model.parameters()))}
 
+    def open_store(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: serve the group's TCP store on a free port of the address Ray reports
+        for this node (a socket bound to that address, handed to the store: no wildcard
+        bind, no port race); returns (address, port) for the other ranks."""
+        from torch.distributed import TCPStore
+
+        ip = _node_ip()
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((ip, 0))
+        sock.listen(max(128, self.world_size))
+        port = sock.getsockname()[1]
+        self._store = TCPStore(ip, port, self.world_size, True,
+                               datetime.timedelta(seconds=float(timeout_s)),
+                               wait_for_workers=False, master_listen_fd=sock.detach())
+        return ip, port
+
     def setup_group(self, init_method: str, backend: str, timeout_s: float,
                     ifname: str | None = None) -> dict:
+        """Join the process group: ``file://PATH`` (same node) or ``tcp://IP:PORT`` (rank 0's
+        :meth:`open_store`). Without ``ifname``, gloo/NCCL use the interface that holds this
+        node's Ray address, unless the worker's environment names one."""
         if self.world_size == 1:
             return self.info()
         import torch.distributed as dist
@@ -190,9 +212,23 @@ class DFSWorker:
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
             os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=float(timeout_s)))
+        elif (own := _interface_of(_node_ip())) is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", own)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", own)
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        if init_method.startswith("tcp://"):
+            from torch.distributed import TCPStore
+
+            host, _, port = init_method[len("tcp://"):].rpartition(":")
+            store = self._store if self.rank == 0 else TCPStore(
+                host.strip("[]"), int(port), self.world_size, False, timeout)
+            if store is None:
+                raise RuntimeError("rank 0 has no TCP store: call open_store first")
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
         self.group = True
         self._build_strategy()
         return self.info()
@@ -340,6 +376,7 @@ class DFSWorker:
             except Exception:
                 pass
             self.group = False
+        self._store = None
 
 
 def _writable(batch: Batch) -> Batch:
@@ -359,6 +396,27 @@ def _to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _node_id() -> str | None:
+    """The Ray node id of this process's node (None outside Ray)."""
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:
+        pass
+    return None
+
+
+def _interface_of(ip: str) -> str | None:
+    """The network interface holding ``ip`` (None when no interface has it)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addrs):
+            return name
+    return None
 
 
 def _node_ip() -> str:
