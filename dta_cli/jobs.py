@@ -124,6 +124,11 @@ def ship_paths(cfg, cwd: str | None = None):
         if cfg.train.resume and not os.path.isdir(ckpt_dir):
             raise ConfigError(f"train.resume=true but train.checkpoint_dir {ckpt_dir!r} does "
                               "not exist")
+        from runtime.ray_runtime.folders import foreign_folder  # no torch, no Ray
+
+        refused = foreign_folder(ckpt_dir)
+        if refused:
+            raise ConfigError(f"train.checkpoint_dir: {refused}")
         if not cfg.train.resume and os.path.isfile(os.path.join(ckpt_dir, "run.json")):
             raise ConfigError(f"train.checkpoint_dir {ckpt_dir!r} already holds a run; resume "
                               "it (train.resume=true) or choose an empty folder")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from dta.config import as_dict
 from runtime.ray_runtime.cluster import cluster_has_gpus, private_dir
-from runtime.ray_runtime.errors import TrainingError
+from runtime.ray_runtime.errors import TrainingError, describe
 from runtime.ray_runtime.worker import DFSWorker
 
 
@@ -80,7 +80,7 @@ def start_workers(cfg, num_workers: int, *, fault=None, generation: int = 1) -> 
         infos = ray.get([w.info.remote() for w in workers], timeout=float(r.step_timeout_s))
     except Exception as exc:
         kill_actors(workers)
-        raise TrainingError(f"starting {num_workers} workers failed: {exc}") from None
+        raise TrainingError(f"starting {num_workers} workers failed: {describe(exc)}") from exc
     backend = "nccl" if gpus > 0 and all(i["device"].startswith("cuda") for i in infos) \
         else "gloo"
     group_dir = None
@@ -102,7 +102,7 @@ def start_workers(cfg, num_workers: int, *, fault=None, generation: int = 1) -> 
         if group_dir:
             shutil.rmtree(group_dir, ignore_errors=True)
         raise TrainingError(f"the workers' process group ({backend}, {init}) did not "
-                            f"form: {exc}") from None
+                            f"form: {describe(exc)}") from exc
     return WorkerGroup(workers, infos, backend, group_dir)
 
 

@@ -90,3 +90,25 @@ def describe(exc: BaseException) -> str:
                 return f"{raised[-1].group(1)}: {raised[-1].group(2)[:400]} (while starting)"
         return first_line(exc)  # "The actor died unexpectedly before finishing this task."
     return f"{type(exc).__name__}: {first_line(exc)}"
+
+
+_OS_ERROR_TEXT = re.compile(r"(?:I/O error: )?([^:]+?) \(os error (\d+)\)")  # safetensors' text
+
+
+def storage_failure(exc: BaseException, action: str, path: str | None = None
+                    ) -> BaseException | None:
+    """``exc`` as one line that says ``action`` when it is a failure to read or write storage
+    (an ``OSError``, also one wrapped by torch.distributed.checkpoint, or safetensors'
+    "... (os error 28)"): an ``OSError`` of the same errno naming the file (else ``path``).
+    Another exception wrapped by DCP: a one-line ``RuntimeError``. Anything else: None (its
+    own message says what is wrong)."""
+    inner = original(exc)
+    if isinstance(inner, OSError) and inner.errno is not None:
+        return OSError(inner.errno, f"{action} failed: {inner.strerror}",
+                       inner.filename if inner.filename is not None else path)
+    found = _OS_ERROR_TEXT.search(str(inner))
+    if found and not isinstance(inner, OSError):
+        return OSError(int(found.group(2)), f"{action} failed: {found.group(1).strip()}", path)
+    if inner is not exc:
+        return RuntimeError(f"{action} failed: {describe(inner)}")
+    return None
