@@ -322,15 +322,16 @@ class Trainer:
 
     def _call(self, action: str, call, ranks=None) -> list:
         """``call(worker)`` on ``ranks`` ("all"; default: every rank if sharded, else rank
-        0); a failure is one line (:func:`.failures.call_workers`). A failure in a call on
-        several ranks (a collective) or a dead or hung worker leaves the group unusable."""
+        0); a failure is one line (:func:`.failures.call_workers`). A failed collective
+        (several sharded ranks) or a dead or hung worker leaves the group unusable."""
         if ranks is None:
             ranks = "all" if self.sharded else [0]
         ranks = list(range(len(self.workers))) if ranks == "all" else list(ranks)
         try:
             return call_workers(self.workers, self.infos, action, call, ranks=ranks)
         except WorkerError as exc:
-            if len(ranks) > 1 or any(k != "raised" for k, _ in exc.failures.values()):
+            if (self.sharded and len(ranks) > 1) or any(k != "raised" for k, _ in
+                                                        exc.failures.values()):
                 self.broken = f"{action} failed"
             raise
 
