@@ -180,3 +180,17 @@ def test_causes_are_one_line_with_their_path():
     missing = storage_failure(FileNotFoundError(errno.ENOENT, "No such file or directory",
                                                 "/hf/optim.pt"), "loading", "/hf")
     assert isinstance(missing, FileNotFoundError)  # the type a caller catches is kept
+
+
+def test_debug_keeps_the_traceback_and_the_default_is_one_line():
+    from dta_cli.train import main
+    from runtime.ray_runtime.errors import TrainingError
+
+    args = ["--no-progress", *TINY, "train.resume=true"]  # fails before Ray: no folder given
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(args) == 1
+    assert err.getvalue() == ("dta train: error: train.resume=true needs train.checkpoint_dir "
+                              "(the folder to resume from)\n")
+    with pytest.raises(TrainingError, match="needs train.checkpoint_dir"):
+        main(["--debug", *args])  # raised: Python prints the (chained) traceback
