@@ -194,3 +194,21 @@ def test_debug_keeps_the_traceback_and_the_default_is_one_line():
                               "(the folder to resume from)\n")
     with pytest.raises(TrainingError, match="needs train.checkpoint_dir"):
         main(["--debug", *args])  # raised: Python prints the (chained) traceback
+
+
+@pytest.mark.slow
+@pytest.mark.areal
+def test_areal_engine_save_on_a_full_disk_is_one_line(tmp_path):
+    """The AReaL engine's save (hf with the optimizer; dcp, whose CheckpointException is a
+    multi-line BaseException) into a 64 KiB tmpfs (~35 s: builds the engine)."""
+    pytest.importorskip("areal")
+    facts = in_mount_namespace("fulldisk_areal.py", tmp_path, 600)
+    for fmt in ("hf", "dcp"):
+        got = facts[fmt]
+        assert got["raised"] == "OSError" and got["errno"] == errno.ENOSPC, got
+        assert got["message"].startswith(f"[Errno 28] saving the engine ({fmt}) to "
+                                         f"'{tmp_path}/small/{fmt}' on rank 0 failed: No space "
+                                         "left on device: "), got
+        assert "\n" not in got["message"]
+    assert facts["missing"]["message"] == (f"checkpoint path '{tmp_path}/small/missing' is not "
+                                           "a local directory")

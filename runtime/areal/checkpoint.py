@@ -173,7 +173,9 @@ def _says(action: str, path: str):
 
     try:
         yield
-    except Exception as exc:
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         plain = storage_failure(exc, action, path)
         if plain is None:
             raise
