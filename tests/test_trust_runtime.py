@@ -220,6 +220,12 @@ def test_a_failure_inside_a_worker_is_one_line_with_its_cause(ray_local, tmp_pat
         assert isinstance(remote, RayTaskError) and "save_checkpoint" in str(remote)
         assert trainer.broken is None  # one rank raised; the workers are fine
         assert trainer.save(str(tmp_path / "good")).endswith("step-000001")
+        foreign = tmp_path / "foreign"
+        foreign.mkdir()
+        (foreign / "notes.txt").write_text("mine")
+        with pytest.raises(CheckpointError, match="not a DTA run folder"):
+            trainer.save(str(foreign))  # the Python API too, before any worker writes
+        assert os.listdir(foreign) == ["notes.txt"]
         with pytest.raises(WorkerError, match=r"^loading checkpoint '.*/nowhere' failed on "
                                               r"worker 0 \(pid \d+ on [\d.]+\): \w+Error: "):
             trainer.load(str(tmp_path / "nowhere"))

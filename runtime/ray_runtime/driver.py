@@ -261,6 +261,9 @@ class Trainer:
                 "history": [s.brief() for s in self.history], **(extra or {})}
         keep = int(getattr(self.cfg.train, "keep_last", 0) or 0) or None
         directory = os.path.abspath(directory)
+        refused = ckpt.foreign_folder(directory)  # before any rank enters a collective
+        if refused:
+            raise ckpt.CheckpointError(refused)
         action = f"saving checkpoint {ckpt.step_name(self.completed_steps)} in {directory!r}"
         try:  # sharded: every rank writes its shards (DCP); replicated: rank 0
             return self._call(action, lambda w: w.save_checkpoint.remote(
