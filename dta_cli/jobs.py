@@ -124,7 +124,14 @@ def ship_paths(cfg, cwd: str | None = None):
         if cfg.train.resume and not os.path.isdir(ckpt_dir):
             raise ConfigError(f"train.resume=true but train.checkpoint_dir {ckpt_dir!r} does "
                               "not exist")
-        if not cfg.train.resume and os.path.isfile(os.path.join(ckpt_dir, "run.json")):
+        from runtime.ray_runtime.folders import foreign_folder  # no torch, no Ray
+
+        refused = foreign_folder(ckpt_dir)
+        if refused:
+            raise ConfigError(f"train.checkpoint_dir: {refused}")
+        held = os.path.isdir(ckpt_dir) and any(  # a run folder whose first save failed
+            n == "latest" or n.startswith("step-") for n in os.listdir(ckpt_dir))  # is free
+        if not cfg.train.resume and held:
             raise ConfigError(f"train.checkpoint_dir {ckpt_dir!r} already holds a run; resume "
                               "it (train.resume=true) or choose an empty folder")
         _check_parent("train.checkpoint_dir", ckpt_dir)

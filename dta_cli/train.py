@@ -112,6 +112,8 @@ def run(args) -> int:
         print(f"dta train: {exc}", file=sys.stderr)
         return exc.exit_code
     except (BatchError, TrainingError, ClusterError, ValueError, FileNotFoundError) as exc:
+        if getattr(args, "debug", False):
+            raise  # --debug: the traceback (a worker's failure: the worker's own, chained)
         print(f"dta train: error: {exc}", file=sys.stderr)
         return 1
     print_summary(summary)

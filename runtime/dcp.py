@@ -22,6 +22,10 @@ folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, a
 a tampered or truncated shard is refused naming the file, and the Ray runtime's
 ``train.resume=true`` finds and checks sharded checkpoints as it does replicated ones.
 
+DCP reports a rank's failure as ``CheckpointException`` (a ``BaseException``, its text a
+multi-line traceback): :func:`save_sharded` and :func:`load_sharded` raise the rank's own
+exception instead (a full disk: the ``OSError``), so callers see one line with its cause.
+
 Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/sharding-dcp.md``.
 """
 from __future__ import annotations
@@ -118,12 +122,27 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
                            extra={"kind": "dcp"})
             _fsync(tmp)
             publish(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        own = _own_error(exc)
+        if own is not None:
+            raise own from exc
         raise
     _barrier(group)
     return final
+
+
+def _own_error(exc: BaseException) -> Exception | None:
+    """The exception a rank raised inside DCP's ``CheckpointException`` (lowest rank first),
+    or None when ``exc`` is not one."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ != "CheckpointException" or not isinstance(failures, dict) \
+            or not failures:
+        return None
+    first = failures[min(failures)]
+    inner = first[0] if isinstance(first, tuple) else first
+    return inner if isinstance(inner, Exception) else None
 
 
 def latest_sharded(directory: str | None) -> str | None:
@@ -151,5 +170,12 @@ def load_sharded(path: str, state: dict, *, group=None, allow_reshard: bool = Fa
         raise ShardedCheckpointError(
             f"checkpoint {path!r} was written by {meta.get('world_size')} ranks, this run has "
             f"{_world()} (resume at the same world size)")
-    dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path), process_group=group)
+    try:
+        dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path),
+                 process_group=group)
+    except BaseException as exc:
+        own = _own_error(exc)
+        if own is not None:
+            raise own from exc
+        raise
     return meta

@@ -192,3 +192,40 @@ def test_cli_with_nothing_listening_fails_at_once_with_a_clear_line(tmp_path):
     errors = [line for line in run.stderr.splitlines() if "error" in line]
     assert run.returncode == 1 and len(errors) == 1, run.stderr
     assert f"cannot join the Ray cluster at '127.0.0.1:{port}': nothing answers" in errors[0]
+
+
+@pytest.mark.ray
+def test_a_failure_inside_a_worker_is_one_line_with_its_cause(ray_local, tmp_path):
+    """Save, load: what was being done, by which worker, the cause (an OSError with its path),
+    no Ray actor repr or colour codes; the worker's traceback stays chained for --debug."""
+    from ray.exceptions import RayTaskError
+
+    from runtime.ray_runtime.driver import Trainer
+    from runtime.ray_runtime.errors import WorkerError
+
+    c = cfg()
+    (tmp_path / "a-file").write_text("")
+    bad = str(tmp_path / "a-file" / "ckpt")
+    with Trainer(c, log=lambda m: None) as trainer:
+        trainer.step(BatchSource(c, 512).batch(0), 0)
+        with pytest.raises(WorkerError) as info:
+            trainer.save(bad)
+        text = str(info.value)
+        assert text.startswith(f"saving checkpoint step-000001 in {bad!r} failed on worker 0 "
+                               "(pid ") and "\n" not in text
+        assert f"NotADirectoryError: [Errno 20] Not a directory: {bad!r}" in text
+        assert "\x1b[" not in text and "repr=" not in text and "actor_id" not in text
+        assert "no checkpoint was written" in text
+        remote = info.value.__cause__  # what --debug shows: the worker's own traceback
+        assert isinstance(remote, RayTaskError) and "save_checkpoint" in str(remote)
+        assert trainer.broken is None  # one rank raised; the workers are fine
+        assert trainer.save(str(tmp_path / "good")).endswith("step-000001")
+        foreign = tmp_path / "foreign"
+        foreign.mkdir()
+        (foreign / "notes.txt").write_text("mine")
+        with pytest.raises(CheckpointError, match="not a DTA run folder"):
+            trainer.save(str(foreign))  # the Python API too, before any worker writes
+        assert os.listdir(foreign) == ["notes.txt"]
+        with pytest.raises(WorkerError, match=r"^loading checkpoint '.*/nowhere' failed on "
+                                              r"worker 0 \(pid \d+ on [\d.]+\): \w+Error: "):
+            trainer.load(str(tmp_path / "nowhere"))

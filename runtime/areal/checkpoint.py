@@ -15,9 +15,14 @@ and of the optimizer state, the step counts, the LR scheduler — and loads it i
 same world size. Refused there, naming the reason: ``hf`` with ``with_optim`` (the optimizer
 state is sharded: use ``dcp``) and ``dcp`` without ``with_optim`` (the sharded state holds
 the masters and the optimizer state together: use ``hf`` for weights only).
+
+A failure to write or read storage (a full disk, a missing file, one wrapped by DCP) is one
+line saying what was being done, on which rank, and the cause with its path — an ``OSError``
+of the same errno (``runtime.ray_runtime.errors.storage_failure``).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -47,7 +52,9 @@ class CheckpointMixin:
         """``hf`` (see the module doc) or ``dcp``."""
         self._require_model()
         _check_format(meta.weight_format)
-        with self._offload_aware():
+        with self._offload_aware(), _says(f"saving the engine ({meta.weight_format}) to "
+                                          f"{str(meta.path)!r} on rank {self.parallel.rank}",
+                                          str(meta.path)):
             if meta.weight_format == "dcp":
                 self._save_dcp(meta)
             else:
@@ -104,7 +111,9 @@ class CheckpointMixin:
                 meta.processor.save_pretrained(meta.path)
         if meta.with_optim:
             self._require_optimizer()
-            torch.save(self.optimizer.state_dict(), self._optim_path(meta.path))
+            from runtime.ray_runtime.checkpoint import save_tensors  # a failed write names the file
+
+            save_tensors(self.optimizer.state_dict(), self._optim_path(meta.path))
 
     def load(self, meta: SaveLoadMeta):
         """The inverse of :meth:`save`: ``hf`` reads the directory's safetensors (a local path
@@ -112,7 +121,9 @@ class CheckpointMixin:
         :meth:`save` wrote in place."""
         self._require_model()
         _check_format(meta.weight_format)
-        with self._offload_aware():
+        with self._offload_aware(), _says(f"loading the engine ({meta.weight_format}) from "
+                                          f"{str(meta.path)!r} on rank {self.parallel.rank}",
+                                          str(meta.path)):
             if meta.weight_format == "dcp":
                 self._load_dcp(meta)
             else:
@@ -153,6 +164,22 @@ class CheckpointMixin:
             from runtime.ray_runtime.checkpoint import load_tensors  # tensors only
 
             self.optimizer.load_state_dict(load_tensors(self._optim_path(meta.path)))
+
+
+@contextlib.contextmanager
+def _says(action: str, path: str):
+    """A storage failure inside as one line naming ``action`` (see the module doc)."""
+    from runtime.ray_runtime.errors import storage_failure
+
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        plain = storage_failure(exc, action, path)
+        if plain is None:
+            raise
+        raise plain from exc
 
 
 def _check_format(weight_format: str) -> None:

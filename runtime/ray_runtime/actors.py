@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from dta.config import as_dict
 from runtime.ray_runtime.cluster import cluster_has_gpus, private_dir
-from runtime.ray_runtime.errors import TrainingError
+from runtime.ray_runtime.errors import TrainingError, describe
 from runtime.ray_runtime.placement import Placement, bundle_for, place_workers
 from runtime.ray_runtime.worker import DFSWorker
 
@@ -103,7 +103,7 @@ def start_workers(cfg, num_workers: int, *, fault=None, generation: int = 1) -> 
     except Exception as exc:
         kill_actors(workers)
         placement.remove()
-        raise TrainingError(f"starting {num_workers} workers failed: {exc}") from None
+        raise TrainingError(f"starting {num_workers} workers failed: {describe(exc)}") from exc
     backend = "nccl" if gpus > 0 and all(i["device"].startswith("cuda") for i in infos) \
         else "gloo"
     group_dir, rendezvous, init, ifname = None, None, None, None
@@ -126,7 +126,7 @@ def start_workers(cfg, num_workers: int, *, fault=None, generation: int = 1) -> 
         if group_dir:
             shutil.rmtree(group_dir, ignore_errors=True)
         raise TrainingError(f"the workers' process group ({backend}, {init}) did not "
-                            f"form: {exc}") from None
+                            f"form: {describe(exc)}") from exc
     return WorkerGroup(workers, infos, backend, group_dir, placement=placement,
                        rendezvous=rendezvous)
 

@@ -20,14 +20,20 @@ Trust rules:
   (size and SHA-256), so a flipped byte is an error naming the file, never 6e28 weights.
   All files are read before any is applied: a refused checkpoint leaves model and
   optimizer untouched.
-* **One run per folder**: :func:`prepare_run` (called before step 0) refuses a fresh run in
-  a folder that holds another run's checkpoints, and a resume of a folder that is missing or
-  holds none; it checks the folder is writable. A checkpoint whose manifest names another run
-  than the folder's ``run.json`` is refused.
+* **Only its own folders**: :func:`prepare_run` (called before step 0) accepts a folder that
+  is missing, empty, or a DTA run folder (its ``run.json``); anything else (a folder holding
+  other files) is refused, naming what is in it, and nothing is written there.
+* **One run per folder**: it refuses a fresh run in a folder that holds another run's
+  checkpoints, and a resume of a folder that is missing or holds none; it checks the folder
+  is writable. A checkpoint whose manifest names another run than the folder's ``run.json``
+  is refused.
 * **Atomic**: a crash while writing leaves at worst a ``.tmp-*`` directory, never a half
   checkpoint under a final name; ``latest`` only ever names a complete one.
 * **Retention**: ``keep_last`` keeps the newest N checkpoints and deletes older ones, after
-  the new one is complete.
+  the new one is complete — only checkpoints whose manifest names this run.
+* **Failures say where**: a write that fails (a full disk) raises ``OSError`` naming the file
+  (``torch.save`` alone would say "unexpected pos"); the previous checkpoint and ``latest``
+  are untouched and the partial ``.tmp-*`` folder is removed.
 
 The manifest helpers (:func:`write_manifest`, :func:`verify_manifest`, :func:`load_tensors`)
 work for any checkpoint folder, e.g. a torch.distributed.checkpoint one. Pure torch: no Ray.
@@ -50,9 +56,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.ray_runtime.folders import RUN_FILE, foreign_folder
+
 LATEST = "latest"
 MANIFEST = "manifest.json"
-RUN_FILE = "run.json"
 FORMAT = 2
 _STEP = re.compile(r"^step-(\d{6,})$")
 
@@ -63,6 +70,48 @@ class CheckpointError(RuntimeError):
 
 def step_name(step: int) -> str:
     return f"step-{int(step):06d}"
+
+
+class _Recorder:
+    """A file ``torch.save`` writes through, remembering the ``OSError`` of a failed write
+    (torch reports it only as "unexpected pos N vs M")."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _with_path(exc: OSError, path: str) -> OSError:
+    """``exc`` naming ``path`` ("[Errno 28] No space left on device: 'path'")."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, path)
+
+
+def save_tensors(obj, path: str) -> None:
+    """``torch.save(obj, path)``, fsynced; a failed write raises the ``OSError`` with ``path``."""
+    try:
+        with open(path, "wb") as f:
+            sink = _Recorder(f)
+            try:
+                torch.save(obj, sink)
+            except RuntimeError:
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise _with_path(exc, path) from None
 
 
 def _fsync_dir(path: str) -> None:
@@ -220,10 +269,17 @@ def publish(tmp: str, final: str) -> None:
         os.replace(tmp, final)
     _fsync_dir(directory)
     pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
-    with open(pointer, "w") as f:
-        f.write(os.path.basename(final) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(pointer, "w") as f:
+            f.write(os.path.basename(final) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # the checkpoint is complete; `latest` still names the previous
+        try:
+            os.unlink(pointer)
+        except OSError:
+            pass
+        raise _with_path(exc, os.path.join(directory, LATEST)) from None
     os.chmod(pointer, 0o644)
     os.replace(pointer, os.path.join(directory, LATEST))
     _fsync_dir(directory)
@@ -251,6 +307,9 @@ def check_writable(directory: str) -> None:
 def prepare_run(directory: str, *, resume: bool) -> RunInfo:
     """Claim ``directory`` for this run before step 0 (see the module doc)."""
     directory = os.path.abspath(directory)
+    refused = foreign_folder(directory)
+    if refused:
+        raise CheckpointError(refused)
     if resume:
         if not os.path.isdir(directory):
             raise CheckpointError(f"train.resume=true but the checkpoint folder {directory!r} "
@@ -262,13 +321,12 @@ def prepare_run(directory: str, *, resume: bool) -> RunInfo:
         run = read_run(directory)
         run_id = (run or {}).get("run_id") or _manifest_run(latest) or uuid.uuid4().hex
         check_writable(directory)
-        if run is None:
-            _write_json(os.path.join(directory, RUN_FILE), _run_record(run_id))
         return RunInfo(directory, run_id, latest)
     if os.path.isdir(directory):
         run = read_run(directory)
         held = checkpoints(directory)
-        if run is not None or held or os.path.exists(os.path.join(directory, LATEST)):
+        # a run folder without a checkpoint (its first save failed) has nothing to overwrite
+        if held or os.path.exists(os.path.join(directory, LATEST)):
             owner = f"run {run['run_id']}" if run and run.get("run_id") else "another run"
             last = f", latest {os.path.basename(held[-1])}" if held else ""
             raise CheckpointError(
@@ -305,6 +363,9 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
     """Write checkpoint ``step`` atomically (with its manifest); returns its final path.
     ``run_id`` defaults to the folder's (``run.json``); ``keep_last`` deletes all but the
     newest N checkpoints afterwards."""
+    refused = foreign_folder(directory)
+    if refused:
+        raise CheckpointError(refused)
     _mkdir(directory)
     run = read_run(directory)
     if run_id is None:
@@ -319,10 +380,10 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
     tmp = tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=directory)
     try:
         os.chmod(tmp, 0o755)
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()},
-                   os.path.join(tmp, "model.pt"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        torch.save(rng_state(), os.path.join(tmp, "rng.pt"))
+        save_tensors({k: v.detach().cpu() for k, v in model.state_dict().items()},
+                     os.path.join(tmp, "model.pt"))
+        save_tensors(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        save_tensors(rng_state(), os.path.join(tmp, "rng.pt"))
         _write_json(os.path.join(tmp, "meta.json"), {"step": int(step), "run_id": run_id,
                                                      **(meta or {})})
         for name in os.listdir(tmp):
@@ -337,14 +398,18 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last:
-        prune(directory, int(keep_last), keep=final)
+        prune(directory, int(keep_last), keep=final, run_id=run_id)
     return final
 
 
-def prune(directory: str, keep_last: int, keep: str | None = None) -> list[str]:
-    """Delete all but the newest ``keep_last`` checkpoints (never ``keep``); returns those
-    deleted."""
-    held = checkpoints(directory)
+def prune(directory: str, keep_last: int, keep: str | None = None,
+          run_id: str | None = None) -> list[str]:
+    """Delete all but the newest ``keep_last`` of this run's checkpoints (never ``keep``);
+    returns those deleted. This run: ``run_id``, default the folder's ``run.json``; only
+    checkpoints whose manifest names it are counted or deleted (never another run's)."""
+    if run_id is None:
+        run_id = (read_run(directory) or {}).get("run_id")
+    held = [p for p in checkpoints(directory) if _manifest_run(p) == run_id]
     doomed = [p for p in held[:max(0, len(held) - keep_last)]
               if os.path.abspath(p) != os.path.abspath(keep or "")]
     for path in doomed:
@@ -425,10 +490,17 @@ def _finite(x):
 
 def _write_json(path: str, obj: dict) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "w") as f:
-        json.dump(_finite(obj), f, indent=1, default=_jsonable, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            json.dump(_finite(obj), f, indent=1, default=_jsonable, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise _with_path(exc, path) from None
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 

@@ -32,8 +32,8 @@ from dta.tree import PrefixTree
 from runtime.ray_runtime import checkpoint as ckpt
 from runtime.ray_runtime.actors import WorkerGroup, start_workers
 from runtime.ray_runtime.cluster import ClusterHandle, start_or_join
-from runtime.ray_runtime.errors import StepFailed, TrainingError
-from runtime.ray_runtime.failures import failure_message, gather
+from runtime.ray_runtime.errors import StepFailed, TrainingError, WorkerError
+from runtime.ray_runtime.failures import call_workers, failure_message, gather
 from runtime.ray_runtime.model_info import model_limits, required_fields
 from runtime.ray_runtime.stats import StepStats, step_stats
 from runtime.ray_runtime.worker import FAULT_ENV, parse_fault
@@ -250,8 +250,6 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints --
     def save(self, directory: str | None = None, extra: dict | None = None) -> str:
-        import ray
-
         directory = directory or self.cfg.train.checkpoint_dir
         if not directory:
             raise TrainingError("no checkpoint directory: set train.checkpoint_dir")
@@ -262,36 +260,33 @@ class Trainer:
                          "cost_model": repr(self.cost_model)},
                 "history": [s.brief() for s in self.history], **(extra or {})}
         keep = int(getattr(self.cfg.train, "keep_last", 0) or 0) or None
-        if self.sharded:  # every rank writes its shards (DCP)
-            return ray.get([w.save_checkpoint.remote(os.path.abspath(directory),
-                                                     self.completed_steps, meta, self.run_id,
-                                                     keep) for w in self.workers])[0]
-        return ray.get(self.workers[0].save_checkpoint.remote(
-            os.path.abspath(directory), self.completed_steps, meta, self.run_id, keep))
+        directory = os.path.abspath(directory)
+        refused = ckpt.foreign_folder(directory)  # before any rank enters a collective
+        if refused:
+            raise ckpt.CheckpointError(refused)
+        action = f"saving checkpoint {ckpt.step_name(self.completed_steps)} in {directory!r}"
+        try:  # sharded: every rank writes its shards (DCP); replicated: rank 0
+            return self._call(action, lambda w: w.save_checkpoint.remote(
+                directory, self.completed_steps, meta, self.run_id, keep))[0]
+        except WorkerError as exc:
+            last = self.latest_checkpoint()
+            raise exc.extend(f"the newest complete checkpoint is still {last!r} (resume from "
+                             "it with train.resume=true)" if last else
+                             "no checkpoint was written") from exc.__cause__
 
     def export_hf(self, path: str) -> str:
         """Write the trained model with ``save_pretrained`` (rank 0; replicas are identical;
         sharded, every worker takes part in gathering the full state and rank 0 writes)."""
-        import ray
-
         if self.broken:
             raise TrainingError(f"refusing to export unusable workers ({self.broken})")
         path = os.path.abspath(path)
-        if self.sharded:
-            return ray.get([w.export_hf.remote(path) for w in self.workers])[0]
-        return ray.get(self.workers[0].export_hf.remote(path))
+        return self._call(f"exporting the model (save_pretrained) to {path!r}",
+                          lambda w: w.export_hf.remote(path))[0]
 
     def load(self, path: str) -> dict:
-        import ray
-
-        from ray.exceptions import RayTaskError
-
-        try:
-            metas = ray.get([w.load_checkpoint.remote(os.path.abspath(path))
-                             for w in self.workers])
-        except RayTaskError as exc:  # e.g. a CheckpointError: say what, not the remote trace
-            cause = getattr(exc, "cause", None) or exc
-            raise ckpt.CheckpointError(f"loading {path!r} failed: {str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__}") from None
+        path = os.path.abspath(path)
+        metas = self._call(f"loading checkpoint {path!r}",
+                           lambda w: w.load_checkpoint.remote(path), ranks="all")
         self.completed_steps = int(metas[0]["step"])
         return metas[0]
 
@@ -312,23 +307,36 @@ class Trainer:
     def worker_state(self, rank: int) -> dict:
         """Rank ``rank``'s (gathered) model and its optimizer state; sharded, every worker is
         asked (gathering FSDP's parameters is a collective)."""
-        import ray
-        if not self.sharded:
-            return ray.get(self.workers[rank].state.remote())
-        return ray.get([w.state.remote() for w in self.workers])[rank]
+        ranks = "all" if self.sharded else [rank]
+        states = self._call(f"reading worker {rank}'s state", lambda w: w.state.remote(), ranks)
+        return states[rank] if self.sharded else states[0]
 
     def param_norms(self) -> list[float]:
         """Each worker's L2 norm of all parameters (one collective where sharded)."""
-        import ray
-        return ray.get([w.param_norm.remote() for w in self.workers])
+        return self._call("computing the parameter norm", lambda w: w.param_norm.remote(),
+                          "all")
 
     def worker_gradients(self, rank: int) -> dict:
-        import ray
-        return ray.get(self.workers[rank].gradients.remote())
+        return self._call(f"reading worker {rank}'s gradients",
+                          lambda w: w.gradients.remote(), [rank])[0]
 
     def digests(self) -> list[float]:  # noqa: D102 (collective where sharded)
-        import ray
-        return ray.get([w.digest.remote() for w in self.workers])
+        return self._call("computing the state digests", lambda w: w.digest.remote(), "all")
+
+    def _call(self, action: str, call, ranks=None) -> list:
+        """``call(worker)`` on ``ranks`` ("all"; default: every rank if sharded, else rank
+        0); a failure is one line (:func:`.failures.call_workers`). A failed collective
+        (several sharded ranks) or a dead or hung worker leaves the group unusable."""
+        if ranks is None:
+            ranks = "all" if self.sharded else [0]
+        ranks = list(range(len(self.workers))) if ranks == "all" else list(ranks)
+        try:
+            return call_workers(self.workers, self.infos, action, call, ranks=ranks)
+        except WorkerError as exc:
+            if (self.sharded and len(ranks) > 1) or any(k != "raised" for k, _ in
+                                                        exc.failures.values()):
+                self.broken = f"{action} failed"
+            raise
 
 
 class _TokensBar:

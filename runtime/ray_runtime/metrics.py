@@ -65,10 +65,16 @@ class MetricsLog:
         row["time"] = time.time()
         if self.run_id:
             row["run_id"] = self.run_id
-        self._jsonl.write(json.dumps(_finite(row), allow_nan=False, default=str) + "\n")
-        self._jsonl.flush()
-        self._csv.writerow(["" if row.get(c) is None else row.get(c) for c in COLUMNS])
-        self._csv_file.flush()
+        path = self.jsonl_path
+        try:
+            self._jsonl.write(json.dumps(_finite(row), allow_nan=False, default=str) + "\n")
+            self._jsonl.flush()
+            path = self.csv_path
+            self._csv.writerow(["" if row.get(c) is None else row.get(c) for c in COLUMNS])
+            self._csv_file.flush()
+        except OSError as exc:  # a full disk: say which file, and what was being done
+            raise OSError(exc.errno, f"writing step {row.get('step')}'s metrics failed: "
+                          f"{exc.strerror or exc}", path) from None
         if self._tb is not None:
             for key in ("loss", "grad_norm", "sharing_ratio", "imbalance", "step_s"):
                 value = row.get(key)

@@ -7,7 +7,10 @@ runtime imports no workload generator.
 Nothing is lost, nothing is trusted blindly:
 
 * before step 0 the checkpoint folder is claimed for this run (:func:`.checkpoint.prepare_run`:
-  writable, not another run's, and for ``train.resume=true`` existing with a checkpoint);
+  missing, empty or a DTA run folder — never a folder of other files —, writable, not
+  another run's, and for ``train.resume=true`` existing with a checkpoint);
+* a failure inside a worker (a save on a full disk, say) is one line naming what was being
+  done, the worker and the cause (:func:`.failures.call_workers`);
 * a checkpoint every ``train.checkpoint_every`` steps (default 1) and after the last one,
   keeping the newest ``train.keep_last``; SIGINT (Ctrl-C) or SIGTERM finishes the current
   step, saves it and stops (:class:`Interrupted`; a second signal stops at once);

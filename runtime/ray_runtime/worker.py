@@ -324,7 +324,7 @@ class DFSWorker:
             path = save_sharded(directory, step, self.strategy.sharded_state(),
                                 meta={**meta, "sharding": self.strategy.mode, "run_id": run_id})
             if keep_last and self.rank == 0:
-                prune(directory, keep_last, keep=path)
+                prune(directory, keep_last, keep=path, run_id=run_id)
             return path
         from runtime.ray_runtime.checkpoint import save_checkpoint
         return save_checkpoint(directory, step, self.model, self.optimizer, meta, run_id=run_id,

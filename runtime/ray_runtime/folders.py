@@ -1,0 +1,33 @@
+"""Which folders DTA writes checkpoints into: a missing one, an empty one, or a DTA run
+folder (one holding ``run.json``). Anything else holds someone else's files, and
+keep-last-N deletes folders there: it is refused before step 0, naming what is in it.
+No torch, no Ray: ``dta submit`` checks the folder before sending the job."""
+from __future__ import annotations
+
+import os
+
+RUN_FILE = "run.json"
+
+
+def listing(directory: str, limit: int = 6) -> str:
+    """``'3 entries: a.txt, data/, notes'`` (the first ``limit`` names, folders with ``/``)."""
+    names = sorted(os.listdir(directory))
+    shown = [n + ("/" if os.path.isdir(os.path.join(directory, n)) else "") for n in names[:limit]]
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return f"{len(names)} {'entry' if len(names) == 1 else 'entries'}: {', '.join(shown)}{more}"
+
+
+def foreign_folder(directory: str) -> str | None:
+    """None if ``directory`` is missing, empty or a DTA run folder; else why it is refused
+    (one line naming the folder and what is in it)."""
+    if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, RUN_FILE)):
+        return None
+    try:
+        if not os.listdir(directory):
+            return None
+        held = listing(directory)
+    except OSError as exc:
+        return f"checkpoint folder {directory!r} cannot be listed: {exc.strerror or exc}"
+    return (f"checkpoint folder {directory!r} is not a DTA run folder (no {RUN_FILE}) and is "
+            f"not empty: it holds {held}; DTA writes (and keep-last-N deletes) checkpoints "
+            "only in a new, empty or DTA run folder: choose one")
