@@ -115,3 +115,24 @@ def test_bench_on_imported_conversations(tmp_path, capsys):
         assert v["status"] == "ok" and v["grad_rel_err"] <= 1e-4, (m, v)
     assert d["headline"]["best_dfs"].startswith("dfs") and "over_treemask" in d["headline"]
     assert "calls.jsonl" in (tmp_path / "b" / "results.md").read_text()
+
+
+def test_load_input_refusals(tmp_path):
+    """Before any run: ids outside the vocabulary, a sequence beyond the model's positions,
+    --loss ppo without advantages / logprobs; the loss follows the records' fields."""
+    from dta.jsonl import write_jsonl
+    from experiments.bench.inputs import load_input
+
+    path = tmp_path / "b.jsonl"
+    write_jsonl(path, [{"input_ids": [1, 2, 3, 4], "episode": "e", "call": 0},
+                       {"input_ids": [1, 2, 3, 4, 5, 6], "episode": "e", "call": 1}])
+    with pytest.raises(ValueError, match=r"b.jsonl line 1: .*outside the model's vocabulary "
+                                         r"\[0, 4\) \(m's vocabulary has 4 ids"):
+        load_input(str(path), 4, "m")
+    with pytest.raises(ValueError, match="call 1. has 6 tokens, beyond m's 5 positions"):
+        load_input(str(path), 10, "m", max_positions=5)
+    with pytest.raises(ValueError, match="--loss ppo needs 'advantages' and 'logprobs'"):
+        load_input(str(path), 10, "m", loss="ppo")
+    assert load_input(str(path), 10, "m")[2] == "nll"
+    write_jsonl(path, [{"input_ids": [1, 2, 3], "advantages": 1.0, "logprobs": [0, -1, -1]}])
+    assert load_input(str(path), 10, "m")[2] == "ppo"

@@ -97,8 +97,10 @@ def cut(records, max_sequences: int | None = None, max_tokens: int | None = None
 
 
 def load_input(path: str, vocab_size: int, model: str, *, max_sequences=None, max_tokens=None,
-               loss: str | None = None):
-    """(records, what was kept, the loss name); see the module doc."""
+               loss: str | None = None, max_positions: int | None = None):
+    """(records, what was kept, the loss name); see the module doc. A kept sequence longer
+    than ``max_positions`` (the model's ``max_position_embeddings``) is refused here, before
+    any run, as the DFS walker would refuse it."""
     from dta.jsonl import read_jsonl
     from dta.records import RecordError
 
@@ -113,6 +115,13 @@ def load_input(path: str, vocab_size: int, model: str, *, max_sequences=None, ma
     if not records:
         raise ValueError(f"{path}: no records")
     records, kept = cut(records, max_sequences, max_tokens)
+    longest = max(range(len(records)), key=lambda i: len(records[i]["input_ids"]))
+    n = len(records[longest]["input_ids"])
+    if max_positions is not None and n > max_positions:
+        raise ValueError(f"{path}: a kept sequence ({records[longest].get('episode', '')} call "
+                         f"{records[longest].get('call', longest)}) has {n:,} tokens, beyond "
+                         f"{model}'s {max_positions:,} positions (max_position_embeddings); "
+                         "choose a model with more positions")
     has_ppo = all("advantages" in r and ("logprobs" in r or "old_logprobs" in r) for r in records)
     if loss is None:
         loss = "ppo" if has_ppo else "nll"

@@ -270,7 +270,8 @@ def run(cfg: BenchConfig, *, progress: bool = True, log=print) -> dict:
             name = model_name(cfg.model_path, cfg.family, cfg.size, cfg.vocab_size)
             records, kept, loss = load_input(
                 cfg.input, config.vocab_size, name,
-                max_sequences=cfg.max_sequences, max_tokens=cfg.max_tokens, loss=cfg.loss)
+                max_sequences=cfg.max_sequences, max_tokens=cfg.max_tokens, loss=cfg.loss,
+                max_positions=getattr(config, "max_position_embeddings", None))
             write_jsonl(os.path.join(tmp, "input.jsonl"), records)
             cfg = replace(cfg, loss=loss)
         cfg = replace(cfg, loss=cfg.loss or "ppo")
