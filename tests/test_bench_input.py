@@ -102,13 +102,24 @@ def test_bench_on_imported_conversations(tmp_path, capsys):
     assert "calls.jsonl line 1" in err[0] and "qwen3-tiny-v100" in err[0]
     assert not (tmp_path / "c").exists()
     modes = "padded,microbatch,treemask,dfs-node,dfs-retain,dfs-recompute"
-    rc = dta(["bench", "--input", str(calls), "--model-size", "tiny", "--max-tokens", str(budget),
-              "--repeats", "1", "--in-process", "--warmup", "none", "--threads", "1",
-              "--modes", modes, "--out", str(tmp_path / "b"), "--json"])
+    rc = dta(["bench", "--input", str(calls), "--model-size", "tiny", "--vocab-size", "300",
+              "--max-tokens", str(budget), "--repeats", "1", "--in-process", "--warmup", "none",
+              "--threads", "1", "--modes", modes, "--out", str(tmp_path / "b"), "--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err[-3000:]
     d = json.loads(out.strip().splitlines()[-1])
     assert d["sequences"] == len(first_two) and d["loss"] == "nll"
+    assert d["model"] == "qwen3-tiny-v300"
+    import torch
+    import transformers
+
+    from dta.models import build_config
+
+    with torch.device("meta"):
+        want = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
+            build_config("qwen3", "tiny", vocab_size=300)).parameters())
+    runs = json.loads((tmp_path / "b" / "results.json").read_text())["points"][0]["runs"]
+    assert {r["params"] for r in runs} == {want}  # the worker built the 300-id model
     assert d["input_cut"]["kept_sequences"] == len(first_two) and d["input_cut"]["groups"] == 1
     assert d["ideal_speedup"] > 1
     for m, v in d["modes"].items():
