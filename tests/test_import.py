@@ -79,7 +79,8 @@ def test_openai_round_trip(tok, tok_dir, tmp_path, capsys):
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
     convs, expected = [], []
     for c in range(3):
-        roles = ["system", "user", "assistant", "user", "assistant", "user", "assistant"][:5 + c % 3]
+        roles = ["system", "user", "assistant", "user", "assistant", "user",
+                 "assistant"][:5 + c % 3]
         known = [list(rng.choice(words, int(rng.integers(2, 7)))) for _ in roles]
         msgs = [{"role": r, "content": tok.decode(ids)} for r, ids in zip(roles, known)]
         convs.append({"id": f"ep{c}", "group_id": c // 2, "reward": float(c), "messages": msgs})

@@ -59,6 +59,10 @@ class Conversation:
                 if m["role"] == "assistant" and i not in self.context]
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _text(content, where: str) -> str:
     """Message content as text: a string, None (empty) or OpenAI text parts."""
     if content is None:
@@ -201,7 +205,7 @@ def read_tau2(path: str) -> list[Conversation]:
             raise ImportError_(f"{where}: 'task_id' missing or not a string")
         info = sim.get("reward_info")
         reward = info.get("reward") if isinstance(info, dict) else None
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        if reward is not None and not _is_number(reward):
             raise ImportError_(f"{where}: reward_info.reward is {reward!r}, expected a number")
         msgs, context, index = _tau2_agent_view(sim.get("messages"), where)
         out.append(Conversation(where=where, episode=str(sim.get("id", i)), group_id=task,
@@ -227,8 +231,9 @@ def read_openai(path: str) -> list[Conversation]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ImportError_(f"{where}: not OpenAI-chat JSONL: bad JSON ({e.msg} at column "
-                                   f"{e.colno}); a τ²-bench results file is --from tau2") from None
+                raise ImportError_(f"{where}: not OpenAI-chat JSONL: bad JSON ({e.msg} at "
+                                   f"column {e.colno}); a τ²-bench results file is --from "
+                                   "tau2") from None
             if not isinstance(obj, dict):
                 raise ImportError_(f"{where}: expected one conversation object per line, got "
                                    f"{type(obj).__name__}")
@@ -253,14 +258,15 @@ def read_openai(path: str) -> list[Conversation]:
                                                f"{', '.join(MESSAGE_FIELDS)}")
                     if "reasoning" in m and "reasoning_content" in m:
                         raise ImportError_(f"{at}: give one of reasoning / reasoning_content")
-                key = "reasoning" if isinstance(m, dict) and "reasoning" in m else "reasoning_content"
+                key = ("reasoning" if isinstance(m, dict) and "reasoning" in m
+                       else "reasoning_content")
                 checked.append(_message(m, at, key))
             tools = obj.get("tools")
             if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
                                                                             for t in tools)):
                 raise ImportError_(f"{where}: 'tools' must be a list of tool schemas")
             reward = obj.get("reward")
-            if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+            if reward is not None and not _is_number(reward):
                 raise ImportError_(f"{where}: reward is {reward!r}, expected a number")
             group = obj.get("group_id")
             if group is not None and (isinstance(group, bool) or not isinstance(group, (int, str))):
