@@ -258,3 +258,41 @@ def test_template_not_a_prefix(tok_dir, tmp_path, capsys):
     rc, _, err = _run(capsys, "import", "--from", "openai", conv, "--tokenizer", tok_dir,
                       "--out", str(out))
     assert rc == 2 and "exists" in err  # never overwritten without --overwrite
+
+
+TAU2_FILE = "examples/tau2/gpt-4.1_airline_default_gpt-4.1_1trials.json"
+
+
+def test_real_tau2_results(tmp_path):
+    """The committed τ²-bench airline results (20 simulations, 226 assistant messages, each
+    simulation opening with τ²'s greeting): one record per generated agent message, each call
+    a prefix of the next in its episode, every record trained, the greeting never trained,
+    and the sharing is the chains' and the system prompt's."""
+    from pathlib import Path
+
+    from dta.importing import import_file
+    from dta.planning.sharing import sharing_breakdown
+    from experiments.chat_tokenizer import texts_of, train_chat_tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    src = str(root / TAU2_FILE)
+    tok = train_chat_tokenizer(texts_of([src]), tmp_path / "tok", vocab_size=4096)
+    raw = json.loads(Path(src).read_text())
+    generated = sum(m["role"] == "assistant" for s in raw["simulations"]
+                    for m in s["messages"][1:])
+    assert all(s["messages"][0]["content"] == "Hi! How can I help you today?"
+               for s in raw["simulations"])
+    records, convs = import_file("tau2", src, str(tok))
+    assert len(convs) == 20 and len(records) == generated == 206
+    by_episode = {}
+    for r in records:
+        by_episode.setdefault(r["episode"], []).append(r)
+        assert sum(r["loss_mask"]) > 0 and r["loss_mask"][-1] == 1
+    for calls in by_episode.values():
+        assert [r["call"] for r in calls] == list(range(len(calls)))
+        for a, b in zip(calls, calls[1:]):
+            assert b["input_ids"][:len(a["input_ids"])] == a["input_ids"]
+    b = sharing_breakdown(records)
+    assert b["levels"]["chains"]["ratio"] > 5 and b["levels"]["batch"]["ratio"] > 2
+    assert b["levels"]["groups"]["saved_tokens"] == 0  # one trial per task
+    assert b["common_prefix_tokens"] > 4000  # τ²'s system prompt and the airline tools
