@@ -108,7 +108,7 @@ def test_bench_on_imported_conversations(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err[-3000:]
     d = json.loads(out.strip().splitlines()[-1])
-    assert d["sequences"] == len(first_two) and d["loss"] == "nll"
+    assert d["sequences"] == len(first_two) and d["loss"] == "nll" and d["workload"] is None
     assert d["model"] == "qwen3-tiny-v300"
     import torch
     import transformers

@@ -327,7 +327,8 @@ def compact(results: dict) -> dict:
 
     if c.get("input"):
         head.update(input=c["input"], input_cut=results.get("input_cut"), loss=c["loss"])
-    head.update(workload=c["workload"], scale=c["scale"],
+    head.update(workload=None if c.get("input") else c["workload"],
+                scale=None if c.get("input") else c["scale"],
                 model=model_name(c.get("model_path"), c["family"], c["size"], c.get("vocab_size")),
                 dtype=c["dtype"], device=c["device"], repeats=c["repeats"], out=results["out"])
     return head
