@@ -1,7 +1,9 @@
 """`dta bench`: memory/throughput benchmark of the training modes (padded, microbatch,
-dense tree mask, DFS node by node, packed DFS retain/recompute) on one τ²-shaped batch, each
+dense tree mask, DFS node by node, packed DFS retain/recompute) on one τ²-shaped batch or on
+your own (``--input FILE.jsonl``, e.g. from `dta import`; ``--max-sequences`` /
+``--max-tokens`` cut it by whole groups and episodes; ``--model PATH`` a local model), each
 (mode, repeat) in a fresh process, modes interleaved; JSON, Markdown table and plots under
---out. The options and the harness live in ``experiments.bench`` (cli, run)."""
+--out. The options and the harness live in ``experiments.bench`` (config, cli, inputs, run)."""
 from __future__ import annotations
 
 import argparse

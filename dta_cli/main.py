@@ -17,6 +17,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("dta_cli.verify", "train a batch by DFS and unpacked; report relative errors"),
     "workload": ("dta_cli.workload", "generate a tau2-shaped batch, print its sharing stats"),
+    "import": ("dta_cli.importer", "conversations (tau2 results, OpenAI chat) -> training records"),
     "plan": ("dta_cli.plan", "pack a batch into budgets or balance it over workers"),
     "bench": ("dta_cli.bench", "memory/throughput benchmark of all training modes"),
     "train": ("dta_cli.train", "run DFS training (local Ray by default)"),

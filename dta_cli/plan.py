@@ -5,9 +5,12 @@ Input is a generated workload (``--workload NAME --scale S --seed N``, from
 ``experiments.workloads``) or a JSONL batch (``--input FILE.jsonl``, the format of
 ``dta.jsonl``). ``--json`` prints one JSON object as the last line: ``bins`` (count),
 ``bin_tokens``, ``lower_bound``, ``gap``, ``plan_ms`` (all planning after the tree build),
+``sharing`` (where the sharing comes from: :mod:`dta.planning.sharing`), ``flop_ratio`` (the
+tree's ideal FLOP saving for ``--model``),
 ``bin_sequences``; with ``--workers``: ``workers``, ``worker_cost``, ``worker_tokens``,
 ``imbalance``, ``duplicated_tokens``, ``worker_sequences``; with ``--memory``: ``memory``
-(per-rank bytes of each sharding mode, the chosen mode under ``--budget-gib``).
+(per-rank bytes of each sharding mode, the chosen mode under ``--budget-gib``, which implies
+``--memory``). With ``--input`` alone, the sharing breakdown only.
 """
 from __future__ import annotations
 
@@ -130,6 +133,20 @@ def _memory(args, tree) -> dict:
             "budget_bytes": budget, "chosen": chosen, "modes": [r.as_dict() for r in rows]}
 
 
+def _sharing(args, records, tree) -> dict:
+    """Where the sharing comes from (chains, groups, the batch) and the FLOP ratio of the
+    tree for --model (unpacked FLOPs / DFS FLOPs)."""
+    from dta.planning import ideal_speedup
+    from dta.planning.sharing import format_breakdown, sharing_breakdown
+
+    breakdown = sharing_breakdown(records)
+    print("\n".join(format_breakdown(breakdown)))
+    model = _cost_model(args.model)
+    ratio = float(ideal_speedup(tree, model))
+    print(f"  FLOP ratio for {model.name} (one sequence at a time / the tree): {ratio:.2f}x")
+    return dict(sharing=breakdown, flop_model=model.name, flop_ratio=round(ratio, 4))
+
+
 def _summary(values) -> str:
     import numpy as np
     v = np.asarray(values, dtype=float)
@@ -144,9 +161,9 @@ def _listing(values, fmt="{:,.0f}", limit=16) -> str:
 def run(args: argparse.Namespace) -> int:
     from dta.planning import PACKERS, PlanningError, balance, build_tree, pack
 
-    if args.capacity is None and args.workers is None:
-        print("dta plan: give --capacity N (packing) and/or --workers W (balancing)",
-              file=sys.stderr)
+    if args.capacity is None and args.workers is None and not args.input:
+        print("dta plan: give --capacity N (packing) and/or --workers W (balancing), or "
+              "--input FILE for its sharing breakdown", file=sys.stderr)
         return 2
     try:
         if args.method not in PACKERS:
@@ -174,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{label}: {st.sequences:,} sequences, {st.total_tokens:,} tokens, "
               f"{st.unique_tokens:,} unique in one tree ({st.sharing_ratio:.2f}x), "
               f"{st.nodes:,} nodes; tree built in {build_ms:.1f} ms")
+        out.update(_sharing(args, records, tree))
         plan_ms = 0.0
         if args.capacity is not None:
             p = pack(tree, args.capacity, args.method, groups=groups)
@@ -200,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                        worker_cost=a.worker_cost, worker_tokens=a.worker_tokens,
                        imbalance=round(a.imbalance, 6), duplicated_tokens=a.duplicated_tokens,
                        balance_plan_ms=round(a.plan_ms, 3), worker_sequences=a.workers)
-        if args.memory:
+        if args.memory or args.budget_gib is not None:
             if args.workers is None:
                 raise ValueError("--memory needs --workers W")
             out["memory"] = _memory(args, tree)

@@ -1,5 +1,7 @@
 """The benchmark's command-line options, shared by ``python -m experiments.bench.run`` and
-``dta bench`` (``dta_cli/bench.py`` builds on this module; experiments never import dta_cli)."""
+``dta bench`` (``dta_cli/bench.py`` builds on this module; experiments never import dta_cli).
+It builds a :class:`~experiments.bench.config.BenchConfig` and does not import the harness
+(:mod:`experiments.bench.run` imports this module for its ``main``)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +14,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0, help="workload seed")
     a("--tasks", type=int, default=None, metavar="B", help="override the tasks (groups) per batch")
     a("--group-size", type=int, default=None, metavar="G", help="override the group size")
+    a("--input", default=None, metavar="FILE.jsonl",
+      help="your own batch (dta.jsonl records, e.g. from `dta import`) instead of --workload")
+    a("--max-sequences", type=int, default=None, metavar="N",
+      help="--input: keep at most N sequences, by whole groups then whole episodes, in file order")
+    a("--max-tokens", type=int, default=None, metavar="T",
+      help="--input: keep at most T tokens, by whole groups then whole episodes, in file order")
+    a("--model", default=None, metavar="PATH", dest="model_path",
+      help="a local Hugging Face model directory (its weights); default: a random-init "
+           "--family / --model-size")
+    a("--vocab-size", type=int, default=None, metavar="V",
+      help="random-init model: its vocabulary size instead of --model-size's (e.g. your "
+           "tokenizer's, so that the ids of an --input batch are covered)")
     a("--family", default="qwen3", help="llama | qwen2 | qwen3 (default: qwen3)")
     a("--model-size", default="small",
       help="tiny | small | qwen3-0.6b | qwen3-1.7b (random init; default: small)")
@@ -20,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--attn", default="sdpa", help="sdpa | flash_attention_2 | flex_attention (tree-mask modes "
                                      "always use sdpa / flex_attention; DFS packs with branches "
                                      "need sdpa, eager or flex_attention)")
-    a("--loss", default="ppo", choices=("ppo", "nll"), help="token loss (global token mean)")
+    a("--loss", default=None, choices=("ppo", "nll"),
+      help="token loss (global token mean; default: ppo, or with --input nll unless every record "
+           "has advantages and logprobs)")
     a("--modes", default=None,
       help="comma-separated modes (default: padded,microbatch,treemask,dfs-node,dfs-retain,"
            "dfs-recompute; also treemask-flex on a GPU)")
@@ -62,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from experiments.bench.modes import DEFAULT_MODES
-    from experiments.bench.run import BenchConfig
+    from experiments.bench.config import BenchConfig
 
     overrides = {k: v for k, v in (("tasks", args.tasks), ("group_size", args.group_size))
                  if v is not None}
@@ -75,4 +91,6 @@ def config_from_args(args: argparse.Namespace):
         pad_batch=args.pad_batch, tree_tokens=args.tree_tokens, logits_chunk=args.logits_chunk,
         packing=args.packing, pack_tokens=args.pack_tokens, head_rows=args.head_rows,
         timeout=args.timeout, grad_tol=args.grad_tol, sweep=args.sweep,
-        sweep_values=args.sweep_values, overrides=overrides, out=args.out)
+        sweep_values=args.sweep_values, overrides=overrides, out=args.out, input=args.input,
+        max_sequences=args.max_sequences, max_tokens=args.max_tokens, model_path=args.model_path,
+        vocab_size=args.vocab_size)

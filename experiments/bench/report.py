@@ -1,6 +1,8 @@
 """Markdown table and matplotlib plots of benchmark results (see :mod:`experiments.bench.run`)."""
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 
@@ -89,8 +91,8 @@ def table(point: dict) -> str:
 
 def markdown(results: dict) -> str:
     c = results["config"]
-    head = [f"# DTA benchmark: {c['workload']} (scale {c['scale']}, seed {c['seed']})", "",
-            f"Model {c['family']}-{c['size']} ({c['dtype']}, {c['attn']}) on {c['device']}, "
+    head = [f"# DTA benchmark: {batch_label(results)}", "",
+            f"Model {model_label(c)} ({c['dtype']}, {c['attn']}) on {c['device']}, "
             f"{c['threads']} threads, loss {c['loss']} (global token mean); {c['repeats']} "
             f"repeats, modes interleaved, "
             + ("all runs in one process" if c.get("in_process") else "each run in a fresh process")
@@ -120,18 +122,30 @@ def mode_color(mode: str) -> str:
     return f"C{6 + sum(map(ord, mode)) % 4}"  # an unknown mode: stable, away from the above
 
 
+def batch_label(results: dict) -> str:
+    """The benchmarked batch: the workload and scale, or the --input file and its cut."""
+    c = results["config"]
+    if not c.get("input"):
+        return f"{c['workload']} (scale {c['scale']}, seed {c['seed']})"
+    k = results.get("input_cut") or {}
+    cut = (f"{k['kept_sequences']:,} of {k['sequences']:,} sequences, {k['kept_tokens']:,} of "
+           f"{k['tokens']:,} tokens" if k else "")
+    return f"{os.path.basename(c['input'])} ({cut})" if cut else os.path.basename(c["input"])
+
+
 def model_label(c: dict) -> str:
-    """``family-size (N params)``: the parameter count from the model config (no weights)."""
-    name = f"{c['family']}-{c['size']}"
+    """``family-size (N params)`` or the model directory's name: the parameter count from the
+    model config (no weights)."""
+    from experiments.bench.inputs import model_config, model_name
+
+    name = model_name(c.get("model_path"), c["family"], c["size"], c.get("vocab_size"))
     try:
         import torch
         import transformers
 
-        from dta.models import build_config
-
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(build_config(c["family"],
-                                                                               c["size"]))
+            model = transformers.AutoModelForCausalLM.from_config(
+                model_config(c.get("model_path"), c["family"], c["size"], c.get("vocab_size")))
         n = sum(p.numel() for p in model.parameters())
         return f"{name} ({n / 1e9:.2f}B params)" if n >= 1e9 else f"{name} ({n / 1e6:.1f}M params)"
     except Exception:
@@ -192,7 +206,7 @@ def plots(results: dict, out: Path) -> list[str]:
         axes[0].legend(fontsize=8)
         name = f"sweep-{sweep}.png"
     c = results["config"]
-    fig.suptitle(f"{c['workload']} {c['scale']} · {model_label(c)} {c['dtype']} · {c['device']}")
+    fig.suptitle(f"{batch_label(results)} · {model_label(c)} {c['dtype']} · {c['device']}")
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
     plt.close(fig)

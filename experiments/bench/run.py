@@ -19,57 +19,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from experiments.bench.modes import DEFAULT_MODES, MODES
+from experiments.bench.config import TOLERANCE, BenchConfig  # noqa: F401 (re-exported)
+from experiments.bench.modes import MODES
 
 ROOT = Path(__file__).resolve().parents[2]
-TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
-
-
-@dataclass
-class BenchConfig:
-    workload: str = "tau2-airline"
-    scale: str = "small"
-    seed: int = 0
-    family: str = "qwen3"
-    size: str = "small"
-    dtype: str = "float32"
-    device: str = "cpu"
-    attn: str = "sdpa"
-    loss: str = "ppo"
-    modes: tuple = DEFAULT_MODES
-    repeats: int = 3
-    threads: int = 2
-    warmup: str = "small"  # small | full | none (see experiments.bench.worker)
-    in_process: bool = False  # all runs of a point in one worker process (GPU script)
-    microbatch_tokens: int | None = None
-    pad_batch: int = 0
-    tree_tokens: int = 32768
-    logits_chunk: int = 1024
-    packing: str = "auto"  # DFS modes dfs-retain / dfs-recompute (dfs-node: node by node)
-    pack_tokens: int = 512
-    head_rows: int | None = None  # DFS head flush cap (default: logits_chunk)
-    timeout: float = 600.0
-    grad_tol: float | None = None
-    grad_full_max: int = 64_000_000
-    sample_ms: float = 2.0
-    sweep: str | None = None  # None | batch | sharing
-    sweep_values: str | None = None
-    overrides: dict = field(default_factory=dict)
-    out: str | None = None
-
-    @property
-    def tol(self) -> float:
-        return self.grad_tol if self.grad_tol is not None else TOLERANCE.get(self.dtype, 1e-4)
-
-    def opts(self) -> dict:
-        return dict(microbatch_tokens=self.microbatch_tokens, pad_batch=self.pad_batch,
-                    tree_tokens=self.tree_tokens, logits_chunk=self.logits_chunk,
-                    packing=self.packing, pack_tokens=self.pack_tokens, head_rows=self.head_rows)
 
 
 def sweep_points(cfg: BenchConfig) -> list[tuple[str, dict]]:
@@ -98,14 +56,14 @@ def sweep_points(cfg: BenchConfig) -> list[tuple[str, dict]]:
 
 def point_info(cfg: BenchConfig, overrides: dict) -> dict:
     """Workload statistics and FLOPs of one point (computed in the parent, cheaply)."""
-    from dta.models import build_config
     from dta.tree import PrefixTree
     from experiments.bench.flops import summary
+    from experiments.bench.inputs import model_config
     from experiments.bench.worker import load_batch
 
-    config = build_config(cfg.family, cfg.size)
+    config = model_config(cfg.model_path, cfg.family, cfg.size, cfg.vocab_size)
     batch, wl = load_batch(dict(workload=cfg.workload, scale=cfg.scale, seed=cfg.seed,
-                                overrides=overrides), config.vocab_size)
+                                overrides=overrides, input=cfg.input), config.vocab_size)
     st = PrefixTree(batch.input_ids).stats()
     info = dict(sequences=st.sequences, total_tokens=st.total_tokens,
                 unique_tokens=st.unique_tokens, sharing_ratio=st.sharing_ratio,
@@ -158,7 +116,9 @@ def run_point(cfg: BenchConfig, label: str, overrides: dict, tmp: str, bar) -> l
     """All (repeat, mode) runs of one point, interleaved; gradient errors vs the reference."""
     ref_mode = "microbatch" if "microbatch" in cfg.modes else cfg.modes[0]
     base = dict(workload=cfg.workload, scale=cfg.scale, seed=cfg.seed, overrides=overrides,
-                family=cfg.family, size=cfg.size, dtype=cfg.dtype, device=cfg.device,
+                family=cfg.family, size=cfg.size, model_path=cfg.model_path, input=cfg.input,
+                vocab_size=cfg.vocab_size,
+                dtype=cfg.dtype, device=cfg.device,
                 attn=cfg.attn, loss=cfg.loss, threads=cfg.threads, warmup=cfg.warmup,
                 opts=cfg.opts(), sample_ms=cfg.sample_ms, grad_full_max=cfg.grad_full_max)
     order = [dict(mode=m, repeat=r, grad_path=os.path.join(tmp, f"{label}-{m}-{r}.npy"))
@@ -286,30 +246,53 @@ def headline(runs: list[dict], modes: dict) -> dict | None:
 
 
 def run(cfg: BenchConfig, *, progress: bool = True, log=print) -> dict:
+    unknown = [m for m in cfg.modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    from experiments.bench.inputs import model_config, model_name
+    from experiments.bench.modes import refuse_recurrent
+
+    config = model_config(cfg.model_path, cfg.family, cfg.size, cfg.vocab_size)
+    for mode in cfg.modes:
+        if mode.startswith("treemask"):
+            refuse_recurrent(config, mode)  # before any process is spawned
+    if not cfg.input and (cfg.max_sequences is not None or cfg.max_tokens is not None):
+        raise ValueError("--max-sequences / --max-tokens cut an --input file; a generated "
+                         "workload is sized by --scale / --tasks")
+    if cfg.input and cfg.sweep:
+        raise ValueError("--sweep varies a generated workload; it does not apply to --input")
+    with tempfile.TemporaryDirectory(prefix="dta-bench-") as tmp:
+        kept = None
+        if cfg.input:  # read, check and cut once; every worker reads the cut batch
+            from dta.jsonl import write_jsonl
+            from experiments.bench.inputs import load_input
+
+            name = model_name(cfg.model_path, cfg.family, cfg.size, cfg.vocab_size)
+            records, kept, loss = load_input(
+                cfg.input, config.vocab_size, name,
+                max_sequences=cfg.max_sequences, max_tokens=cfg.max_tokens, loss=cfg.loss,
+                max_positions=getattr(config, "max_position_embeddings", None))
+            write_jsonl(os.path.join(tmp, "input.jsonl"), records)
+            cfg = replace(cfg, loss=loss)
+        cfg = replace(cfg, loss=cfg.loss or "ppo")
+        return _run(cfg, config, tmp, kept, progress)
+
+
+def _run(cfg: BenchConfig, config, tmp: str, kept: dict | None, progress: bool) -> dict:
     from tqdm import tqdm
 
     from experiments.bench import report
 
-    unknown = [m for m in cfg.modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
-    from dta.models import build_config
-    from experiments.bench.modes import refuse_recurrent
-
-    config = build_config(cfg.family, cfg.size)
-    for mode in cfg.modes:
-        if mode.startswith("treemask"):
-            refuse_recurrent(config, mode)  # before any process is spawned
     out = Path(cfg.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     points = sweep_points(cfg)
-    results = dict(config=asdict(cfg), points=[])
-    with tempfile.TemporaryDirectory(prefix="dta-bench-") as tmp, \
-            tqdm(total=len(points) * cfg.repeats * len(cfg.modes), desc="bench", unit="run",
-                 disable=not progress, file=sys.stderr) as bar:
+    results = dict(config=asdict(cfg), points=[], input_cut=kept)
+    run_cfg = replace(cfg, input=os.path.join(tmp, "input.jsonl")) if cfg.input else cfg
+    with tqdm(total=len(points) * cfg.repeats * len(cfg.modes), desc="bench", unit="run",
+              disable=not progress, file=sys.stderr) as bar:
         for label, overrides in points:
-            info = point_info(cfg, overrides)
-            runs = run_point(cfg, label, overrides, tmp, bar)
+            info = point_info(run_cfg, overrides)
+            runs = run_point(run_cfg, label, overrides, tmp, bar)
             results["points"].append(dict(label=label, overrides=overrides, info=info,
                                            runs=runs, summary=summarize(cfg, runs, info)))
             with open(out / "results.json", "w") as f:  # partial results survive a crash
@@ -340,7 +323,13 @@ def compact(results: dict) -> dict:
     pts = [point(p) for p in results["points"]]
     head = dict(pts[0]) if len(pts) == 1 else dict(points=pts)
     c = results["config"]
-    head.update(workload=c["workload"], scale=c["scale"], model=f"{c['family']}-{c['size']}",
+    from experiments.bench.inputs import model_name
+
+    if c.get("input"):
+        head.update(input=c["input"], input_cut=results.get("input_cut"), loss=c["loss"])
+    head.update(workload=None if c.get("input") else c["workload"],
+                scale=None if c.get("input") else c["scale"],
+                model=model_name(c.get("model_path"), c["family"], c["size"], c.get("vocab_size")),
                 dtype=c["dtype"], device=c["device"], repeats=c["repeats"], out=results["out"])
     return head
 

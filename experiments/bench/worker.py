@@ -97,8 +97,19 @@ def probe_gflops(seconds: float = 0.25, n: int = 384) -> float:
 
 
 def load_batch(spec: dict, vocab_size: int):
+    """(the batch, its workload) of a spec: the generated workload, or the ``input`` JSONL
+    (already checked and cut by the harness; its workload's ``params`` name the file)."""
     from dta.batch import Batch
     from experiments.workloads import make_workload
+
+    if spec.get("input"):
+        import types
+
+        from dta.jsonl import read_jsonl
+
+        records = read_jsonl(spec["input"], vocab_size=vocab_size)
+        return Batch.from_records(records), types.SimpleNamespace(
+            params=dict(input=spec["input"]), records=records)
 
     wl = make_workload(spec["workload"], scale=spec["scale"], seed=spec.get("seed", 0),
                        vocab_size=vocab_size, **spec.get("overrides", {}))
@@ -153,16 +164,25 @@ class Context:
 
         torch.set_num_threads(int(spec.get("threads", 2)))
         from dta.losses import make_loss
-        from dta.models import build_config, build_model
+        from dta.models import build_model, load_model
+        from experiments.bench.inputs import model_config
 
         self.spec, self.device = spec, spec.get("device", "cpu")
         self.cuda = self.device.startswith("cuda")
-        config = build_config(spec["family"], spec["size"])
+        config = model_config(spec.get("model_path"), spec["family"], spec["size"],
+                              spec.get("vocab_size"))
         self.batch, _ = load_batch(spec, config.vocab_size)
-        with torch.device(self.device):  # initialize on the device (fast for 1B+ models)
-            self.model = build_model(spec["family"], spec["size"], dtype=spec.get("dtype", "float32"),
-                                     seed=spec.get("model_seed", 0),
-                                     attn_implementation=spec.get("attn", "sdpa"))
+        if spec.get("model_path"):  # a local directory: its weights, then to the device
+            self.model = load_model(spec["model_path"], dtype=spec.get("dtype", "float32"),
+                                    attn_implementation=spec.get("attn", "sdpa")).to(self.device)
+        else:
+            with torch.device(self.device):  # initialize on the device (fast for 1B+ models)
+                self.model = build_model(spec["family"], spec["size"],
+                                         dtype=spec.get("dtype", "float32"),
+                                         seed=spec.get("model_seed", 0),
+                                         attn_implementation=spec.get("attn", "sdpa"),
+                                         **({} if spec.get("vocab_size") is None else
+                                            {"vocab_size": spec["vocab_size"]}))
         self.loss = make_loss(spec.get("loss", "ppo"))
         self.opts = dict(spec.get("opts", {}))
         self.warmed: set = set()
