@@ -14,6 +14,7 @@ import torch
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals
 from dta.objective import Objective, linearize
+from dta.selfcheck import ensure_self_check
 from dta.tree import PrefixTree, TreeStats
 from dta.walk import Walker, WalkResult
 
@@ -50,13 +51,13 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
     sees only part of it (a data-parallel worker); default: this batch's own.
     router_aux_loss: "refuse" | "exclude"; self_check: probe the model once (cached) and
     refuse one the walker would train wrong; see ``dta.walk.Walker``.
-    walk_kw: the walker's packing options (``packing``, ``pack_tokens``, ``head_rows``,
-    ``pack_cost``, ``native_gqa``; see :class:`dta.walk.Walker`).
+    walk_kw: the walker's packing options (``packing``, ``pack_tokens``, ``block_tokens``,
+    ``head_rows``, ``pack_cost``, ``native_gqa``; see :class:`dta.walk.Walker`).
     """
     validate_for_model(batch, model, loss)
     tree = PrefixTree(batch.input_ids, min_shared=min_shared)
-    walker = Walker(model, policy=policy, logits_chunk=logits_chunk, temperature=temperature,
-                    router_aux_loss=router_aux_loss, self_check=self_check, **walk_kw)
+    walker = checked_walker(model, self_check, policy=policy, logits_chunk=logits_chunk,
+                            temperature=temperature, router_aux_loss=router_aux_loss, **walk_kw)
     if isinstance(loss, SequenceLoss):
         fwd = walker.forward(tree, batch)
         objective, value = linearize(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals)
@@ -74,9 +75,17 @@ def forward_logprobs(model, batch: Batch, *, temperature: float = 1.0, logits_ch
     batch.validate(vocab_size=model.config.vocab_size,
                    max_positions=getattr(model.config, "max_position_embeddings", None))
     tree = PrefixTree(batch.input_ids)
-    return Walker(model, logits_chunk=logits_chunk, temperature=temperature,
-                  self_check=self_check, **walk_kw).forward(
-        tree, batch, minmax=minmax)
+    return checked_walker(model, self_check, logits_chunk=logits_chunk, temperature=temperature,
+                          **walk_kw).forward(tree, batch, minmax=minmax)
+
+
+def checked_walker(model, self_check: bool = True, **walker_kw) -> Walker:
+    """A :class:`Walker` for ``model``, after the self-check (``dta.selfcheck``: once per model
+    object, cached) refused a model the walker would train wrong; ``self_check=False`` skips
+    the probe."""
+    if self_check:
+        ensure_self_check(model)
+    return Walker(model, **walker_kw)
 
 
 class DFSTrainer:
