@@ -45,7 +45,8 @@ def test_dta_plan_prints_memory_and_the_fitting_mode(capsys):
     result = json.loads(out.strip().splitlines()[-1])["memory"]
     assert "memory per rank" in out and "budget 80 GiB" in out
     totals = {r["mode"]: r["total"] for r in result["modes"]}
-    fitting = [m for m in MODES if totals[m] <= 80 * GIB]
+    assert result["usable_bytes"] == pytest.approx(0.9 * 80 * GIB)  # 10 % headroom
+    fitting = [m for m in MODES if totals[m] <= result["usable_bytes"]]
     assert result["chosen"] == (fitting[0] if fitting else None)
     assert result["path_tokens"] > 0 and result["call_tokens"] > 0
 
