@@ -45,6 +45,13 @@ def check_block_tokens(block_tokens) -> int | None:
     return int(block_tokens) or None
 
 
+def block_tokens_of(cfg) -> int | None:
+    """A run config's ``walker.block_tokens`` as the walker takes it: ``auto`` not resolved
+    by the memory model (``runtime.sharding.auto``) is :data:`DEFAULT_BLOCK_TOKENS`; 0: None."""
+    value = cfg.walker.block_tokens
+    return DEFAULT_BLOCK_TOKENS if value == "auto" else check_block_tokens(int(value))
+
+
 def piece_counts(tree: PrefixTree, block_tokens: int | None) -> np.ndarray:
     """Pieces per node (1 for the root and for every node of at most ``block_tokens``)."""
     lengths = (tree.end - tree.start).astype(np.int64)
