@@ -265,3 +265,22 @@ def test_tree_policy_longer_than_a_block_is_refused():
         accumulate_gradients(model, batch, NLL(), packing="tree", block_tokens=16)
     res = accumulate_gradients(model, batch, NLL(), packing="tree", block_tokens=0)
     assert res.walk.packs == 1
+
+
+# ------------------------------------------------------------------------ layering --
+def test_walk_sits_below_the_self_check_and_the_trainer():
+    """dta/walk.py imports neither dta.selfcheck nor dta.train (not even lazily): the
+    self-check walks with the Walker, and the trainer runs the self-check before it builds
+    one (``dta.train.checked_walker``)."""
+    import ast
+    import pathlib
+
+    import dta.walk
+
+    tree = ast.parse(pathlib.Path(dta.walk.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not imported & {"dta.selfcheck", "dta.train", "dta.verify"}, imported
+    import dta.selfcheck
+    src = pathlib.Path(dta.selfcheck.__file__).read_text()
+    assert "dta.train" not in src and "from dta.walk import Walker" in src
