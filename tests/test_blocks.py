@@ -204,18 +204,18 @@ def test_verify_takes_blocks():
 
 # ------------------------------------------------------------------- hybrid (GDN) --
 def _hybrid_sequences(vocab=512, seed=3):
-    """A 150-token root (past two 64-token chunks) forking into a 90-token and a 40-token
+    """A 100-token root (past one 64-token chunk) forking into a 60-token and a 45-token
     branch, and a strict prefix."""
     rng = np.random.default_rng(seed)
-    root = rng.integers(3, vocab, 150)
-    a = np.concatenate([root, rng.integers(3, vocab, 90)])
-    return [a, np.concatenate([root, rng.integers(3, vocab, 40)]), a[:200].copy()]
+    root = rng.integers(3, vocab, 100)
+    a = np.concatenate([root, rng.integers(3, vocab, 60)])
+    return [a, np.concatenate([root, rng.integers(3, vocab, 45)]), a[:130].copy()]
 
 
 @pytest.mark.parametrize("policy", [pytest.param("retain", marks=pytest.mark.slow), "recompute"])
 def test_hybrid_blocks_off_the_chunk_grid_exact(policy):
-    """Qwen3.5 (GDN + attention): blocks of at most 37 tokens (the 150-token root in five
-    pieces of 30), so pieces start inside the first 64-token chunk and beyond it, none at a
+    """Qwen3.5 (GDN + attention): blocks of at most 37 tokens (the 100-token root in pieces
+    of 33, 33, 34), so pieces start inside the first 64-token chunk and beyond it, none at a
     multiple of 64, and the recurrent states carry over between pieces exactly."""
     model = build_model("qwen3_5", "tiny", dtype="float64", seed=0, matrix=True)
     make_truly_float64(model)
