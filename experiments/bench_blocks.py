@@ -13,7 +13,7 @@ model and batch (warm-up included: it has the timed step's peak), on CUDA
 ``max_memory_allocated`` over the memory allocated after the warm-up. A warm-up step (same
 setting, same process) runs first unless ``--no-warmup``; the step time is the
 timed step's wall time (median over the rounds), the peak the largest seen. ``--scale S``
-multiplies every length (prompt, leaves, blocks) by S for a quick check. Results (table,
+multiplies every length (prompt, leaves, blocks, the LM head's chunk) by S for a quick check. Results (table,
 JSON, plot) go to ``--out`` (default ``bench-out/blocks``); the last line of ``--json`` is
 one JSON object.
 
@@ -34,7 +34,7 @@ TARGET_PEAK, TARGET_TIME, TARGET_BLOCK = 0.4, 1.15, 1024
 
 
 def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device: str,
-          warmup: bool, threads: int) -> dict:
+          warmup: bool, threads: int, logits_chunk: int) -> dict:
     import resource
     import time
 
@@ -64,7 +64,8 @@ def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device
     def step():
         model.zero_grad(set_to_none=True)
         return accumulate_gradients(model, batch, NLL(), policy="recompute",
-                                    block_tokens=block or None).walk
+                                    block_tokens=block or None,
+                                    logits_chunk=logits_chunk).walk
 
     # CPU: ru_maxrss never goes down, so its base is taken before the warm-up step (which
     # has the same peak as the timed one); CUDA: the peak is reset after the warm-up
@@ -101,8 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=2048)
     p.add_argument("--leaf-len", type=int, default=6144)
     p.add_argument("--leaves", type=int, default=4)
+    p.add_argument("--logits-chunk", type=int, default=1024,
+                   help="LM-head rows per chunk (the walker's default, 1024)")
     p.add_argument("--scale", type=float, default=1.0,
-                   help="multiply prompt, leaf length and blocks by this (quick checks)")
+                   help="multiply prompt, leaf length, blocks and the head chunk by this "
+                        "(quick checks)")
     p.add_argument("--size", default="small")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every setting")
@@ -119,7 +123,8 @@ def main(argv=None) -> int:
     prompt, leaf_len = scaled(args.prompt), scaled(args.leaf_len)
     if args.child is not None:
         print(json.dumps(child(args.child, prompt, leaf_len, args.leaves, args.size,
-                               args.device, not args.no_warmup, args.threads)))
+                               args.device, not args.no_warmup, args.threads,
+                               scaled(args.logits_chunk))))
         return 0
     blocks = [scaled(b) for b in args.blocks]
     if 0 not in blocks:
@@ -132,6 +137,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "experiments.bench_blocks", "--child", str(b),
                "--prompt", str(args.prompt), "--leaf-len", str(args.leaf_len),
                "--leaves", str(args.leaves), "--scale", str(args.scale), "--size", args.size,
+               "--logits-chunk", str(args.logits_chunk),
                "--device", args.device, "--threads", str(args.threads)] + (
             ["--no-warmup"] if args.no_warmup else [])
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
@@ -175,6 +181,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "blocks.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     result = {"size": args.size, "device": args.device, "prompt": prompt, "leaf_len": leaf_len,
+              "logits_chunk": scaled(args.logits_chunk),
               "leaves": args.leaves, "scale": args.scale, "repeats": args.repeats,
               "results": {_label(b): summary[b] for b in blocks}, "target": verdict, "runs": rows}
     with open(os.path.join(args.out, "blocks.json"), "w") as f:
