@@ -273,8 +273,8 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int,
         for mode in modes:
             for policy in policies:
                 for block in tier:
-                    if block is not None and block >= call_tokens:
-                        continue
+                    if block is not None and 0 < call_tokens <= block and len(tier) > 1:
+                        continue  # the same as no cut
                     est = estimate(config, world, mode, path_tokens=path_tokens,
                                    call_tokens=call_tokens, policy=policy, block_tokens=block,
                                    compute_dtype=compute_dtype, logits_chunk=logits_chunk)

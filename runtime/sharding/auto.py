@@ -45,7 +45,8 @@ def resolve(cfg, hf_config, tree=None) -> tuple[str, int, dict]:
     path, call = batch_extent(tree) if tree is not None else (0, 0)
     plan = plan_memory(hf_config, W, budget, modes=MODES if auto_mode else (str(cfg.train.sharding),),
                        path_tokens=path, call_tokens=call, policies=(str(cfg.walker.policy),),
-                       blocks=BLOCKS if block == "auto" else (int(block) or None,),
+                       blocks=(BLOCKS if tree is not None else (DEFAULT_BLOCK_TOKENS,))
+                       if block == "auto" else (int(block) or None,),
                        compute_dtype=str(cfg.model.dtype),
                        logits_chunk=int(cfg.walker.logits_chunk))
     chosen = plan.chosen
