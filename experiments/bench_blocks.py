@@ -9,7 +9,8 @@ is <= 0.4 x the peak without blocks and the step time <= 1.15 x.
 
 Each setting runs in a fresh process, settings interleaved over ``--repeats`` rounds; on CPU
 the peak is the growth of peak RSS (ru_maxrss) over the process's peak after loading the
-model and batch (warm-up included: it has the timed step's peak), on CUDA
+model and batch and one 16-token step (which loads what a first backward loads; the warm-up
+is included: it has the timed step's peak), on CUDA
 ``max_memory_allocated`` over the memory allocated after the warm-up. A warm-up step (same
 setting, same process) runs first unless ``--no-warmup``; the step time is the
 timed step's wall time (median over the rounds), the peak the largest seen. ``--scale S``
@@ -67,6 +68,12 @@ def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device
                                     block_tokens=block or None,
                                     logits_chunk=logits_chunk).walk
 
+    # a 16-token step first: the libraries' code and thread pools a first backward loads
+    # (~0.4 GB of RSS on CPU, whatever the step) are not the step's activations
+    tiny = Batch.from_records([{"input_ids": s[:16], "loss_mask": np.ones(16)} for s in seqs[:2]])
+    accumulate_gradients(model, tiny, NLL(), policy="recompute", block_tokens=block or None,
+                         logits_chunk=logits_chunk)
+    model.zero_grad(set_to_none=True)
     # CPU: ru_maxrss never goes down, so its base is taken before the warm-up step (which
     # has the same peak as the timed one); CUDA: the peak is reset after the warm-up
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB -> bytes

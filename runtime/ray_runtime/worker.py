@@ -239,7 +239,8 @@ class DFSWorker:
             stats.update(sequences=len(batch), tokens=res.tree.total_tokens,
                          unique_tokens=res.tree.unique_tokens, forwarded_tokens=res.walk.tokens,
                          recomputed_tokens=res.walk.recomputed_tokens, loss=float(res.loss),
-                         max_live_graphs=res.walk.max_live_graphs)
+                         max_live_graphs=res.walk.max_live_graphs,
+                         max_call_tokens=res.walk.max_call_tokens)
         t1 = time.perf_counter()
         if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == int(step):
             os._exit(1)  # fault injection: die after accumulating, before the all-reduce
