@@ -284,3 +284,14 @@ def test_walk_sits_below_the_self_check_and_the_trainer():
     import dta.selfcheck
     src = pathlib.Path(dta.selfcheck.__file__).read_text()
     assert "dta.train" not in src and "from dta.walk import Walker" in src
+
+
+def test_dfs_trainer_takes_block_tokens():
+    from dta.losses import NLL
+    from dta.train import DFSTrainer
+
+    model = build_model("qwen3", "tiny", dtype="float32", seed=0)
+    trainer = DFSTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), NLL(),
+                         policy="recompute", block_tokens=4)
+    res = trainer.step(_plain(window_sequences()))
+    assert res.updated and res.walk.max_call_tokens <= 4 and res.walk.plan["block_tokens"] == 4
