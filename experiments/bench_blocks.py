@@ -8,9 +8,9 @@ longer than B (``dta/planning/blocks.py``). Targets (issue 21): with blocks of 1
 is <= 0.4 x the peak without blocks and the step time <= 1.15 x.
 
 Each setting runs in a fresh process, settings interleaved over ``--repeats`` rounds; on CPU
-the peak is the growth of peak RSS (ru_maxrss) over the process's peak after loading the
-model and batch and one 16-token step (which loads what a first backward loads; the warm-up
-is included: it has the timed step's peak), on CUDA
+the peak is the growth of the resident set, sampled every millisecond by a thread, over its
+size after loading the model and batch and one 16-token step (which loads what a first
+backward loads), the heap trimmed (the warm-up is included: it has the timed step's peak), on CUDA
 ``max_memory_allocated`` over the memory allocated after the warm-up. A warm-up step (same
 setting, same process) runs first unless ``--no-warmup``; the step time is the
 timed step's wall time (median over the rounds), the peak the largest seen. ``--scale S``
@@ -36,7 +36,6 @@ TARGET_PEAK, TARGET_TIME, TARGET_BLOCK = 0.4, 1.15, 1024
 
 def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device: str,
           warmup: bool, threads: int, logits_chunk: int) -> dict:
-    import resource
     import time
 
     import numpy as np
@@ -74,9 +73,10 @@ def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device
     accumulate_gradients(model, tiny, NLL(), policy="recompute", block_tokens=block or None,
                          logits_chunk=logits_chunk)
     model.zero_grad(set_to_none=True)
-    # CPU: ru_maxrss never goes down, so its base is taken before the warm-up step (which
-    # has the same peak as the timed one); CUDA: the peak is reset after the warm-up
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB -> bytes
+    # CPU: the current RSS sampled every millisecond by a thread (ru_maxrss cannot see a
+    # peak below the model's own load transient), from the RSS after the 16-token step with
+    # the heap trimmed; CUDA: the allocator's peak, reset after the warm-up
+    sampler = None if device.startswith("cuda") else _RssPeak()
     if warmup:
         step()
         sync()
@@ -92,10 +92,43 @@ def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device
     if device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        peak = sampler.stop()
     return {"block_tokens": block, "peak_mb": peak / 2**20, "step_s": step_s,
             "max_call_tokens": walk.max_call_tokens, "max_graph_tokens": walk.max_graph_tokens,
             "forward_calls": walk.forward_calls, "recomputed_tokens": walk.recomputed_tokens}
+
+
+class _RssPeak:
+    """The peak growth of this process's resident set over its size at start (bytes),
+    sampled every millisecond by a daemon thread; the heap is trimmed first (glibc)."""
+
+    def __init__(self, interval: float = 1e-3):
+        import ctypes
+        import gc
+        import threading
+
+        import psutil
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self._proc, self._interval = psutil.Process(), interval
+        self.base = self.peak = self._proc.memory_info().rss
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._done.wait(self._interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+        return self.peak - self.base
 
 
 def _label(block: int) -> str:
@@ -222,7 +255,7 @@ def _plot(path, blocks, summary, args, prompt, leaf_len) -> None:
         ax.set_xticks(xs, labels)
         ax.set_xlabel("block_tokens")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0, top=max(summary[b][key] for b in blocks) * 1.25)
+        ax.set_ylim(bottom=0, top=max(1e-9, max(summary[b][key] for b in blocks)) * 1.25)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"one step, recompute, qwen3 {args.size} ({args.device}): prompt {prompt:,} + "
                  f"{args.leaves} leaves x {leaf_len:,}", fontsize=10)
