@@ -278,10 +278,10 @@ class Walker:
             with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
                 hidden, state = self._forward(tree, layout, path)
             job = queue.add(hidden, self._terms(tree, layout, objective, record))
-            kept = path + waiting if self.policy == "retain" else []
+            kept = [f.layout.tokens for f in path] + [w[2] for w in waiting] \
+                if self.policy == "retain" else []  # graphs alive besides this one
             res.max_live_graphs = max(res.max_live_graphs, len(kept) + 1)
-            res.max_graph_tokens = max(res.max_graph_tokens, layout.tokens + sum(
-                f.layout.tokens if isinstance(f, Frame) else f[2] for f in kept))
+            res.max_graph_tokens = max(res.max_graph_tokens, layout.tokens + sum(kept))
             res.max_call_tokens = max(res.max_call_tokens, layout.tokens)
             if is_leaf:
                 waiting.append((hidden, job, layout.tokens))
