@@ -162,3 +162,19 @@ def test_block_tokens_config_key():
 
     mode, block, report = resolve(cfg, SHAPES["qwen3-14b"], Tree())
     assert mode == "fsdp" and 0 < block < 5534 and report["block_tokens"] == block
+
+
+def test_hybrid_shape_prices_gdn_states_instead_of_their_kv():
+    from dta.planning.memory import activation_split
+    from dta.models import build_config
+
+    cfg = build_config("qwen3_5", "tiny").to_dict()
+    hybrid = ModelShape.of(cfg)
+    dense = ModelShape.of({k: v for k, v in cfg.items() if k != "layer_types"})
+    assert hybrid.gdn_layers == cfg["layer_types"].count("linear_attention") > 0
+    assert hybrid.attention_layers == dense.layers - hybrid.gdn_layers and hybrid.gdn_state > 0
+    kw = dict(path_tokens=4000, call_tokens=1000, policy="recompute", compute_bytes=2)
+    h, d = activation_split(hybrid, **kw), activation_split(dense, **kw)
+    assert h["graphs"] == d["graphs"] and h["path_kv"] != d["path_kv"]
+    more = activation_split(hybrid, **{**kw, "block_tokens": 100})  # more pieces, more states
+    assert more["path_kv"] > h["path_kv"]
