@@ -61,6 +61,10 @@ class WalkerConfig:
     temperature: float = II("actor.temperature")
     reduction: str = "token_mean"  # token_mean | seq_mean | sum
     min_shared: int = 1
+    # the longest piece of a node in one call (dta.planning.blocks): auto (the memory model's
+    # choice for train.memory_budget_gib when set or with train.sharding=auto, else 2048),
+    # 0 (nodes are never cut) or a number of tokens
+    block_tokens: Any = "auto"
 
 
 @dataclass
@@ -353,6 +357,10 @@ def validate_config(cfg) -> None:
     if _get(cfg, "loss.name") == "nll" and _get(cfg, "loss.decoupled"):
         raise ConfigError("bad value for config key 'loss.decoupled': the nll loss has no "
                           "decoupled form (set loss.name=ppo or actor.use_decoupled_loss=false)")
+    block = _get(cfg, "walker.block_tokens")
+    if block != "auto" and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
+        raise ConfigError(f"bad value for config key 'walker.block_tokens': {block!r} must be "
+                          "auto, 0 (no cut) or a positive number of tokens")
     address = _get(cfg, "ray.address")
     if address is not None and not str(address).strip():
         raise ConfigError("bad value for config key 'ray.address': empty (use null for a "

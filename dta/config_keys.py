@@ -28,6 +28,7 @@ KEY_USE: dict[str, str] = {
     "walker.policy": "retain | recompute", "walker.logits_chunk": "LM-head chunk",
     "walker.temperature": "log-prob temperature", "walker.reduction": "loss reduction",
     "walker.min_shared": "prefix sharing threshold",
+    "walker.block_tokens": "longest piece of a node per call (dta.planning.blocks)",
     "loss.name": "the loss", "loss.eps_clip": "PPO clip", "loss.eps_clip_high": "PPO clip",
     "loss.dual_clip": "PPO dual clip", "loss.decoupled": "decoupled PPO",
     "loss.behav_imp_weight_cap": "decoupled PPO", "loss.entropy_coef": "entropy bonus",

@@ -140,8 +140,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 def _compare(model, seqs, report: SelfCheckReport) -> None:
     from dta.batch import Batch
     from dta.losses import TokenLoss
+    from dta.objective import Objective
     from dta.reference import unpacked_gradients
-    from dta.train import accumulate_gradients
+    from dta.tree import PrefixTree
+    from dta.walk import Walker
 
     io = ModelInterface(model)
     head = model.get_output_embeddings()
@@ -176,8 +178,9 @@ def _compare(model, seqs, report: SelfCheckReport) -> None:
     batch = Batch.from_records([dict(input_ids=s, advantages=rng.normal(size=len(s)))
                                 for s in seqs])
     named = list(model.named_parameters())
-    accumulate_gradients(model, batch, _ProbeLoss(), logits_chunk=4, self_check=False,
-                         router_aux_loss="exclude")  # the reference has no aux loss either
+    # the walker's gradient (no aux loss: the reference has none either)
+    Walker(model, logits_chunk=4, router_aux_loss="exclude").train(
+        PrefixTree(batch.input_ids), Objective(batch, _ProbeLoss(), "token_mean"))
     walk = [None if p.grad is None else p.grad.detach().clone() for _, p in named]
     for _, p in named:
         p.grad = None

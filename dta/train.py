@@ -14,6 +14,8 @@ import torch
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals
 from dta.objective import Objective, linearize
+from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
+from dta.selfcheck import ensure_self_check
 from dta.tree import PrefixTree, TreeStats
 from dta.walk import Walker, WalkResult
 
@@ -43,20 +45,24 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
                          policy: str = "retain", temperature: float = 1.0,
                          logits_chunk: int = 1024, min_shared: int = 1, record: bool = False,
                          progress=None, router_aux_loss: str = "refuse",
-                         self_check: bool = True, **walk_kw) -> StepResult:
+                         self_check: bool = True,
+                         block_tokens: int | None = DEFAULT_BLOCK_TOKENS, **walk_kw) -> StepResult:
     """Add the batch's loss gradient into the parameters' ``.grad`` by one DFS walk.
 
     totals: normalizers of the mean reductions over the whole global batch, when this call
     sees only part of it (a data-parallel worker); default: this batch's own.
     router_aux_loss: "refuse" | "exclude"; self_check: probe the model once (cached) and
     refuse one the walker would train wrong; see ``dta.walk.Walker``.
-    walk_kw: the walker's packing options (``packing``, ``pack_tokens``, ``head_rows``,
-    ``pack_cost``, ``native_gqa``; see :class:`dta.walk.Walker`).
+    block_tokens: a node longer than this is walked as a chain of blocks, so no call (and
+    under recompute no live graph) is longer (``dta.planning.blocks``); None or 0: no cut.
+    walk_kw: the walker's packing options (``packing``, ``pack_tokens``, ``block_tokens``,
+    ``head_rows``, ``pack_cost``, ``native_gqa``; see :class:`dta.walk.Walker`).
     """
     validate_for_model(batch, model, loss)
     tree = PrefixTree(batch.input_ids, min_shared=min_shared)
-    walker = Walker(model, policy=policy, logits_chunk=logits_chunk, temperature=temperature,
-                    router_aux_loss=router_aux_loss, self_check=self_check, **walk_kw)
+    walker = checked_walker(model, self_check, policy=policy, logits_chunk=logits_chunk,
+                            temperature=temperature, router_aux_loss=router_aux_loss,
+                            block_tokens=block_tokens, **walk_kw)
     if isinstance(loss, SequenceLoss):
         fwd = walker.forward(tree, batch)
         objective, value = linearize(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals)
@@ -69,24 +75,36 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
 
 
 def forward_logprobs(model, batch: Batch, *, temperature: float = 1.0, logits_chunk: int = 1024,
-                     minmax: bool = False, self_check: bool = True, **walk_kw) -> WalkResult:
-    """Per-sequence, per-token log-probs and entropy with K/V reuse and no graph."""
+                     minmax: bool = False, self_check: bool = True,
+                     block_tokens: int | None = DEFAULT_BLOCK_TOKENS, **walk_kw) -> WalkResult:
+    """Per-sequence, per-token log-probs and entropy with K/V reuse and no graph (no call
+    longer than ``block_tokens``; None or 0: nodes uncut)."""
     batch.validate(vocab_size=model.config.vocab_size,
                    max_positions=getattr(model.config, "max_position_embeddings", None))
     tree = PrefixTree(batch.input_ids)
-    return Walker(model, logits_chunk=logits_chunk, temperature=temperature,
-                  self_check=self_check, **walk_kw).forward(
-        tree, batch, minmax=minmax)
+    return checked_walker(model, self_check, logits_chunk=logits_chunk, temperature=temperature,
+                          block_tokens=block_tokens, **walk_kw).forward(tree, batch, minmax=minmax)
+
+
+def checked_walker(model, self_check: bool = True, **walker_kw) -> Walker:
+    """A :class:`Walker` for ``model``, after the self-check (``dta.selfcheck``: once per model
+    object, cached) refused a model the walker would train wrong; ``self_check=False`` skips
+    the probe."""
+    if self_check:
+        ensure_self_check(model)
+    return Walker(model, **walker_kw)
 
 
 class DFSTrainer:
-    """model + optimizer + loss; ``step(batch)`` is one optimizer update."""
+    """model + optimizer + loss; ``step(batch)`` is one optimizer update. block_tokens and
+    walk_kw: the walker's options (:func:`accumulate_gradients`)."""
 
     def __init__(self, model, optimizer, loss, *, reduction: str = "token_mean",
-                 policy: str = "retain", max_grad_norm: float | None = None, **walk_kw):
+                 policy: str = "retain", max_grad_norm: float | None = None,
+                 block_tokens: int | None = DEFAULT_BLOCK_TOKENS, **walk_kw):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.reduction, self.policy, self.max_grad_norm = reduction, policy, max_grad_norm
-        self.walk_kw = walk_kw
+        self.walk_kw = {"block_tokens": block_tokens, **walk_kw}
 
     def step(self, batch: Batch, progress=None) -> StepResult:
         """One update. A batch with no trained token (every loss-mask flag 0) changes

@@ -131,9 +131,11 @@ def _adamw_step(model, lr: float, eps: float) -> tuple[dict, dict]:
 def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: str = "token_mean",
            policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
            lr: float = 1e-3, adam_eps: float | None = None,
-           truly_float64: bool = True, progress: bool = False) -> VerifyReport:
+           truly_float64: bool = True, progress: bool = False, **walk_kw) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed.
-    With `progress`, a bar per side counts the tokens trained."""
+    With `progress`, a bar per side counts the tokens trained. walk_kw: the walker's options
+    (``packing``, ``pack_tokens``, ``block_tokens``, ...; :class:`dta.walk.Walker`), used by
+    the training and the forward-only walks."""
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     is_f64 = next(model.parameters()).dtype == torch.float64
@@ -146,7 +148,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     with _bar(progress, "DFS (unique tokens)") as bar:
         dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
                                    temperature=temperature, logits_chunk=logits_chunk,
-                                   record=True, progress=bar)
+                                   record=True, progress=bar, **walk_kw)
     with _bar(progress, "unpacked (tokens)") as bar:
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
                                  temperature=temperature, progress=bar)
@@ -155,7 +157,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     walked = [bool(w.any()) for w in token_weights(batch, reduction)]
     lp_errs = [_lp_err(a, b) for a, b, k in zip(dfs.walk.logprobs, ref.logprobs, walked) if k]
     # a forward-only walk: every sequence, every position
-    fwd = forward_logprobs(dfs_model, batch, temperature=temperature, logits_chunk=logits_chunk)
+    fwd = forward_logprobs(dfs_model, batch, temperature=temperature, logits_chunk=logits_chunk,
+                           **walk_kw)
     lp_errs += [_lp_err(a, b) for a, b in zip(fwd.logprobs, ref.logprobs)]
     lp_err = worst(lp_errs)
     grad_errs = []

@@ -24,6 +24,11 @@ pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/attenti
 ``dta/packmask.py``. A model with recurrent layers (Gated DeltaNet) is walked node by node
 through the model interface: a recurrent state cannot branch inside one call.
 
+Blocks (``dta/planning/blocks.py``): before packing, a node longer than ``block_tokens`` is
+cut into a chain of pieces, each a node whose parent is the previous piece, and no pack is
+longer than a block; the walk below runs on the cut tree unchanged (``plan.tree``), so no
+call -- and under *recompute* no graph -- is longer than one block.
+
 Memory policies: *retain* keeps each pack's graph along the current path, plus the leaf packs
 waiting for a head flush (at most ``head_rows`` tokens of them); *recompute* keeps only the
 detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's choice):
@@ -43,6 +48,8 @@ from dta.head import HeadQueue, LMHead
 from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective
 from dta.packmask import mask_support, pack_mask
+from dta.planning.blocks import DEFAULT_BLOCK_TOKENS, check_block_tokens, cut_blocks
+from dta.planning.index import PlanningError
 from dta.planning.packs import DEFAULT_CAP, PackCost, PackLayout, PackPlan, plan_packs
 from dta.tree import PrefixTree
 
@@ -66,6 +73,8 @@ class WalkResult:
     tokens: int = 0  # tokens forwarded (first time)
     recomputed_tokens: int = 0  # tokens forwarded again at pop (recompute policy)
     max_live_graphs: int = 0  # most pack graphs alive at once
+    max_graph_tokens: int = 0  # most tokens whose graphs are alive at once
+    max_call_tokens: int = 0  # longest decoder call (recompute: pops included)
     max_path: int = 0  # deepest stack of K/V frames
     packs: int = 0
     masked_packs: int = 0  # packs with branches (forwarded with a tree mask)
@@ -93,17 +102,18 @@ class Walker:
     head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs);
     native_gqa: run ``sdpa`` models on ``dta_sdpa`` during the walk (``dta.attention``: SDPA's
         grouped-query path, and forwards over cached keys split at the cache boundary).
+    block_tokens: the longest piece of a node forwarded in one call (``dta.planning.blocks``;
+    default 2,048; None or 0: nodes are never cut); packs are capped at it too.
     router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for the
     router's load-balancing loss; "exclude" trains the policy loss without it (see
-    ``dta.modeling.check_router_aux_loss``). self_check: compare the walker's path with the
-    model's own forward and backward on a small probe, once per model object, and refuse a
-    model that differs (``dta.selfcheck``); False skips it.
+    ``dta.modeling.check_router_aux_loss``). The walker does not probe the model: the
+    trainer's entry points (``dta.train``) run ``dta.selfcheck`` before they build one.
     """
 
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
                  temperature: float = 1.0, router_aux_loss: str = "refuse",
-                 self_check: bool = True, packing: str = "auto",
-                 pack_tokens: int = DEFAULT_CAP, head_rows: int | None = None,
+                 packing: str = "auto", pack_tokens: int = DEFAULT_CAP,
+                 block_tokens: int | None = DEFAULT_BLOCK_TOKENS, head_rows: int | None = None,
                  pack_cost: PackCost | None = None, native_gqa: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown memory policy {policy!r}; choose one of {POLICIES}")
@@ -125,18 +135,24 @@ class Walker:
         self.packing = "node" if self.recurrent else packing
         self.mask_support = mask_support(model)
         self.branches = self.mask_support[0] is not None
-        self.pack_tokens = int(pack_tokens)
+        self.block_tokens = check_block_tokens(block_tokens)
+        self.pack_tokens = min(int(pack_tokens), self.block_tokens or int(pack_tokens))
         self.head_rows = int(logits_chunk if head_rows is None else head_rows)
         self.pack_cost = pack_cost or PackCost.from_config(model.config)
         self.native_gqa = native_gqa
-        if self_check:
-            from dta.selfcheck import ensure_self_check
-
-            ensure_self_check(model)
 
     def plan(self, tree: PrefixTree, active: np.ndarray | None = None) -> PackPlan:
-        return plan_packs(tree, self.packing, cap=self.pack_tokens, cost=self.pack_cost,
-                          active=active, branches=self.branches)
+        """The pack plan of ``tree`` cut into blocks: ``plan.tree`` is the tree walked."""
+        cut, origin = cut_blocks(tree, self.block_tokens)
+        plan = plan_packs(cut, self.packing, cap=self.pack_tokens, cost=self.pack_cost,
+                          active=None if active is None else active[origin],
+                          branches=self.branches)
+        longest = max((p.tokens for p in plan.packs), default=0)
+        if self.block_tokens and longest > self.block_tokens:  # the 'tree' policy: no cap
+            raise PlanningError(f"pack policy {self.packing!r} forwards {longest} tokens in one "
+                                f"call, more than block_tokens={self.block_tokens}; use "
+                                "block_tokens=0 (no cut) or another pack policy")
+        return plan
 
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
@@ -216,7 +232,7 @@ class Walker:
     def _train(self, tree, objective, record, progress) -> WalkResult:
         res = WalkResult()
         plan = self.plan(tree, self._active(tree, objective))
-        res.plan = plan.stats()
+        tree, res.plan = plan.tree, self._stats(plan, tree)
         rec = _Recorder(tree, self.device, self.dtype) if record else None
         need_ent = objective.loss.uses_entropy
         queue = HeadQueue()
@@ -262,8 +278,11 @@ class Walker:
             with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
                 hidden, state = self._forward(tree, layout, path)
             job = queue.add(hidden, self._terms(tree, layout, objective, record))
-            live = (len(path) + len(waiting) if self.policy == "retain" else 0) + 1
-            res.max_live_graphs = max(res.max_live_graphs, live)
+            kept = [f.layout.tokens for f in path] + [w[2] for w in waiting] \
+                if self.policy == "retain" else []  # graphs alive besides this one
+            res.max_live_graphs = max(res.max_live_graphs, len(kept) + 1)
+            res.max_graph_tokens = max(res.max_graph_tokens, layout.tokens + sum(kept))
+            res.max_call_tokens = max(res.max_call_tokens, layout.tokens)
             if is_leaf:
                 waiting.append((hidden, job, layout.tokens))
                 # recompute keeps one graph alive: its leaf packs do not wait for a flush
@@ -286,6 +305,7 @@ class Walker:
                 res.recomputed_tokens += frame.layout.tokens
                 res.forward_calls += 1
                 res.max_live_graphs = max(res.max_live_graphs, 1)
+                res.max_graph_tokens = max(res.max_graph_tokens, frame.layout.tokens)
             else:
                 hidden, state = frame.graph
             outs, grads = ([hidden], [frame.job.dhidden]) if frame.job.dhidden is not None else ([], [])
@@ -312,7 +332,7 @@ class Walker:
         rec = _Recorder(tree, self.device, self.dtype, minmax=minmax)
         res = WalkResult()
         plan = self.plan(tree)
-        res.plan = plan.stats()
+        tree, res.plan = plan.tree, self._stats(plan, tree)
         path: list[Frame] = []
         with self._walking():
             for kind, i in plan.walk():
@@ -329,6 +349,7 @@ class Walker:
                             *((out.vocab_min, out.vocab_max) if minmax else ()))
                 res.packs += 1
                 res.forward_calls += 1
+                res.max_call_tokens = max(res.max_call_tokens, layout.tokens)
                 res.nodes += len(plan.packs[i].nodes)
                 res.tokens += layout.tokens
                 if plan.packs[i].children:
@@ -340,6 +361,10 @@ class Walker:
         if minmax:
             res.vocab_min, res.vocab_max = mm
         return res
+
+    def _stats(self, plan: PackPlan, tree: PrefixTree) -> dict:
+        return {**plan.stats(), "block_tokens": self.block_tokens,
+                "blocks_cut": len(plan.tree) - len(tree)}  # pieces added by the cut
 
     @staticmethod
     def _active(tree: PrefixTree, objective: Objective) -> np.ndarray:

@@ -56,8 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--compute-dtype", default="bfloat16",
                      choices=("bfloat16", "float16", "float32", "float64"),
                      help="compute dtype (fp32 masters under 16 bits; default: bfloat16)")
-    mem.add_argument("--policy", default="recompute", choices=("retain", "recompute"),
-                     help="walker memory policy priced (default: recompute)")
+    mem.add_argument("--policy", default="auto", choices=("auto", "retain", "recompute"),
+                     help="walker memory policy priced (default: auto, the first that fits "
+                          "-- retain before recompute)")
+    mem.add_argument("--block-tokens", type=int, default=None, metavar="B",
+                     help="price blocks of B tokens (0: nodes uncut; default: the largest "
+                          "block that fits, from none, 8192 .. 512)")
+    mem.add_argument("--headroom", type=float, default=None, metavar="F",
+                     help="share of --budget-gib left free for the CUDA context, allocator "
+                          "fragmentation and communication buffers (default: 0.1)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 
@@ -107,30 +114,55 @@ def _memory_config(name: str):
 
 
 def _memory(args, tree) -> dict:
-    from dta.planning.memory import GIB, MODES, ModelShape, batch_extent, estimate
+    from dta.planning.memory import (BLOCKS, GIB, HEADROOM, MODES, POLICY_ORDER, ModelShape,
+                                     batch_extent, estimate, plan_memory)
 
     config = _memory_config(args.model)
     path, node = batch_extent(tree)
     call = min(args.capacity, path) if args.capacity else node
-    rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
-                     policy=args.policy, compute_dtype=args.compute_dtype) for m in MODES]
     budget = None if args.budget_gib is None else args.budget_gib * GIB
-    chosen = next((r.mode for r in rows if budget is not None and r.total <= budget), None)
+    if args.block_tokens is not None and args.block_tokens < 0:
+        raise ValueError(f"--block-tokens must be >= 0 (0: no cut), got {args.block_tokens}")
+    policies = POLICY_ORDER if args.policy == "auto" else (args.policy,)
+    blocks = BLOCKS if args.block_tokens is None else (args.block_tokens or None,)
+    plan = plan_memory(config, args.workers, float("inf") if budget is None else budget,
+                       path_tokens=path, call_tokens=call, policies=policies, blocks=blocks,
+                       compute_dtype=args.compute_dtype,
+                       headroom=HEADROOM if args.headroom is None else args.headroom)
+    pick = plan.chosen if plan.chosen is not None else plan.cheapest
+    if budget is None:  # nothing to choose for: the last policy (recompute), the given block
+        pick = estimate(config, args.workers, MODES[0], path_tokens=path, call_tokens=call,
+                        policy=policies[-1], block_tokens=blocks[0] if len(blocks) == 1 else None,
+                        compute_dtype=args.compute_dtype)
+    rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
+                     policy=pick.policy, compute_dtype=args.compute_dtype,
+                     block_tokens=pick.block_tokens) for m in MODES]
+    chosen = plan.chosen.mode if budget is not None and plan.chosen is not None else None
     shape = ModelShape.of(config)
+    block = pick.block_tokens
     print(f"memory per rank ({args.model}: {shape.params / 1e9:.2f}B parameters, "
-          f"{args.workers} ranks, {args.compute_dtype} compute, {args.policy}; longest path "
-          f"{path:,} tokens, largest call {call:,}):")
+          f"{args.workers} ranks, {args.compute_dtype} compute, {pick.policy}, block "
+          f"{block or 'none'}; longest path {path:,} tokens, largest call "
+          f"{min(call, block) if block else call:,} (largest node {call:,})):")
     print(f"  {'mode':<10} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}")
     for r in rows:
-        mark = "  <- fits" if r.mode == chosen else ""
+        mark = "  <- chosen" if r.mode == chosen else ""
         print(f"  {r.mode:<10} " + " ".join(f"{v / GIB:>8.2f}G" for v in (
             r.params, r.grads, r.optimizer, r.activations, r.total)) + mark)
+    split = pick.split
+    print("  activations: " + ", ".join(f"{k} {v / GIB:.2f}G" for k, v in split.items()))
     if budget is not None:
-        print(f"  budget {args.budget_gib:g} GiB: " + (f"sharding={chosen}" if chosen else
-                                                      "no mode fits"))
+        print(f"  budget {args.budget_gib:g} GiB: " + (
+            f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}"
+            if chosen else "no mode fits") + f" ({plan.message()})")
     return {"model": args.model, "params": shape.params, "path_tokens": path,
-            "call_tokens": call, "compute_dtype": args.compute_dtype, "policy": args.policy,
-            "budget_bytes": budget, "chosen": chosen, "modes": [r.as_dict() for r in rows]}
+            "call_tokens": min(call, block) if block else call, "node_tokens": node,
+            "compute_dtype": args.compute_dtype, "policy": pick.policy,
+            "block_tokens": block or 0, "activation_split": split, "budget_bytes": budget,
+            "usable_bytes": plan.budget if budget is not None else None,
+            "chosen": chosen, "choice": pick.label() if chosen else None,
+            "shortfall_bytes": int(plan.shortfall) if budget is not None else None,
+            "modes": [r.as_dict() for r in rows]}
 
 
 def _sharing(args, records, tree) -> dict:

@@ -375,7 +375,9 @@ def test_train_batch_matches_reference_float64(model_dir, records, eager_areal, 
     monkeypatch.setattr(stats_tracker, "stat", stat_float32)
     n = len(records)
     cfg = engine_config(model_dir, n)
-    eng = new_engine(cfg, DTAOptions(policy="recompute", dtype="float64"))
+    # blocks of 7 tokens (actor.dta.block_tokens): every longer node is walked in pieces
+    eng = new_engine(cfg, DTAOptions(policy="recompute", dtype="float64", block_tokens=7))
+    assert eng._walker().block_tokens == 7
     assert next(eng.model.parameters()).dtype == torch.float64
     make_truly_float64(eng.model)
     ref_model = load_model(model_dir, dtype="float64")
@@ -611,6 +613,11 @@ def test_dta_run_config_drives_the_actor(model_dir, eager_areal):
     assert config.adv_norm.mean_level == "group" and config.adv_norm.group_size == 8
     assert config.optimizer.lr == cfg.optimizer.lr and config.optimizer.gradient_clipping == 1.0
     assert options.policy == "recompute" and options.dtype is None
+    assert options.block_tokens == 2048  # walker.block_tokens=auto without a budget
+    assert actor_config_from_dta(load_config(preset, [f"model.path={model_dir}",
+                                                      "walker.block_tokens=0"]))[1].block_tokens is None
+    with pytest.raises(ValueError, match="block_tokens"):
+        DTAOptions(block_tokens=-1)
     assert actor_config_from_dta(load_config(preset, [f"model.path={model_dir}",
                                                       "model.dtype=float64"]))[1].dtype == "float64"
     with pytest.raises(ValueError, match="'model.path'"):

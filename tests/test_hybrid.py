@@ -207,6 +207,6 @@ def test_packs_walk_recurrent_models_node_by_node():
     from dta.walk import Walker
 
     model = hybrid_model("qwen3_5", dtype="float32")
-    assert Walker(model, packing="auto", self_check=False).packing == "node"
+    assert Walker(model, packing="auto").packing == "node"
     with pytest.raises(ValueError, match="node by node"):
-        Walker(model, packing="subtrees", self_check=False)
+        Walker(model, packing="subtrees")

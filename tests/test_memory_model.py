@@ -45,7 +45,8 @@ def test_dta_plan_prints_memory_and_the_fitting_mode(capsys):
     result = json.loads(out.strip().splitlines()[-1])["memory"]
     assert "memory per rank" in out and "budget 80 GiB" in out
     totals = {r["mode"]: r["total"] for r in result["modes"]}
-    fitting = [m for m in MODES if totals[m] <= 80 * GIB]
+    assert result["usable_bytes"] == pytest.approx(0.9 * 80 * GIB)  # 10 % headroom
+    fitting = [m for m in MODES if totals[m] <= result["usable_bytes"]]
     assert result["chosen"] == (fitting[0] if fitting else None)
     assert result["path_tokens"] > 0 and result["call_tokens"] > 0
 
@@ -87,3 +88,93 @@ def test_dta_plan_prices_fsdp_under_retain_with_the_whole_path(capsys):
     assert retain["activations"] == rows["retain"]["zero1"]["activations"]
     assert retain["activations"] > recompute["activations"]
     assert retain["state"] == recompute["state"]
+
+
+# ------------------------------------------------------------------------ blocks --
+def test_blocks_bound_recompute_activations_not_retain():
+    from dta.planning.memory import activation_split
+    shape = ModelShape.of(SHAPES["qwen3-14b"])
+    kw = dict(path_tokens=16000, call_tokens=6000, compute_bytes=2)
+    whole = activation_split(shape, policy="recompute", **kw)
+    block = activation_split(shape, policy="recompute", block_tokens=1024, **kw)
+    assert block["graphs"] * 5 < whole["graphs"]  # one block's graph, not a 6,000-token node
+    assert block["path_kv"] == whole["path_kv"]  # the path's K/V are the path's either way
+    retain = activation_split(shape, policy="retain", block_tokens=1024, **kw)
+    assert retain["graphs"] == activation_split(shape, policy="retain", **kw)["graphs"]
+    assert retain["graphs"] > 10 * block["graphs"]
+
+
+def test_plan_memory_order_and_shortfall():
+    from dta.planning.memory import plan_memory
+    kw = dict(path_tokens=15562, call_tokens=5534)
+    roomy = plan_memory(SHAPES["qwen3-8b"], 8, 1000 * GIB, **kw)
+    assert roomy.chosen.label() == "replicate/retain/block none"
+    plan = plan_memory(SHAPES["qwen3-14b"], 8, 80 * GIB, **kw)
+    assert plan.chosen is not None and plan.chosen.total <= 0.9 * 80 * GIB
+    # every earlier (mode, policy, block) in the order tried did not fit
+    assert all(e.total > plan.budget for e in plan.tried[:-1]) and plan.tried[-1] is plan.chosen
+    assert plan.chosen.policy == "recompute" and plan.chosen.block_tokens
+    none = plan_memory(SHAPES["qwen3-32b"], 8, 80 * GIB, **kw)
+    assert none.chosen is None and none.shortfall > 0
+    assert "GiB over" in none.message() and none.cheapest.total == min(e.total for e in none.tried)
+
+
+@pytest.mark.slow  # ~6-12 s: the full-scale workload and its tree
+def test_dta_plan_full_scale_qwen3_14b_on_8x80_chooses_a_block_that_fits(capsys):
+    """The issue's command: at τ² full scale (paths of 15.5K tokens, nodes of 5.5K) no mode
+    fit 8 x 80 GB without blocks; with them the memory model chooses one."""
+    from dta_cli.main import main
+
+    assert main(["plan", "--workload", "tau2-airline", "--scale", "full", "--workers", "8",
+                 "--memory", "--model", "qwen3-14b", "--budget-gib", "80", "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert mem["chosen"] in MODES and mem["block_tokens"] > 0
+    assert mem["node_tokens"] > mem["block_tokens"] == mem["call_tokens"]
+    chosen = next(r for r in mem["modes"] if r["mode"] == mem["chosen"])
+    assert chosen["total"] <= mem["usable_bytes"] and chosen["block_tokens"] == mem["block_tokens"]
+    assert set(mem["activation_split"]) == {"path_kv", "graphs", "head"}
+    assert sum(mem["activation_split"].values()) == chosen["activations"]
+
+
+def test_block_tokens_config_key():
+    from dta.config import ConfigError, load_config
+    from runtime.sharding.auto import resolve
+
+    assert load_config(None, []).walker.block_tokens == "auto"
+    assert load_config(None, ["walker.block_tokens=0"]).walker.block_tokens == 0
+    for bad in ("-3", "big", "true"):
+        with pytest.raises(ConfigError, match="walker.block_tokens"):
+            load_config(None, [f"walker.block_tokens={bad}"])
+    cfg = load_config(None, ["walker.block_tokens=auto"])
+    assert resolve(cfg, SHAPES["qwen3-8b"])[:2] == ("replicate", 2048)  # no budget: 2048
+    cfg = load_config(None, ["train.sharding=fsdp", "train.memory_budget_gib=80",
+                             "ray.num_workers=8", "walker.policy=recompute",
+                             "model.dtype=bfloat16"])
+
+    class Tree:  # batch_extent's view of a τ²-like batch: a 15,562-token path, a 5,534 node
+        sequences = [[0] * 15562]
+
+        def __len__(self):
+            return 2
+
+        def length(self, u):
+            return 5534
+
+    mode, block, report = resolve(cfg, SHAPES["qwen3-14b"], Tree())
+    assert mode == "fsdp" and 0 < block < 5534 and report["block_tokens"] == block
+
+
+def test_hybrid_shape_prices_gdn_states_instead_of_their_kv():
+    from dta.planning.memory import activation_split
+    from dta.models import build_config
+
+    cfg = build_config("qwen3_5", "tiny").to_dict()
+    hybrid = ModelShape.of(cfg)
+    dense = ModelShape.of({k: v for k, v in cfg.items() if k != "layer_types"})
+    assert hybrid.gdn_layers == cfg["layer_types"].count("linear_attention") > 0
+    assert hybrid.attention_layers == dense.layers - hybrid.gdn_layers and hybrid.gdn_state > 0
+    kw = dict(path_tokens=4000, call_tokens=1000, policy="recompute", compute_bytes=2)
+    h, d = activation_split(hybrid, **kw), activation_split(dense, **kw)
+    assert h["graphs"] == d["graphs"] and h["path_kv"] != d["path_kv"]
+    more = activation_split(hybrid, **{**kw, "block_tokens": 100})  # more pieces, more states
+    assert more["path_kv"] > h["path_kv"]

@@ -192,7 +192,8 @@ def test_two_workers_match_one_worker_and_unpacked(ray_local):
                                             make_training_loss)
     from dta.config import as_dict
 
-    cfg = tiny_cfg("optimizer.lr=1e-3", "optimizer.max_grad_norm=null")
+    # walker.block_tokens=5: the workers walk every longer node in pieces of <= 5 tokens
+    cfg = tiny_cfg("optimizer.lr=1e-3", "optimizer.max_grad_norm=null", "walker.block_tokens=5")
     batch = BatchSource(cfg, 512).batch(0)
     assert len(batch) >= 4 and "advantages" in batch.fields  # a PPO batch with sharing
     init = {k: v.clone() for k, v in build_replica(cfg).state_dict().items()}
@@ -203,6 +204,7 @@ def test_two_workers_match_one_worker_and_unpacked(ray_local):
         other = trainer.worker_state(1)
         grads_two = trainer.worker_gradients(0)
     assert len(stats.workers) == 2 and all(w["sequences"] > 0 for w in stats.workers)
+    assert all(0 < w["max_call_tokens"] <= 5 for w in stats.workers)  # blocks reached them
     assert sum(w["sequences"] for w in stats.workers) == len(batch)
     assert_identical(two["model"], other["model"], "replicas")  # both ranks stepped alike
 

@@ -55,7 +55,7 @@ def walk_orders(case):
 
     cfg = load_config(None, overrides(*case))
     model = build_model(cfg.model.family, cfg.model.size, dtype=cfg.model.dtype)
-    walker = Walker(model, self_check=False, head_rows=0)
+    walker = Walker(model, head_rows=0)
     source, orders = BatchSource(cfg, 512), []
     for k in range(2):
         batch = source.batch(k)

@@ -17,16 +17,29 @@ fsdp        (N−V) m / W + V c + V m / W + 1 layer  (N−V) m / W + V c + V m +
 (b: the reduce-scatter bucket, 2^24 elements per rank. Replicate keeps its parameters and
 AdamW state in the compute dtype, so c = m there: pure 16-bit AdamW under bfloat16; the
 README table prices it in float32, the numerics zero1/fsdp keep with their fp32 masters.)
-Activations: the ancestors' K/V along the longest path (leaves and their gradients), the
-saved activations of the calls whose graphs are alive (retain: every node on the path;
-recompute: one call), and the LM head's chunk of fp32 logits. This mirrors what
-``runtime.sharding`` allocates; the benchmark ``experiments/bench_sharding.py`` measures the
-first three beside it.
+Activations (:func:`activation_split`), with B the block (``dta.planning.blocks``: no call is
+longer than B; None: a call is a whole node, up to the largest):
+
+* ``path_kv``: the ancestors' K/V along the longest path, held as leaves with their
+  gradients (2 copies), plus the path K/V each live graph's attention saved (the cache it
+  read: recompute, one call over the whole path; retain, every graph on the path over its
+  own prefix, about path x (n + 1) / 2 for n graphs); a hybrid model's Gated DeltaNet
+  layers hold no K/V but a (conv, recurrent) state per piece on the path (leaf and gradient);
+* ``graphs``: the saved activations of the calls whose graphs are alive (retain: every
+  piece on the path, the path's tokens; recompute: one call, min(largest call, B));
+* ``head``: the LM head's chunk of fp32 logits (logits, softmax, gradient).
+
+This mirrors what ``runtime.sharding`` allocates; the benchmark
+``experiments/bench_sharding.py`` measures the state beside it, and
+``experiments/bench_blocks.py`` the activations against the block. :func:`plan_memory` picks
+mode x policy x block for a budget (least communication first, then retain before
+recompute, then the largest block; blocks under 1,024 tokens only when nothing fits with a
+longer one), or says by how much the cheapest misses it.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MODES = ("replicate", "zero1", "fsdp")  # cheapest communication first
@@ -64,16 +77,32 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool
+    gdn_layers: int = 0  # Gated DeltaNet layers (hybrid models): no K/V, a state per piece
+    gdn_state: int = 0  # elements of one GDN layer's (conv, recurrent) state
 
     @classmethod
     def of(cls, config) -> "ModelShape":
         hidden = int(_get(config, "hidden_size"))
         heads = int(_get(config, "num_attention_heads"))
+        head_dim = int(_get(config, "head_dim", None) or hidden // heads)
+        types = list(_get(config, "layer_types", None) or [])
+        gdn = sum(t == "linear_attention" for t in types)
+        state = 0
+        if gdn:
+            kh = int(_get(config, "linear_num_key_heads", heads))
+            vh = int(_get(config, "linear_num_value_heads", heads))
+            dk = int(_get(config, "linear_key_head_dim", head_dim))
+            dv = int(_get(config, "linear_value_head_dim", head_dim))
+            kernel = int(_get(config, "linear_conv_kernel_dim", 4))
+            state = (2 * kh * dk + vh * dv) * kernel + vh * dk * dv
         return cls(hidden, int(_get(config, "num_hidden_layers")), heads,
-                   int(_get(config, "num_key_value_heads", heads)),
-                   int(_get(config, "head_dim", None) or hidden // heads),
+                   int(_get(config, "num_key_value_heads", heads)), head_dim,
                    int(_get(config, "intermediate_size")), int(_get(config, "vocab_size")),
-                   bool(_get(config, "tie_word_embeddings", False)))
+                   bool(_get(config, "tie_word_embeddings", False)), gdn, state)
+
+    @property
+    def attention_layers(self) -> int:
+        return self.layers - self.gdn_layers
 
     @property
     def layer_params(self) -> int:
@@ -99,6 +128,9 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
+    policy: str = "recompute"
+    block_tokens: int | None = None  # None: nodes are not cut
+    split: dict = field(default_factory=dict)  # activations by part (activation_split)
 
     @property
     def total(self) -> int:
@@ -112,24 +144,43 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {**asdict(self), "state": self.state, "total": self.total}
 
+    def label(self) -> str:
+        return f"{self.mode}/{self.policy}/block {self.block_tokens or 'none'}"
 
-def activation_bytes(shape: ModelShape, *, path_tokens: int, call_tokens: int, policy: str,
-                     compute_bytes: int, logits_chunk: int = 1024) -> int:
-    """Ancestors' K/V on the longest path (leaf + gradient), live graphs, head logits."""
+
+def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, policy: str,
+                     compute_bytes: int, logits_chunk: int = 1024,
+                     block_tokens: int | None = None) -> dict:
+    """Activation bytes by part (module doc): ``path_kv``, ``graphs``, ``head``."""
+    if policy not in ("retain", "recompute"):
+        raise ValueError(f"unknown memory policy {policy!r}; choose retain or recompute")
     c = compute_bytes
-    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * c  # per token, K and V
+    call = min(call_tokens, block_tokens) if block_tokens else call_tokens
+    path = max(int(path_tokens), 0)
+    kv = 2 * shape.attention_layers * shape.kv_heads * shape.head_dim * c  # per token, K and V
     q = shape.heads * shape.head_dim
     # saved per token per layer: norms' inputs, q/k/v, attention out, MLP gate/up/act/down in
     saved = (4 * shape.hidden + q + 2 * shape.kv_heads * shape.head_dim + q
              + 4 * shape.intermediate) * c * shape.layers
-    graph_tokens = path_tokens if policy == "retain" else call_tokens
-    head = 3 * min(logits_chunk, max(call_tokens, 1)) * shape.vocab * 4
-    return int(2 * kv * path_tokens + saved * graph_tokens + head)
+    pieces = math.ceil(path / max(call, 1)) if path else 0  # graphs along the path (retain)
+    if policy == "retain":
+        graph_tokens, read = path, path * (pieces + 1) / 2
+    else:
+        graph_tokens, read = min(call, path) if path else call, path
+    states = 2 * pieces * shape.gdn_layers * shape.gdn_state * 4  # leaf + gradient, fp32
+    head = 3 * min(logits_chunk, max(call, 1)) * shape.vocab * 4
+    return {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
+            "head": int(head)}
+
+
+def activation_bytes(shape: ModelShape, **kw) -> int:
+    """Ancestors' K/V on the longest path, live graphs, head logits (:func:`activation_split`)."""
+    return sum(activation_split(shape, **kw).values())
 
 
 def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: int,
              policy: str = "recompute", compute_dtype: str = "bfloat16",
-             logits_chunk: int = 1024) -> MemoryEstimate:
+             logits_chunk: int = 1024, block_tokens: int | None = None) -> MemoryEstimate:
     """Per-rank peak bytes of one step (see the module doc)."""
     if mode not in MODES:
         raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES}")
@@ -152,9 +203,11 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
         params = math.ceil((N - V) / W) * m + V * c + math.ceil(V / W) * m + layer_c
         grads = math.ceil((N - V) / W) * m + V * c + V * m + layer_c
         opt = 2 * math.ceil(N / W) * m
-    act = activation_bytes(shape, path_tokens=path_tokens, call_tokens=call_tokens,
-                           policy=policy, compute_bytes=c, logits_chunk=logits_chunk)
-    return MemoryEstimate(mode, W, int(params), int(grads), int(opt), act)
+    split = activation_split(shape, path_tokens=path_tokens, call_tokens=call_tokens,
+                             policy=policy, compute_bytes=c, logits_chunk=logits_chunk,
+                             block_tokens=block_tokens)
+    return MemoryEstimate(mode, W, int(params), int(grads), int(opt), sum(split.values()),
+                          policy=policy, block_tokens=block_tokens or None, split=split)
 
 
 def pick_mode(config, world: int, budget_bytes: float, *, modes=MODES,
@@ -165,6 +218,72 @@ def pick_mode(config, world: int, budget_bytes: float, *, modes=MODES,
         if r.total <= budget_bytes:
             return r.mode, rows
     return None, rows
+
+
+HEADROOM = 0.1  # budget share left free: CUDA context, allocator fragmentation, comm buffers
+BLOCKS = (None, 8192, 4096, 2048, 1024, 512)  # block candidates, largest first (None: no cut)
+# blocks shorter than this cost step time (more, smaller calls): tried only when no mode
+# fits with a longer one (experiments/bench_blocks.py measures the time against the block)
+SHORT_BLOCK = 1024
+POLICY_ORDER = ("retain", "recompute")  # retain first: no second forward
+
+
+@dataclass
+class MemoryPlan:
+    """The choice of :func:`plan_memory`: ``chosen`` (the estimate that fits, or None) and
+    ``cheapest`` (the smallest total tried: what misses the budget, and by how much)."""
+
+    budget: float  # the usable bytes: the budget less the headroom
+    chosen: MemoryEstimate | None
+    cheapest: MemoryEstimate
+    tried: list[MemoryEstimate]
+
+    @property
+    def shortfall(self) -> float:
+        """Bytes the cheapest combination lacks (0 when one fits)."""
+        return 0.0 if self.chosen is not None else self.cheapest.total - self.budget
+
+    @property
+    def block_tokens(self) -> int | None:
+        return (self.chosen or self.cheapest).block_tokens
+
+    def message(self) -> str:
+        if self.chosen is not None:
+            return (f"{self.chosen.label()} fits: {self.chosen.total / GIB:.2f} GiB of "
+                    f"{self.budget / GIB:.2f} GiB usable")
+        return (f"nothing fits {self.budget / GIB:.2f} GiB usable: the cheapest, "
+                f"{self.cheapest.label()}, needs {self.cheapest.total / GIB:.2f} GiB "
+                f"({self.shortfall / GIB:.2f} GiB over)")
+
+
+def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int,
+                call_tokens: int, modes=MODES, policies=POLICY_ORDER, blocks=BLOCKS,
+                compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
+                headroom: float = HEADROOM) -> MemoryPlan:
+    """The first mode x policy x block whose estimate fits ``budget_bytes`` less the
+    ``headroom`` share: modes by communication, then retain before recompute, then the
+    largest block (a block no shorter than the largest call is the same as none: skipped)."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    budget_bytes = budget_bytes * (1 - headroom)
+    tried = []
+    tiers = [[b for b in blocks if b is None or b >= SHORT_BLOCK],
+             [b for b in blocks if b is not None and b < SHORT_BLOCK]]
+    for tier in (t for t in tiers if t):  # blocks shorter than SHORT_BLOCK only when needed
+        for mode in modes:
+            for policy in policies:
+                for block in tier:
+                    if block is not None and 0 < call_tokens <= block and len(tier) > 1:
+                        continue  # the same as no cut
+                    est = estimate(config, world, mode, path_tokens=path_tokens,
+                                   call_tokens=call_tokens, policy=policy, block_tokens=block,
+                                   compute_dtype=compute_dtype, logits_chunk=logits_chunk)
+                    tried.append(est)
+                    if est.total <= budget_bytes:
+                        return MemoryPlan(float(budget_bytes), est, est, tried)
+    if not tried:
+        raise ValueError("plan_memory: no mode, policy or block to try")
+    return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried)
 
 
 def batch_extent(tree) -> tuple[int, int]:

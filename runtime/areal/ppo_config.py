@@ -17,7 +17,8 @@ __all__ = ["DTAPPOActorConfig", "DTAPPOConfig", "load_dta_ppo_config"]
 @dataclasses.dataclass
 class DTAPPOActorConfig(PPOActorConfig):
     """AReaL's ``PPOActorConfig`` plus the DTA walker's options (``actor.dta.policy``,
-    ``actor.dta.logits_chunk``, ``actor.dta.min_shared``, ``actor.dta.dtype``)."""
+    ``actor.dta.logits_chunk``, ``actor.dta.min_shared``, ``actor.dta.block_tokens``,
+    ``actor.dta.dtype``)."""
 
     dta: DTAOptions = dataclasses.field(
         default_factory=DTAOptions,

@@ -15,6 +15,7 @@ import torch
 
 from dta.losses import SequenceLoss
 from dta.objective import linearize
+from dta.train import checked_walker
 from dta.tree import PrefixTree
 from dta.walk import Walker
 
@@ -90,8 +91,10 @@ class WalksMixin:
 
     def _walker(self) -> Walker:
         options = self.layout.walk_options if self.layout is not None else {}
-        return Walker(self.model, policy=self.policy, logits_chunk=self.dta.logits_chunk,
-                      temperature=float(self.config.temperature), **options)
+        return checked_walker(self.model, policy=self.policy,
+                              logits_chunk=self.dta.logits_chunk,
+                              temperature=float(self.config.temperature),
+                              block_tokens=self.dta.block_tokens, **options)
 
     def _record_tree(self, ids, walked: PrefixTree, forwarded: int, loss: float | None = None):
         stats = PrefixTree(ids, min_shared=self.dta.min_shared).stats()

@@ -92,21 +92,26 @@ class Trainer:
         return self.group.backend if self.group is not None else None
 
     def resolve_sharding(self, batch: Batch | None = None) -> str:
-        """Turn ``train.sharding=auto`` into a mode (memory model, first batch's extent)."""
-        if str(self.cfg.train.sharding) != "auto":
-            return str(self.cfg.train.sharding)
+        """Turn ``train.sharding=auto`` into a mode and ``walker.block_tokens=auto`` into a
+        block (memory model, first batch's extent; ``runtime.sharding.auto``)."""
         from omegaconf import OmegaConf
 
-        from runtime.sharding.auto import resolve
+        from runtime.sharding.auto import needs_budget, resolve
+        if not needs_budget(self.cfg) and self.cfg.walker.block_tokens != "auto":
+            return str(self.cfg.train.sharding)
         tree = PrefixTree(batch.input_ids) if batch is not None else None
         try:
-            mode, self.sharding_report = resolve(self.cfg, self.hf_config, tree)
+            mode, block, report = resolve(self.cfg, self.hf_config, tree)
         except ValueError as exc:
             raise TrainingError(str(exc)) from None
         cfg = OmegaConf.create(as_dict(self.cfg))
-        cfg.train.sharding = mode
+        if str(cfg.train.sharding) == "auto":
+            self.sharding_report = report
+            self.log(f"train.sharding=auto -> {mode}")
+        if cfg.walker.block_tokens == "auto":
+            self.log(f"walker.block_tokens=auto -> {block or 'no cut'}")
+        cfg.train.sharding, cfg.walker.block_tokens = mode, block
         self.cfg = cfg
-        self.log(f"train.sharding=auto -> {mode}")
         return mode
 
     def start(self) -> "Trainer":

@@ -32,6 +32,7 @@ from dta.config import from_dict, loss_kwargs
 from dta.losses import Totals, batch_totals, make_loss
 from dta.models import build_model, load_model
 from dta.models import resolve_dtype
+from dta.planning.blocks import block_tokens_of
 from dta.train import accumulate_gradients, forward_logprobs
 from runtime.sharding import make_strategy, master_dtype_for
 from runtime.sharding.common import optimizer_factory
@@ -78,7 +79,8 @@ def fill_recomputed(model, batch: Batch, names, cfg) -> Batch:
         return batch
     with torch.no_grad():
         res = forward_logprobs(model, batch, temperature=float(cfg.walker.temperature),
-                               logits_chunk=int(cfg.walker.logits_chunk))
+                               logits_chunk=int(cfg.walker.logits_chunk),
+                               block_tokens=block_tokens_of(cfg))
     lps = [np.asarray(lp.detach().double().cpu()) for lp in res.logprobs]
     fields = dict(batch.fields)
     for n in missing:
@@ -266,13 +268,15 @@ class DFSWorker:
                                        temperature=float(w.temperature),
                                        logits_chunk=int(w.logits_chunk),
                                        min_shared=int(w.min_shared), progress=reporter,
+                                       block_tokens=block_tokens_of(self.cfg),
                                        **getattr(self.strategy, "walk_options", {}))
             if reporter is not None:
                 reporter.flush()
             stats.update(sequences=len(batch), tokens=res.tree.total_tokens,
                          unique_tokens=res.tree.unique_tokens, forwarded_tokens=res.walk.tokens,
                          recomputed_tokens=res.walk.recomputed_tokens, loss=float(res.loss),
-                         max_live_graphs=res.walk.max_live_graphs)
+                         max_live_graphs=res.walk.max_live_graphs,
+                         max_call_tokens=res.walk.max_call_tokens)
         t1 = time.perf_counter()
         if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == int(step):
             os._exit(1)  # fault injection: die after accumulating, before the all-reduce

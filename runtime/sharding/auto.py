@@ -1,14 +1,18 @@
-"""``train.sharding=auto``: the cheapest mode whose memory estimate fits the budget.
+"""``train.sharding=auto`` and ``walker.block_tokens=auto``: what fits the memory budget.
 
 Resolved on the driver before any worker starts, from the model config, the worker count,
 the first batch's longest path and largest node (:func:`dta.planning.memory.batch_extent`)
 and ``train.memory_budget_gib`` (default: the GPU's memory, or this machine's RAM shared by
-the workers). Cheapest = least communication: replicate, then zero1, then fsdp (either
-memory policy: the estimate prices retain's graphs along the whole path).
+the workers) by :func:`dta.planning.memory.plan_memory`: the cheapest mode (least
+communication: replicate, then zero1, then fsdp) under the configured walker policy, then the
+largest block (``walker.block_tokens=auto``; a given block is priced as it is). With a fixed
+mode the budget, when one is set, still chooses an ``auto`` block; with neither an ``auto``
+mode nor a budget, an ``auto`` block is 2,048 tokens.
 """
 from __future__ import annotations
 
-from dta.planning.memory import GIB, MODES, batch_extent, pick_mode
+from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
+from dta.planning.memory import BLOCKS, GIB, MODES, batch_extent, plan_memory
 
 
 def default_budget_bytes(num_workers: int) -> float:
@@ -22,20 +26,36 @@ def default_budget_bytes(num_workers: int) -> float:
     return float(psutil.virtual_memory().total) / max(1, int(num_workers))
 
 
-def resolve(cfg, hf_config, tree=None) -> tuple[str, dict]:
-    """(mode, report) for ``cfg`` (whose train.sharding is auto)."""
+def needs_budget(cfg) -> bool:
+    """Whether the memory model decides something: an ``auto`` mode, or an ``auto`` block
+    with a budget given."""
+    return str(cfg.train.sharding) == "auto" or (
+        cfg.walker.block_tokens == "auto" and cfg.train.memory_budget_gib is not None)
+
+
+def resolve(cfg, hf_config, tree=None) -> tuple[str, int, dict]:
+    """(mode, block_tokens (0: no cut), report) for ``cfg``."""
     W = int(cfg.ray.num_workers)
+    auto_mode = str(cfg.train.sharding) == "auto"
+    block = cfg.walker.block_tokens
+    if not needs_budget(cfg):
+        return str(cfg.train.sharding), DEFAULT_BLOCK_TOKENS if block == "auto" else int(block), {}
     budget = cfg.train.memory_budget_gib
     budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
     path, call = batch_extent(tree) if tree is not None else (0, 0)
-    mode, rows = pick_mode(hf_config, W, budget, modes=MODES, path_tokens=path,
-                           call_tokens=call, policy=str(cfg.walker.policy),
-                           compute_dtype=str(cfg.model.dtype),
-                           logits_chunk=int(cfg.walker.logits_chunk))
-    report = {"budget_bytes": int(budget), "path_tokens": path, "call_tokens": call,
-              "estimates": [r.as_dict() for r in rows], "chosen": mode}
-    if mode is None:
-        shown = ", ".join(f"{r.mode} {r.total / GIB:.2f} GiB" for r in rows)
-        raise ValueError(f"train.sharding=auto: no mode fits train.memory_budget_gib "
-                         f"{budget / GIB:.2f} GiB per worker ({shown})")
-    return mode, report
+    plan = plan_memory(hf_config, W, budget, modes=MODES if auto_mode else (str(cfg.train.sharding),),
+                       path_tokens=path, call_tokens=call, policies=(str(cfg.walker.policy),),
+                       blocks=(BLOCKS if tree is not None else (DEFAULT_BLOCK_TOKENS,))
+                       if block == "auto" else (int(block) or None,),
+                       compute_dtype=str(cfg.model.dtype),
+                       logits_chunk=int(cfg.walker.logits_chunk))
+    chosen = plan.chosen
+    report = {"budget_bytes": int(budget), "usable_bytes": int(plan.budget), "path_tokens": path,
+              "call_tokens": call, "estimates": [r.as_dict() for r in plan.tried],
+              "chosen": chosen.mode if chosen is not None else None,
+              "block_tokens": (chosen.block_tokens or 0) if chosen is not None else None}
+    if chosen is None:
+        what = "no mode fits" if auto_mode else f"train.sharding={cfg.train.sharding} does not fit"
+        raise ValueError(f"train.sharding={cfg.train.sharding}, walker.block_tokens={block}: "
+                         f"{what} train.memory_budget_gib ({plan.message()})")
+    return chosen.mode, chosen.block_tokens or 0, report
