@@ -39,8 +39,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64  # the delta rule's chunk: the largest a pack uses (smaller when its segments are)
+# The delta rule's chunk: the largest a pack uses. A pack whose segments are all short uses
+# the smallest power of two >= its longest segment (at least MIN_CHUNK): a chunk's padded rows
+# cost the batched intra-chunk work (C x C products and solves). experiments/bench_gdn_chunk.py
+# measures the choice (fixed 16 / 32 / 64 / 128 against this adaptive rule).
+CHUNK = 64
 MIN_CHUNK = 16
+ADAPTIVE = True
 
 
 @dataclass
@@ -131,7 +136,8 @@ def plan_recurrence(layout, kernel: int, chunk: int = CHUNK) -> RecurrencePlan:
             seg_of[i] = len(segs)
             segs.append([int(off[i]), int(off[i + 1]), int(seg_of[par[i]]) if par[i] >= 0 else -1])
     lengths = np.array([b - a for a, b, _ in segs], dtype=np.int64)
-    C = int(min(chunk, max(MIN_CHUNK, 1 << int(max(lengths.max(), 1) - 1).bit_length())))
+    C = int(min(chunk, max(MIN_CHUNK, 1 << int(max(lengths.max(), 1) - 1).bit_length()))) \
+        if ADAPTIVE else int(chunk)
     nch = -(-lengths // C)
     begin = np.zeros(len(segs), dtype=np.int64)  # the step of each segment's first chunk
     for s, (_, _, p) in enumerate(segs):  # parents come first (pre-order)
