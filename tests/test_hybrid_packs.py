@@ -66,7 +66,7 @@ def _batch(model) -> Batch:
 
     seqs = pack_sequences()
     old = [lp.double().numpy() for lp in forward_logprobs(model, Batch.from_records(
-        [{"input_ids": s} for s in seqs]), packing="node").logprobs]
+        [{"input_ids": s} for s in seqs]), packing="tree").logprobs]
     return Batch.from_records(make_records(seqs, old_logprobs=old))
 
 
