@@ -1,5 +1,6 @@
 """Hybrid models (Gated DeltaNet + attention) in packs: every pack policy x both memory policies
-equals one-sequence-at-a-time training in float64 (log-probs, loss, every gradient), and the GDN
+equals one-sequence-at-a-time training in float64 (log-probs, loss, every gradient, one AdamW
+update), and the GDN
 pack plan (dta/gdn.py) agrees with a token-by-token reading of the pack's tree.
 
 Default suite: qwen3_5 on a small batch that has every structural case; the MoE and Qwen3-Next
@@ -80,6 +81,16 @@ def reference(request):
     return family, model, batch, ref, _grads(model)
 
 
+def _adamw_update(model, grads: dict) -> dict:
+    """One AdamW step (dta.verify's settings) from the model's parameters with ``grads``: the
+    change of each parameter."""
+    params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    for n, p in params.items():
+        p.grad = grads[n].clone()
+    torch.optim.AdamW(params.values(), lr=1e-3, eps=1e-8, weight_decay=0.01).step()
+    return {n: p.detach() - q.detach() for (n, p), q in zip(params.items(), model.parameters())}
+
+
 def _check(reference, packing):
     family, model, batch, ref, g_ref = reference
     tree = PrefixTree(batch.input_ids)
@@ -91,7 +102,9 @@ def _check(reference, packing):
         assert abs(res.loss - ref.loss) <= 1e-10 * abs(ref.loss), case
         lp = max(float((a - b).abs().max()) for a, b in zip(res.walk.logprobs, ref.logprobs))
         assert lp <= 1e-10, case
-        assert _worst(_grads(model), g_ref) <= 1e-10, case
+        g_dfs = _grads(model)
+        assert _worst(g_dfs, g_ref) <= 1e-10, case
+        assert _worst(_adamw_update(model, g_dfs), _adamw_update(model, g_ref)) <= 1e-10, case
         if packing == "node":
             assert res.walk.packs == len(tree) - 1, case
         else:  # hybrids are packed: several nodes per call
