@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dta import recurrent
@@ -160,11 +161,26 @@ def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
     return layer.keys[:, :, start:], layer.values[:, :, start:]
 
 
-# kind -> (path states -> cache data, (cache layer, start, end, where) -> node state);
-# "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the parent's
-# final state (dta/recurrent.py)
-_KINDS = {"attention": (_attention_cache_layer, _attention_node_state),
-          recurrent.RECURRENT: (recurrent.path_state, recurrent.node_state)}
+def _attention_through(state: tuple, layout, local: int, rows: np.ndarray) -> tuple:
+    """An attention layer's K/V rows of a pack on the root path through local node ``local``,
+    and whether later packs may reuse them: the whole state or a slice (a view) may; rows
+    gathered by ``index_select`` may not (a backward through them frees the saved index)."""
+    k, v = state
+    if len(rows) == layout.tokens:
+        return state, True
+    a, b = int(rows[0]), int(rows[0]) + len(rows)
+    if np.array_equal(rows, np.arange(a, b)):
+        return (k[:, :, a:b], v[:, :, a:b]), True
+    idx = torch.as_tensor(rows, device=k.device)
+    return (k.index_select(2, idx), v.index_select(2, idx)), False
+
+
+# kind -> (path states -> cache data, (cache layer, start, end, where) -> node state,
+#          (pack state, layout, local node, path rows) -> (the piece a pack below reads, reusable));
+# "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the final state
+# of the node a pack hangs from (dta/recurrent.py; inside a pack, dta/gdn.py)
+_KINDS = {"attention": (_attention_cache_layer, _attention_node_state, _attention_through),
+          recurrent.RECURRENT: (recurrent.path_state, recurrent.node_state, recurrent.state_through)}
 
 
 class ModelInterface:
@@ -180,6 +196,49 @@ class ModelInterface:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.layer_kinds = (recurrent.layer_kinds(model.config) if recurrent.is_hybrid(model)
                             else ["attention"] * _num_layers(model.config))
+        self.recurrent_modules = recurrent.gdn_modules(model) if recurrent.RECURRENT in self.layer_kinds else []
+        self._attention_layer = self.layer_kinds.index("attention") if "attention" in self.layer_kinds else None
+
+    # -------------------------------------------------------------- packs --
+    def walking(self):
+        """A walk's scope: the model's recurrent layers take a pack's tree (``dta/gdn.py``);
+        outside it the model is unchanged."""
+        return recurrent.packed(self.recurrent_modules)
+
+    def pack_cache(self, pieces: list | None, layout):
+        """The cache of one pack's forward: per layer, the path's pieces (``state_through``
+        of each frame on the path; None for a root pack) -- attention layers join the K/V
+        pieces, recurrent layers start from the last piece (the final state of the node the
+        pack hangs from) and follow the pack's local tree."""
+        from dta.attention import PathLayer, path_cache
+
+        if not self.recurrent_modules:
+            return path_cache(pieces, len(self.layer_kinds))
+        from transformers.cache_utils import Cache
+
+        plan = recurrent.pack_plan(layout, self.recurrent_modules[0])
+        layers = [PathLayer(pieces[i] if pieces else []) if kind == "attention" else
+                  recurrent.pack_layer(pieces[i][-1] if pieces else None, plan)
+                  for i, kind in enumerate(self.layer_kinds)]
+        return Cache(layers=layers)
+
+    def state_through(self, state: NodeState, layout, local: int) -> tuple[list, bool]:
+        """A pack's per-layer state as a pack hanging below local node ``local`` reads it (the
+        K/V rows on the root path through it; the recurrent final state at it), and whether
+        the pieces may be reused by later packs."""
+        rows = layout.path_rows(local)
+        out, reusable = [], True
+        for kind, layer_state in zip(self.layer_kinds, state):
+            piece, ok = _KINDS[kind][2](layer_state, layout, local, rows)
+            out.append(piece)
+            reusable &= ok
+        return out, reusable
+
+    def covered(self, piece: list) -> int:
+        """Positions a frame's pieces cover (read from an attention layer's keys)."""
+        if self._attention_layer is None:
+            raise ModelInterfaceError(f"{self.name}: no attention layer to count positions")
+        return int(piece[self._attention_layer][0].shape[2])
 
     # ------------------------------------------------------------------ forward --
     def embed(self, ids: torch.Tensor) -> dict:

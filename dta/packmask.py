@@ -28,6 +28,8 @@ import torch
 SDPA_LIKE = ("sdpa", "dta_sdpa")
 MASKED_KINDS = SDPA_LIKE + ("eager", "flex_attention")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+UNMASKED = ("linear_attention",)  # recurrent (GDN) layers: no mask; they follow the pack's
+# tree through their state (dta/gdn.py), so their entry in a dict of masks is None
 
 
 _DICT_MASKS = "isinstance(causal_mask_mapping := attention_mask, dict)"
@@ -52,10 +54,15 @@ def mask_support(model) -> tuple[dict[str, int | None] | None, str]:
     types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)
     if types:
-        unknown = sorted(set(types) - set(LAYER_TYPES))
+        unknown = sorted(set(types) - set(LAYER_TYPES) - set(UNMASKED))
         if unknown:
             return None, f"layer types {unknown} have no tree mask"
-        windows = {t: (int(window) if t == "sliding_attention" else None) for t in types}
+        if set(types) & set(UNMASKED) and _DICT_MASKS not in src:
+            return None, "the decoder does not take one mask per layer type"
+        windows = {t: (int(window) if t == "sliding_attention" else None) for t in types
+                   if t not in UNMASKED}
+        if set(types) & set(UNMASKED):
+            return windows, "dict"
         if "sliding_attention" in windows and not window:
             return None, "sliding_attention layers without a sliding_window"
         if set(windows) == {"full_attention"} and _ALL_SLIDING not in src:
@@ -146,4 +153,5 @@ def pack_mask(layout, model, device, dtype=torch.float32, support=None):
     masks = {t: _materialize(layout, device, w, kind, dtype) for t, w in windows.items()}
     if how == "single":
         return next(iter(masks.values()))
-    return masks
+    types = getattr(model.config, "layer_types", None) or ()
+    return {**masks, **{t: None for t in UNMASKED if t in types}}

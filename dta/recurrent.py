@@ -25,6 +25,7 @@ bypassed by reporting ``record_past``, which makes HF take its general chunk pat
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 GDN = "linear_attention"  # HF's layer type of a Gated DeltaNet layer
@@ -66,10 +67,67 @@ def path_state(states: list[tuple]) -> tuple:
 
 
 def node_state(layer, start: int, end: int, where: str) -> tuple:
-    """A GDN layer's state after a node's forward: its final (conv, recurrent) state."""
+    """A GDN layer's state after a node's forward: its final (conv, recurrent) state; after a
+    pack's forward (``dta/gdn.py``), the final states of its handed-on nodes, stacked
+    ([n, conv_dim, kernel], [n, heads, d_k, d_v], in the order of ``gdn.open_nodes``)."""
+    if hasattr(layer, "plan"):  # a pack's layer
+        if layer.final is None:
+            raise RuntimeError(f"{where}: the GDN layer was not run over the pack")
+        return layer.final
     if not getattr(layer, "is_recurrent_states_initialized", {}).get(0):
         raise RuntimeError(f"{where}: the GDN layer was not run; no final state to hand on")
     return layer.conv_states[0], layer.recurrent_states[0]
+
+
+def state_through(state: tuple, layout, local: int, rows=None) -> tuple:
+    """What a pack hanging below local node ``local`` of a pack reads from its GDN state: that
+    node's final (conv, recurrent) state, [1, ...] views (reusable)."""
+    from dta.gdn import open_nodes
+
+    hands_on = open_nodes(layout)
+    j = np.flatnonzero(hands_on == local)
+    if len(j) != 1:
+        raise RuntimeError(f"local node {local} of the pack hands no GDN state on (open: "
+                           f"{hands_on.tolist()})")
+    j = int(j[0])
+    return tuple(x[j:j + 1] for x in state), True
+
+
+def gdn_modules(model) -> list:
+    """The model's Gated DeltaNet modules (one per ``linear_attention`` layer), checked to be
+    ones the pack path knows (``dta.gdn.supports``): anything else is refused, one line."""
+    from dta import gdn
+
+    mods = [m for m in model.modules() if getattr(m, "layer_type", None) == GDN and hasattr(m, "A_log")]
+    kinds = layer_kinds(model.config)
+    if len(mods) != kinds.count(RECURRENT):
+        raise ValueError(f"{type(model).__name__}: found {len(mods)} Gated DeltaNet modules for "
+                         f"{kinds.count(RECURRENT)} {GDN!r} layers")
+    for m in mods:
+        why = gdn.supports(m)
+        if why:
+            raise ValueError(f"{type(model).__name__}: the walker's pack path cannot run its GDN "
+                             f"layer: {why}")
+    return mods
+
+
+def packed(modules: list):
+    from dta.gdn import packed_gdn
+
+    return packed_gdn(modules)
+
+
+def pack_plan(layout, module, chunk: int | None = None):
+    """The integer GDN plan of a pack (``dta.gdn.plan_recurrence``), for ``module``'s conv kernel."""
+    from dta import gdn
+
+    return gdn.plan_recurrence(layout, int(module.conv_kernel_size), chunk or gdn.CHUNK)
+
+
+def pack_layer(initial: tuple | None, plan):
+    from dta.gdn import pack_state_layer_class
+
+    return pack_state_layer_class()(initial, plan)
 
 
 def _forked_state_layer_class():

@@ -69,6 +69,10 @@ class VerifyReport:
     truly_float64: bool
     adam_eps: float
     logprobs_sequences: int = 0  # sequences whose training-walk log-probs were compared
+    packing: str = "auto"  # the DFS side's pack policy and cap
+    pack_tokens: int = 0
+    packs: int = 0  # packs (decoder calls) of the training walk
+    nodes: int = 0  # tree nodes walked
 
     def max_rel_err(self) -> float:
         """The figure held to the tolerance: everything in float64; outside float64 the
@@ -131,11 +135,16 @@ def _adamw_step(model, lr: float, eps: float) -> tuple[dict, dict]:
 def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: str = "token_mean",
            policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
            lr: float = 1e-3, adam_eps: float | None = None,
-           truly_float64: bool = True, progress: bool = False, **walk_kw) -> VerifyReport:
+           truly_float64: bool = True, progress: bool = False, packing: str = "auto",
+           pack_tokens: int | None = None, **walk_kw) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed.
-    With `progress`, a bar per side counts the tokens trained. walk_kw: the walker's options
-    (``packing``, ``pack_tokens``, ``block_tokens``, ...; :class:`dta.walk.Walker`), used by
-    the training and the forward-only walks."""
+    With `progress`, a bar per side counts the tokens trained. packing / pack_tokens: the DFS
+    side's pack policy and cap (``dta.planning.packs``; default: the cost model's plan);
+    walk_kw: the walker's other options (``block_tokens``, ...; :class:`dta.walk.Walker`),
+    used by the training and the forward-only walks."""
+    from dta.planning.packs import DEFAULT_CAP
+
+    walk_kw = dict(walk_kw, packing=packing, pack_tokens=int(pack_tokens or DEFAULT_CAP))
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     is_f64 = next(model.parameters()).dtype == torch.float64
@@ -194,7 +203,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         update_rel_err=upd_err,
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
         tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps,
-        logprobs_sequences=int(sum(walked)))
+        logprobs_sequences=int(sum(walked)), packing=packing, pack_tokens=walk_kw["pack_tokens"],
+        packs=dfs.walk.packs, nodes=dfs.walk.nodes)
 
 
 def _lp_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,8 +21,9 @@ flushed before a pop needs them, or at ``head_rows`` -- and keeps only ∂L/∂h
 [tokens, vocab] graph ever waits on the path. Everything the walk assumes about the model
 (embedding leaves, per-layer states, the logit transform) lives in ``dta/modeling.py``; a
 pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/attention.py`` and
-``dta/packmask.py``. A model with recurrent layers (Gated DeltaNet) is walked node by node
-through the model interface: a recurrent state cannot branch inside one call.
+``dta/packmask.py``. A model with recurrent layers (Gated DeltaNet) is packed the same way:
+its recurrent layers follow the pack's local tree through the model interface
+(``dta/gdn.py``: every row starts from its parent's final state).
 
 Blocks (``dta/planning/blocks.py``): before packing, a node longer than ``block_tokens`` is
 cut into a chain of pieces, each a node whose parent is the previous piece, and no pack is
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dta.attention import native_gqa, path_cache
+from dta.attention import native_gqa
 from dta.head import HeadQueue, LMHead
 from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective
@@ -125,14 +126,8 @@ class Walker:
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # recurrent layers cannot branch inside a call: node by node (each node one path);
         # a model whose attention cannot take a tree mask gets single-path packs only
-        self.recurrent = any(kind != "attention" for kind in self.io.layer_kinds)
-        if self.recurrent and packing not in ("auto", "node"):
-            raise ValueError(f"packing {packing!r}: a model with recurrent (Gated DeltaNet) "
-                             "layers is walked node by node (a recurrent state cannot branch "
-                             "inside one call); use packing 'node' or 'auto'")
-        self.packing = "node" if self.recurrent else packing
+        self.packing = packing
         self.mask_support = mask_support(model)
         self.branches = self.mask_support[0] is not None
         self.block_tokens = check_block_tokens(block_tokens)
@@ -159,10 +154,8 @@ class Walker:
         """The pack's last hidden states [T, H] and its own new per-layer state."""
         ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])
         ids = torch.as_tensor(ids, device=self.device)
-        if self.recurrent:  # one node (a path) per call, through the model interface
-            return self.io.forward(ids, layout.prefix, [f.state for f in path])
         pos = torch.as_tensor(layout.positions, device=self.device).unsqueeze(0)
-        cache = path_cache(self._path_pieces(tree, layout, path), len(self.io.layer_kinds))
+        cache = self.io.pack_cache(self._path_pieces(tree, layout, path), layout)
         mask = pack_mask(layout, self.model, self.device, self.dtype, self.mask_support)
         out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
                               **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
@@ -186,25 +179,19 @@ class Walker:
                 per_frame.append(kv)
             else:
                 per_frame.append(f.pieces[1])
-        covered = sum(kv[0][0].shape[2] for kv in per_frame)
+        covered = sum(self.io.covered(kv) for kv in per_frame)
         if covered != layout.prefix:
             raise RuntimeError(f"the path's K/V cover {covered} positions, the pack starts at "
                                f"{layout.prefix}")
         return [[kv[layer] for kv in per_frame] for layer in range(len(self.io.layer_kinds))]
 
     def _rows_through(self, f: Frame, node: int):
-        """Frame ``f``'s per-layer K/V rows on the root path through tree node ``node``, and
-        whether later packs may reuse them: the whole state or a slice (a view) may; rows
-        gathered by ``index_select`` may not (a backward through them frees the saved index)."""
-        rows = f.layout.path_rows(int(np.flatnonzero(f.layout.tree_nodes == node)[0]))
+        """Frame ``f``'s per-layer state as a pack below tree node ``node`` reads it (K/V rows
+        on the root path through it; a recurrent layer's final state at it), and whether
+        later packs may reuse it (``ModelInterface.state_through``)."""
+        local = int(np.flatnonzero(f.layout.tree_nodes == node)[0])
         with torch.enable_grad():  # kept for later forwards with grad (recompute)
-            if len(rows) == f.layout.tokens:
-                return f.state, True
-            a, b = int(rows[0]), int(rows[0]) + len(rows)
-            if np.array_equal(rows, np.arange(a, b)):
-                return [(k[:, :, a:b], v[:, :, a:b]) for k, v in f.state], True
-            idx = torch.as_tensor(rows, device=self.device)
-            return [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in f.state], False
+            return self.io.state_through(f.state, f.layout, local)
 
     def _terms(self, tree, layout: PackLayout, objective: Objective, record: bool) -> NodeTerms:
         return NodeTerms.concat([
@@ -224,7 +211,7 @@ class Walker:
         """A walk's scope: attention on SDPA's native grouped-query path, and the head's
         logits workspace released when the walk ends (also when it raises)."""
         try:
-            with native_gqa(self.model, self.native_gqa):
+            with native_gqa(self.model, self.native_gqa), self.io.walking():
                 yield
         finally:
             self.head.release()

@@ -16,6 +16,13 @@ def add_arguments(p) -> None:
     p.add_argument("--loss", default="ppo", choices=["nll", "ppo", "ppo-decoupled"])
     p.add_argument("--reduction", default="token_mean", choices=["token_mean", "seq_mean", "sum"])
     p.add_argument("--policy", default="retain", choices=["retain", "recompute"])
+    from dta.planning.packs import DEFAULT_CAP, POLICIES
+
+    p.add_argument("--packing", default="auto", choices=list(POLICIES),
+                   help="the DFS side's pack policy (dta/planning/packs.py; default: auto, the "
+                        "cost model's plan)")
+    p.add_argument("--pack-tokens", type=int, default=DEFAULT_CAP,
+                   help=f"the cap of a pack in tokens (default {DEFAULT_CAP})")
     p.add_argument("--max-sequences", type=int, default=None,
                    help="verify only the first N sequences (the unpacked side is slow)")
     p.add_argument("--tolerance", type=float, default=None,
@@ -53,14 +60,18 @@ def run(args) -> int:
                                              for o in batch.fields["old_logprobs"]]
         if "advantages" not in batch.fields:
             batch.fields["advantages"] = [np.ones(len(s)) for s in batch.input_ids]
+    if args.pack_tokens < 1:
+        raise SystemExit(f"dta verify: --pack-tokens must be a positive number of tokens, got "
+                         f"{args.pack_tokens}")
     report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
-                    progress=True)
+                    progress=True, packing=args.packing, pack_tokens=args.pack_tokens)
     tol = args.tolerance or (1e-10 if report.dtype == "float64" else 1e-4)
     ok = report.passed(tol)  # NaN/inf anywhere: a failure
     d = report.as_dict()
     print(f"model {args.model_path or args.family + '/' + args.size} ({report.parameters:,} params, "
           f"{report.dtype}{', norms kept in float64' if report.truly_float64 else ''}), "
-          f"policy {report.policy}, loss {args.loss}, reduction {report.reduction}")
+          f"policy {report.policy}, loss {args.loss}, reduction {report.reduction}, packing "
+          f"{report.packing} (cap {report.pack_tokens}: {report.packs} packs for {report.nodes} nodes)")
     if not args.model_path and args.matrix:
         from dta.families import FAMILIES
 

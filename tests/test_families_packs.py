@@ -2,8 +2,8 @@
 loss, log-probs and every gradient equal one-sequence-at-a-time training to <= 1e-10, under
 both memory policies. (``tests/test_families.py`` checks each family through ``verify`` with
 the default ``auto`` plan, an AdamW update included; ``tests/test_packs.py`` checks every
-policy on one model. This is their product. Every attention family takes a tree mask; the
-hybrid families, which cannot, are walked node by node: tests/test_hybrid.py.)"""
+policy on one model. This is their product. The hybrid families (Gated DeltaNet layers, whose state
+follows the pack's tree) run the same matrix in tests/test_hybrid_packs.py.)"""
 import pytest
 import torch
 

@@ -189,24 +189,29 @@ def test_treemask_refuses_recurrence():
 
 
 def test_cli_verify_family(capsys):
-    """`dta verify --family qwen3_5 --dtype float64` (tiny: one GDN and one attention layer,
-    the τ²-airline tiny batch) passes at 1e-10."""
+    """`dta verify --family qwen3_5 --dtype float64 --packing subtrees --pack-tokens 96` (tiny:
+    one GDN and one attention layer, the τ²-airline tiny batch) passes at 1e-10, in packs."""
     import json
 
     from dta_cli.main import main
 
-    code = main(["verify", "--family", "qwen3_5", "--dtype", "float64", "--json"])
+    code = main(["verify", "--family", "qwen3_5", "--dtype", "float64", "--packing", "subtrees",
+                 "--pack-tokens", "96", "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and report["passed"] and report["max_rel_err"] <= 1e-10
     assert report["truly_float64"] and report["sharing_ratio"] > 1.5
+    assert report["packing"] == "subtrees" and report["pack_tokens"] == 96
+    assert report["packs"] < report["nodes"]
 
 
-def test_packs_walk_recurrent_models_node_by_node():
-    """A pack cannot fork a recurrent state inside one call: 'auto' walks node by node, an
-    explicit multi-node packing is refused with one clear line."""
+def test_packs_walk_recurrent_models_in_packs():
+    """Hybrids are packed like dense models: 'auto' plans fewer packs than nodes (siblings as
+    rows of one call, chains in one call), and every pack policy is accepted."""
     from dta.walk import Walker
 
     model = hybrid_model("qwen3_5", dtype="float32")
-    assert Walker(model, packing="auto").packing == "node"
-    with pytest.raises(ValueError, match="node by node"):
-        Walker(model, packing="subtrees")
+    tree = PrefixTree(hybrid_sequences())
+    for packing in ("node", "siblings", "subtrees", "auto", "tree"):
+        assert Walker(model, packing=packing).packing == packing
+    plan = Walker(model, packing="auto").plan(tree)
+    assert len(plan) < len(tree) - 1 and plan.stats()["masked_packs"] >= 1

@@ -45,30 +45,55 @@ DEFAULT_CAP = 512  # tokens per pack (a memory cap: activations and the [T, P+T]
 DEFAULT_CALL_TOKENS = 64
 
 
+# Recurrent (Gated DeltaNet) layers, per GDN layer of a hybrid model, in tokens of linear
+# work (see PackCost.chunk_step): a GDN layer call's fixed cost (its ~40 element-wise ops, the
+# chunk plan's gathers and the batched intra-chunk solves, forward and backward) and one
+# sequential step of its chunk scan (~8 small ops forward, ~16 backward).
+DEFAULT_GDN_CALL_TOKENS = 8
+DEFAULT_GDN_STEP_TOKENS = 2
+
+
 @dataclass(frozen=True)
 class PackCost:
-    """``cost(pack) = call + token * tokens + attention * (query, key) pairs``."""
+    """``cost(pack) = call + token * tokens + attention * (query, key) pairs
+    + chunk_step * chunk steps``.
+
+    Hybrid models: a GDN layer runs a pack as one batched chunked delta rule whose scan takes
+    one sequential step per chunk of the pack's deepest chain (``dta/gdn.py``); the plan does
+    not track chains, so a pack of T tokens is charged ceil(T / chunk) steps, an upper bound
+    (exact for a one-segment chain; rows of a branched pack run side by side). ``call``
+    includes the GDN layers' per-call cost."""
 
     token: float = 1.0
     attention: float = 0.0
     call: float = float(DEFAULT_CALL_TOKENS)
+    chunk_step: float = 0.0  # cost of one chunk step of all GDN layers (0: no GDN layer)
+    chunk: int = 64  # the delta rule's chunk
 
     @classmethod
     def from_config(cls, config: Any, call_tokens: float = DEFAULT_CALL_TOKENS) -> "PackCost":
         """FLOPs of the decoder body (forward + backward) from a model config; the LM head is
-        left out (every plan evaluates the same head rows)."""
-        from dta.planning.cost import CostModel
+        left out (every plan evaluates the same head rows). Hybrid models add their GDN
+        layers' per-call and per-chunk-step costs (:data:`DEFAULT_GDN_CALL_TOKENS`,
+        :data:`DEFAULT_GDN_STEP_TOKENS` per GDN layer)."""
+        from dta.planning.cost import GDN_CHUNK, CostModel
 
         body = dict(config) if isinstance(config, Mapping) else config.to_dict()
         cm = CostModel.from_config({**body, "vocab_size": 0})
-        return cls(cm.token, cm.attention, float(call_tokens) * cm.token)
+        gdn = list(body.get("layer_types") or []).count("linear_attention")
+        call = float(call_tokens) + gdn * DEFAULT_GDN_CALL_TOKENS
+        return cls(cm.token, cm.attention, call * cm.token,
+                   gdn * DEFAULT_GDN_STEP_TOKENS * cm.token, GDN_CHUNK)
 
     def pairs(self, tokens: int, prefix: int, chain: bool) -> float:
         t = float(tokens)
         return t * prefix + t * (t + 1) / 2 if chain else t * (prefix + t)
 
     def of(self, tokens: int, prefix: int, chain: bool) -> float:
-        return self.call + self.token * tokens + self.attention * self.pairs(tokens, prefix, chain)
+        cost = self.call + self.token * tokens + self.attention * self.pairs(tokens, prefix, chain)
+        if self.chunk_step:
+            cost += self.chunk_step * -(-int(tokens) // self.chunk)
+        return cost
 
 
 @dataclass
@@ -101,6 +126,7 @@ class PackLayout:
     exit: np.ndarray  # [m]
     chain: bool
     tree_nodes: np.ndarray  # [m] tree node id of each local node
+    open: np.ndarray | None = None  # local nodes with children in other packs (None: unknown)
 
     @property
     def tokens(self) -> int:
@@ -175,7 +201,8 @@ class PackPlan:
         enter = np.arange(len(nodes), dtype=np.int64)
         positions = np.concatenate([np.arange(tree.start[u], tree.end[u]) for u in nodes])
         return PackLayout(p.prefix, positions, np.repeat(enter, lengths), offsets, enter,
-                          enter + size, p.chain, nodes)
+                          enter + size, p.chain, nodes,
+                          np.asarray([local[int(u)] for u in p.open], dtype=np.int64))
 
     def walk(self):
         """('push', pack) in pre-order, ('pop', pack) after its children (open packs only)."""

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "has advantages and logprobs)")
     a("--modes", default=None,
       help="comma-separated modes (default: padded,microbatch,treemask,dfs-node,dfs-retain,"
-           "dfs-recompute; also treemask-flex on a GPU)")
+           "dfs-recompute; also treemask-flex on a GPU; hybrid GDN families: without treemask)")
     a("--repeats", type=int, default=3, help="rounds of all modes (default: 3)")
     a("--threads", type=int, default=2, help="torch threads in every child (default: 2)")
     a("--warmup", choices=("small", "full", "none"), default="small",
@@ -83,6 +83,12 @@ def config_from_args(args: argparse.Namespace):
     overrides = {k: v for k, v in (("tasks", args.tasks), ("group_size", args.group_size))
                  if v is not None}
     modes = tuple(m.strip() for m in args.modes.split(",")) if args.modes else DEFAULT_MODES
+    if not args.modes:
+        from dta.models import build_config
+        from dta.recurrent import is_hybrid
+
+        if is_hybrid(build_config(args.family, args.model_size)):  # no tree mask for a recurrence
+            modes = tuple(m for m in modes if not m.startswith("treemask"))
     return BenchConfig(
         workload=args.workload, scale=args.scale, seed=args.seed, family=args.family,
         size=args.model_size, dtype=args.dtype, device=args.device, attn=args.attn,

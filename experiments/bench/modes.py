@@ -71,8 +71,33 @@ def run_mode(name: str, model, batch: Batch, loss, **opts) -> tuple[float, dict]
     """(loss value, call statistics: decoder forward / backward calls, packs, head calls)."""
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+    from dta.gdn import STATS
+
+    STATS.reset()
+    _HF_CHUNK_STEPS[0] = 0
     out = MODES[name].fn(model, batch, loss, **opts)
-    return out if isinstance(out, tuple) else (float(out), {})
+    value, calls = out if isinstance(out, tuple) else (float(out), {})
+    if _gdn_layers(model):  # a hybrid: the GDN layers' sequential chunk iterations
+        steps = STATS.steps + _HF_CHUNK_STEPS[0]
+        calls = dict(calls, gdn_chunk_steps=steps, gdn_pack_calls=STATS.calls)
+    return value, calls
+
+
+_HF_CHUNK_STEPS = [0]  # chunk iterations of HF's own GDN kernel in the unpacked baselines
+
+
+def _gdn_layers(model) -> int:
+    from dta.recurrent import GDN, layer_types
+
+    return layer_types(model.config).count(GDN)
+
+
+def _count_hf_chunks(model, length: int) -> None:
+    """HF's chunked delta rule loops over ceil(S / 64) chunks per GDN layer of a padded
+    [B, S] forward (a single-token forward: its recurrent kernel, one step)."""
+    from dta.planning.cost import GDN_CHUNK
+
+    _HF_CHUNK_STEPS[0] += _gdn_layers(model) * -(-int(length) // GDN_CHUNK)
 
 
 # ------------------------------------------------------------------ the loss side --
@@ -183,6 +208,7 @@ def _padded_step(model, batch: Batch, seq_ids, objective, opts) -> float:
         x[b, :lens[b]] = batch.input_ids[i]
         am[b, :lens[b]] = 1
     mask = None if am.all() else torch.as_tensor(am, device=dev)
+    _count_hf_chunks(model, S)
     out = model.get_decoder()(input_ids=torch.as_tensor(x, device=dev), attention_mask=mask,
                               use_cache=False)
     hidden = out.last_hidden_state.reshape(len(seq_ids) * S, -1)

@@ -16,7 +16,10 @@ def _f(x, fmt="{:.2f}", none="–"):
 def _calls(c) -> str:
     if not c:
         return "–"
-    return "/".join(str(c.get(k, "–")) for k in ("forward_calls", "backward_calls", "head_calls"))
+    out = "/".join(str(c.get(k, "–")) for k in ("forward_calls", "backward_calls", "head_calls"))
+    if "gdn_chunk_steps" in c:  # a hybrid model: the GDN layers' sequential chunk iterations
+        out += f" ({c['gdn_chunk_steps']} GDN chunk steps)"
+    return out
 
 
 def _disturbance(point: dict) -> list[str]:
