@@ -69,6 +69,8 @@ class VerifyReport:
     truly_float64: bool
     adam_eps: float
     logprobs_sequences: int = 0  # sequences whose training-walk log-probs were compared
+    trainable_parameters: int = 0  # LoRA: the adapters' (every parameter without)
+    frozen_with_grad: int = 0  # frozen tensors that got a gradient on either side (must be 0)
 
     def max_rel_err(self) -> float:
         """The figure held to the tolerance: everything in float64; outside float64 the
@@ -80,7 +82,7 @@ class VerifyReport:
     def passed(self, tolerance: float) -> bool:
         """Every error finite and within ``tolerance``."""
         err = self.max_rel_err()
-        return math.isfinite(err) and err <= tolerance
+        return math.isfinite(err) and err <= tolerance and self.frozen_with_grad == 0
 
     def as_dict(self) -> dict:
         return {**asdict(self), "max_rel_err": self.max_rel_err()}
@@ -131,9 +133,11 @@ def _adamw_step(model, lr: float, eps: float) -> tuple[dict, dict]:
 def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: str = "token_mean",
            policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
            lr: float = 1e-3, adam_eps: float | None = None,
-           truly_float64: bool = True, progress: bool = False) -> VerifyReport:
+           truly_float64: bool = True, progress: bool = False, **walk_kw) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed.
-    With `progress`, a bar per side counts the tokens trained."""
+    With `progress`, a bar per side counts the tokens trained. walk_kw: the walker's packing
+    options (``packing``, ``pack_tokens``, ...; see :class:`dta.walk.Walker`). Frozen
+    parameters (a LoRA model's base) must end without a gradient on both sides."""
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     is_f64 = next(model.parameters()).dtype == torch.float64
@@ -146,7 +150,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     with _bar(progress, "DFS (unique tokens)") as bar:
         dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
                                    temperature=temperature, logits_chunk=logits_chunk,
-                                   record=True, progress=bar)
+                                   record=True, progress=bar, **walk_kw)
     with _bar(progress, "unpacked (tokens)") as bar:
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
                                  temperature=temperature, progress=bar)
@@ -155,7 +159,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     walked = [bool(w.any()) for w in token_weights(batch, reduction)]
     lp_errs = [_lp_err(a, b) for a, b, k in zip(dfs.walk.logprobs, ref.logprobs, walked) if k]
     # a forward-only walk: every sequence, every position
-    fwd = forward_logprobs(dfs_model, batch, temperature=temperature, logits_chunk=logits_chunk)
+    fwd = forward_logprobs(dfs_model, batch, temperature=temperature, logits_chunk=logits_chunk,
+                           **walk_kw)
     lp_errs += [_lp_err(a, b) for a, b in zip(fwd.logprobs, ref.logprobs)]
     lp_err = worst(lp_errs)
     grad_errs = []
@@ -171,6 +176,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         g_dfs = torch.zeros_like(p) if g_dfs is None else g_dfs
         grad_errs.append(_rel(g_dfs, g_ref, g_floor))
     grad_err = worst(grad_errs)
+    frozen_with_grad = sum(p.grad is not None for m in (dfs_model, ref_model)
+                           for p in m.parameters() if not p.requires_grad)
     if adam_eps is None:
         adam_eps = 1e-8 if is_f64 else 1e-5
     (p_dfs, d_dfs), (p_ref, d_ref) = (_adamw_step(m, lr, adam_eps) for m in (dfs_model, ref_model))
@@ -191,7 +198,9 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         update_rel_err=upd_err,
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
         tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps,
-        logprobs_sequences=int(sum(walked)))
+        logprobs_sequences=int(sum(walked)),
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        frozen_with_grad=int(frozen_with_grad))
 
 
 def _lp_err(a: torch.Tensor, b: torch.Tensor) -> float:
