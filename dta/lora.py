@@ -18,8 +18,8 @@ are differentiated by autograd inside the decoder. Two things need this module:
                            h Wᵀ + b + Σ scale · (h Aᵀ) Bᵀ, differentiated by hand in
                            ``dta/head.py`` like the base head.
 
-``apply_lora`` wraps a model for ``dta train`` / ``dta verify`` (peft imported on use only: it
-is the optional ``lora`` extra).
+``apply_lora`` wraps a model for ``dta train`` / ``dta verify``; ``save_adapter`` exports it
+(peft imported on use only: it is the optional ``lora`` extra).
 """
 from __future__ import annotations
 
@@ -129,3 +129,26 @@ def apply_lora(model, *, r: int, alpha: float, target_modules, dropout: float = 
         return get_peft_model(model, config)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise LoraError(f"model.lora.target_modules={targets}: {str(e).splitlines()[0]}") from None
+
+
+def trained_state(model) -> dict:
+    """The tensors a checkpoint holds: every tensor of a plain model; a LoRA model's trained
+    (adapter) parameters only -- its base weights come from the base model."""
+    state = model.state_dict()
+    if not is_peft_model(model):
+        return state
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trained}
+
+
+def save_adapter(model, path: str, *, merged: bool = False) -> None:
+    """A LoRA model as peft writes it (``adapter_model.safetensors`` + ``adapter_config.json``,
+    loadable by ``PeftModel.from_pretrained``), or with ``merged`` the base model with the
+    adapters merged into its weights (``save_pretrained`` of ``merge_and_unload``); the model
+    itself is not changed."""
+    import copy
+
+    if not merged:
+        model.save_pretrained(path)
+        return
+    copy.deepcopy(model).merge_and_unload().save_pretrained(path)

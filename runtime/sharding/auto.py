@@ -28,7 +28,9 @@ def resolve(cfg, hf_config, tree=None) -> tuple[str, dict]:
     budget = cfg.train.memory_budget_gib
     budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
     path, call = batch_extent(tree) if tree is not None else (0, 0)
-    mode, rows = pick_mode(hf_config, W, budget, modes=MODES, path_tokens=path,
+    # LoRA: replicate or zero1 (dta.config refuses fsdp with adapters)
+    modes = MODES if not int(cfg.model.lora.r) else tuple(m for m in MODES if m != "fsdp")
+    mode, rows = pick_mode(hf_config, W, budget, modes=modes, path_tokens=path,
                            call_tokens=call, policy=str(cfg.walker.policy),
                            compute_dtype=str(cfg.model.dtype),
                            logits_chunk=int(cfg.walker.logits_chunk))
