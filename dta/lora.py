@@ -115,7 +115,8 @@ def apply_lora(model, *, r: int, alpha: float, target_modules, dropout: float = 
                         "differs between DFS and per-sequence training)")
     if int(r) <= 0:
         raise LoraError(f"model.lora.r={r}: the rank must be a positive integer")
-    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+    targets = target_modules if target_modules == "all-linear" else \
+        [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
     if not targets:
         raise LoraError("model.lora.target_modules is empty: name the linear layers to adapt "
                         "(e.g. [q_proj, v_proj])")

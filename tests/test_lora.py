@@ -171,3 +171,17 @@ def test_plain_model_unchanged_by_the_state_fact():
     model = build_model("llama", "tiny", dtype="float32", seed=0)
     assert all(f == (True, True) for f in ModelInterface(model).state_needs_grad())
     assert all(p.grad is None for p in model.parameters())  # the probe trains nothing
+
+
+def test_cli_verify_lora(capsys):
+    import json
+
+    from dta_cli.main import main
+
+    code = main(["verify", "--family", "qwen3", "--dtype", "float64", "--lora", "2",
+                 "--lora-targets", "k_proj,up_proj,lm_head", "--rslora", "--max-sequences", "6",
+                 "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["passed"] and report["max_rel_err"] <= 1e-10
+    assert report["lora_r"] == 2 and report["frozen_with_grad"] == 0
+    assert 0 < report["trainable_parameters"] < report["parameters"] / 4
