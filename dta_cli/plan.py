@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="compute dtype (fp32 masters under 16 bits; default: bfloat16)")
     mem.add_argument("--policy", default="recompute", choices=("retain", "recompute"),
                      help="walker memory policy priced (default: recompute)")
+    mem.add_argument("--lora-r", type=int, default=0, metavar="R",
+                     help="price a LoRA run: rank-R adapters, the base frozen (replicate and "
+                          "zero1; grads and optimizer count the adapters only)")
+    mem.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                     help="adapted modules for --lora-r (default: q_proj,k_proj,v_proj,o_proj)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 
@@ -109,8 +114,16 @@ def _memory(args, tree) -> dict:
     config = _memory_config(args.model)
     path, node = batch_extent(tree)
     call = min(args.capacity, path) if args.capacity else node
+    modes = MODES if not args.lora_r else tuple(m for m in MODES if m != "fsdp")
     rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
-                     policy=args.policy, compute_dtype=args.compute_dtype) for m in MODES]
+                     policy=args.policy, compute_dtype=args.compute_dtype) for m in modes]
+    adapters = 0
+    if args.lora_r:
+        from dta.planning.memory import lora_params, with_lora
+
+        adapters = lora_params(config, args.lora_r, [t.strip() for t in
+                                                     args.lora_targets.split(",") if t.strip()])
+        rows = [with_lora(r, config, adapters, compute_dtype=args.compute_dtype) for r in rows]
     budget = None if args.budget_gib is None else args.budget_gib * GIB
     chosen = next((r.mode for r in rows if budget is not None and r.total <= budget), None)
     shape = ModelShape.of(config)
@@ -125,7 +138,11 @@ def _memory(args, tree) -> dict:
     if budget is not None:
         print(f"  budget {args.budget_gib:g} GiB: " + (f"sharding={chosen}" if chosen else
                                                       "no mode fits"))
-    return {"model": args.model, "params": shape.params, "path_tokens": path,
+    if args.lora_r:
+        print(f"  LoRA r={args.lora_r} on {args.lora_targets}: {adapters:,} adapter parameters "
+              "(grads and optimizer state; the base is frozen)")
+    return {"model": args.model, "params": shape.params, "lora_params": adapters,
+            "path_tokens": path,
             "call_tokens": call, "compute_dtype": args.compute_dtype, "policy": args.policy,
             "budget_bytes": budget, "chosen": chosen, "modes": [r.as_dict() for r in rows]}
 

@@ -177,3 +177,28 @@ def test_zero1_lora_equals_one_process():
     sb = two[0]["state_bytes"]
     adapter_bytes = sum(one["state"][k].numel() * 4 for k in adapters)
     assert sb["optimizer"] <= 2 * adapter_bytes // 2 + 4 * len(adapters) + 64  # half: sharded
+
+
+def test_memory_model_prices_the_adapters():
+    """dta.planning.memory.lora_params counts what peft adds; with_lora keeps the frozen base
+    as params and prices grads/optimizer for the adapters only."""
+    from dta.lora import apply_lora
+    from dta.models import build_model
+    from dta.planning.memory import estimate, lora_params, with_lora
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "lm_head"]
+    model = build_model("qwen3", "tiny", dtype="float32", seed=0)
+    config = model.config
+    n_base = sum(p.numel() for p in model.parameters())
+    pm = apply_lora(model, r=4, alpha=8, target_modules=targets)
+    adapters = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    assert lora_params(config, 4, targets) == adapters
+    full = estimate(config, 1, "replicate", path_tokens=64, call_tokens=16,
+                    compute_dtype="float32")
+    lora = with_lora(full, config, adapters, compute_dtype="float32")
+    assert lora.grads == 4 * adapters and lora.optimizer == 8 * adapters
+    assert full.grads == 4 * (full.params // 4)  # the full run: every weight's gradient
+    assert lora.params >= 4 * n_base and lora.state < full.state
+    with pytest.raises(ValueError, match="fsdp is not offered with LoRA"):
+        with_lora(estimate(config, 2, "fsdp", path_tokens=64, call_tokens=16), config, adapters)

@@ -174,3 +174,53 @@ def batch_extent(tree) -> tuple[int, int]:
     lengths = np.asarray([len(s) for s in tree.sequences])
     nodes = [tree.length(u) for u in range(1, len(tree))]
     return int(lengths.max()) if len(lengths) else 0, int(max(nodes)) if nodes else 0
+
+
+# ---------------------------------------------------------------------------- LoRA --
+_LORA_SHAPES = {  # module -> (in, out) of its weight, by the shape's sizes
+    "q_proj": lambda s: (s.hidden, s.heads * s.head_dim),
+    "k_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
+    "v_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
+    "o_proj": lambda s: (s.heads * s.head_dim, s.hidden),
+    "gate_proj": lambda s: (s.hidden, s.intermediate),
+    "up_proj": lambda s: (s.hidden, s.intermediate),
+    "down_proj": lambda s: (s.intermediate, s.hidden),
+}
+
+
+def lora_params(config, r: int, targets) -> int:
+    """Adapter parameters of rank-``r`` LoRA on ``targets`` (module names of a Llama/Qwen
+    layer, or ``lm_head``): r (in + out) per adapted weight."""
+    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
+    total = 0
+    for name in targets:
+        if name == "lm_head":
+            total += int(r) * (shape.hidden + shape.vocab)
+        elif name in _LORA_SHAPES:
+            total += shape.layers * int(r) * sum(_LORA_SHAPES[name](shape))
+        else:
+            raise ValueError(f"LoRA target {name!r} is not priced; choose from "
+                             f"{', '.join(list(_LORA_SHAPES) + ['lm_head'])}")
+    return total
+
+
+def with_lora(est: MemoryEstimate, config, adapter_params: int, *,
+              compute_dtype: str = "bfloat16") -> MemoryEstimate:
+    """The estimate of a LoRA run in ``est``'s mode: the frozen base held whole in the compute
+    dtype (no master, gradient or optimizer state), the adapters priced as ``estimate`` prices
+    a model (replicate: all of them; zero1: fp32 masters and AdamW state sharded). fsdp is
+    not offered with LoRA (dta.config refuses it)."""
+    if est.mode == "fsdp":
+        raise ValueError("fsdp is not offered with LoRA; price replicate or zero1")
+    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
+    c = DTYPE_BYTES[compute_dtype]
+    m = max(c, 4)
+    A, W = int(adapter_params), est.world
+    if est.mode == "replicate":
+        params, grads, opt = A * c, A * c, 2 * A * c
+    else:
+        params = A * c + math.ceil(A / W) * m
+        grads = A * c + math.ceil(A / W) * m + W * min(BUCKET_ELEMS, math.ceil(A / W)) * m
+        opt = 2 * math.ceil(A / W) * m
+    return MemoryEstimate(est.mode, W, int(shape.params * c + params), int(grads), int(opt),
+                          est.activations)
