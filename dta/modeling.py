@@ -208,7 +208,9 @@ class ModelInterface:
         pending = list(self.embedding._pending)  # the probe's embedding leaf is not kept
         p = next(self.model.parameters())
         ids = torch.zeros(1, dtype=torch.long, device=p.device)
-        with torch.inference_mode(False), torch.enable_grad():
+        # grad mode for requires_grad to propagate, but nothing saved for a backward
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None):
             _, state = self.forward(ids, 0, [])
         self.embedding._pending = pending
         return [tuple(bool(t.requires_grad) for t in layer) for layer in state]

@@ -94,3 +94,35 @@ def test_lora_refusals(model_dir):
     cfg.peft_type = "ia3"
     with pytest.raises(NotImplementedError, match="LoRA adapters only"):
         DTATrainEngine(cfg)
+
+
+def test_ppo_trainer_with_lora_serves_the_adapters(tmp_path):
+    """AReaL's RL loop (DTAPPOTrainer, GRPO, the smoke inference engine) with use_lora: the
+    initial adapter is served, each step's adapter reaches the engine by disk, the served
+    model's adapters equal the trained ones, and the base stays as loaded (cast to the
+    smoke config's bf16 compute dtype)."""
+    from tests.test_areal_trainer import config, run
+    from runtime.areal.examples.tau2_grpo import make_smoke_model
+
+    model = make_smoke_model(str(tmp_path / "model"), vocab_size=256)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AREAL_SPMD_MODE", "1")
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+        mp.setenv(key, value)
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            out = run(config(tmp_path, model, "lora", "+actor.use_lora=true",
+                             "+actor.lora_rank=4", "+actor.lora_alpha=8",
+                             "+actor.target_modules=[q_proj,v_proj]", "+gconfig.lora_name=dta"))
+    finally:
+        mp.undo()
+    assert [u["version"] for u in out["updates"]] == [1, 2]
+    trained = {n: p for n, p in out["trained"].items() if "lora_" in n}
+    assert trained and all(torch.equal(out["served"][n], p) for n, p in trained.items())
+    base = {n: p for n, p in out["trained"].items() if "lora_" not in n}
+    from dta.models import load_model
+    fresh = dict(load_model(model, dtype="float32").named_parameters())
+    for n, p in base.items():
+        key = n.replace("base_model.model.", "").replace(".base_layer", "")
+        assert torch.equal(p, fresh[key].to(torch.bfloat16).float()), n  # bf16 compute
+    assert any(not torch.equal(a, b) for a, b in zip(out["before"], out["after"]))

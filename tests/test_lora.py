@@ -48,10 +48,10 @@ def lora_model(family: str, targets: list[str], *, rslora: bool = False, seed: i
     return peft.get_peft_model(model, config)
 
 
-def lora_batch(model, hard: int = 8) -> Batch:
+def lora_batch(model, hard: int = 8, depth: int = 12) -> Batch:
     from dta.train import forward_logprobs
 
-    seqs = deep_sequences() + hard_sequences(seed=3)[:hard]
+    seqs = deep_sequences(depth=depth) + hard_sequences(seed=3)[:hard]
     lp = forward_logprobs(model, Batch.from_records([{"input_ids": s} for s in seqs])).logprobs
     return Batch.from_records(make_records(seqs, prompt=3,
                                            old_logprobs=[x.double().numpy() for x in lp]))
@@ -65,7 +65,7 @@ CASES = {
     "gemma3-tied-lm_head": ("gemma3", ["lm_head", "v_proj"], "retain", "auto",
                             dict(overrides=dict(tie_word_embeddings=True), temperature=0.7)),
     "qwen3_5-hybrid": ("qwen3_5", ["in_proj_qkv", "out_proj", "q_proj", "down_proj"],
-                       "recompute", "node", dict(hard=0)),  # the deep tree (node by node)
+                       "recompute", "node", dict(hard=0, depth=6)),  # node by node: a shorter chain
     "qwen3_moe-experts-rslora": ("qwen3_moe", ["v_proj", "mlp.experts.gate_up_proj",
                                                "mlp.experts.down_proj"], "retain", "auto",
                                  dict(rslora=True)),
@@ -84,7 +84,7 @@ def _run(case, policy=None):
     family, targets, pol, packing, extra = CASES[case]
     model = lora_model(family, targets, rslora=extra.get("rslora", False),
                        **extra.get("overrides", {}))
-    batch = lora_batch(model, extra.get("hard", 8))
+    batch = lora_batch(model, extra.get("hard", 8), extra.get("depth", 12))
     report = verify(model, batch, LOSS, policy=policy or pol, packing=packing, logits_chunk=7,
                     temperature=extra.get("temperature", 1.0))
     _check(report, model)
