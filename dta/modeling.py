@@ -37,6 +37,7 @@ a plain detached tensor for the descendants -- no leaf, no gradient, no backward
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,9 @@ def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
     return layer.keys[:, :, start:], layer.values[:, :, start:]
 
 
+_STATE_TENSORS = {"attention": 2, recurrent.RECURRENT: 2}  # (K, V); (conv, recurrent)
+_NEEDS_GRAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (pattern, flags)
+
 # kind -> (path states -> cache data, (cache layer, start, end, where) -> node state);
 # "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the parent's
 # final state (dta/recurrent.py)
@@ -185,7 +189,6 @@ class ModelInterface:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.layer_kinds = (recurrent.layer_kinds(model.config) if recurrent.is_hybrid(model)
                             else ["attention"] * _num_layers(model.config))
-        self._needs_grad: tuple | None = None  # (requires_grad pattern, flags)
 
     # ------------------------------------------------------------ trainable states --
     def state_needs_grad(self) -> list[tuple]:
@@ -195,14 +198,20 @@ class ModelInterface:
         the residual stream carries it into every tensor of the layer, whatever a router
         picks), or where a one-token probe forward with grad says the layer's own state
         depends on its own trainable weights (adapters on ``k_proj`` / ``v_proj``, on a
-        recurrent layer's projections). Cached until a parameter's ``requires_grad`` changes."""
+        recurrent layer's projections). A trainable embedding puts everything below every
+        layer: no probe (full training, every sharded layout). Cached per model until a
+        parameter's ``requires_grad`` changes."""
         pattern = tuple(p.requires_grad for p in self.model.parameters())
-        if self._needs_grad is None or self._needs_grad[0] != pattern:
+        cached = _NEEDS_GRAD.get(self.model)
+        if cached is None or cached[0] != pattern:
             below = _trainable_below(self.decoder, len(self.layer_kinds))
-            probe = self._probe_state_grad()
-            flags = [tuple(b or x for x in layer) for b, layer in zip(below, probe)]
-            self._needs_grad = (pattern, flags)
-        return self._needs_grad[1]
+            if all(below):  # a trainable embedding (full training): every state, no probe
+                flags = [(True,) * _STATE_TENSORS[kind] for kind in self.layer_kinds]
+            else:
+                probe = self._probe_state_grad()
+                flags = [tuple(b or x for x in layer) for b, layer in zip(below, probe)]
+            cached = _NEEDS_GRAD[self.model] = (pattern, flags)
+        return cached[1]
 
     def _probe_state_grad(self) -> list[tuple]:
         pending = list(self.embedding._pending)  # the probe's embedding leaf is not kept
