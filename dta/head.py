@@ -132,10 +132,11 @@ class LMHead:
                 g = self.transform.backward_(g, cap_tanh).to(h.dtype)
                 dh = g @ self.weight
                 for a, b, scale in self.adapters:  # LoRA head: z += scale (h Aᵀ) Bᵀ
-                    gb = g @ b  # [rows, r]
-                    dh.addmm_(gb, a, alpha=scale)
-                    _add_grad(b, (g.t() @ (h @ a.t())).mul_(scale))
-                    _add_grad(a, (gb.t() @ h).mul_(scale))
+                    ga, ha = g.to(a.dtype), h.to(a.dtype)  # peft: adapters in their own dtype
+                    gb = ga @ b  # [rows, r]
+                    dh.add_((gb @ a).mul_(scale).to(dh.dtype))
+                    _add_grad(b, (ga.t() @ (ha @ a.t())).mul_(scale))
+                    _add_grad(a, (gb.t() @ ha).mul_(scale))
                 dhidden.index_add_(0, r_u, dh)
                 self._add_head_grad(h, g)
                 if in_ws:  # g lives in the workspace, which the next chunk overwrites
@@ -158,8 +159,8 @@ class LMHead:
     def _logits(self, h: torch.Tensor):
         """h Wᵀ + b (+ the LoRA terms), and whether it was written into the reused workspace."""
         z, in_ws = self._base_logits(h)
-        for a, b, scale in self.adapters:
-            z.addmm_(h @ a.t(), b.t(), alpha=scale)
+        for a, b, scale in self.adapters:  # in the adapters' dtype (as peft), added in z's
+            z.add_(((h.to(a.dtype) @ a.t()) @ b.t()).mul_(scale).to(z.dtype))
         return z, in_ws
 
     def _base_logits(self, h: torch.Tensor):
