@@ -126,3 +126,18 @@ def test_ppo_trainer_with_lora_serves_the_adapters(tmp_path):
         key = n.replace("base_model.model.", "").replace(".base_layer", "")
         assert torch.equal(p, fresh[key].to(torch.bfloat16).float()), n  # bf16 compute
     assert any(not torch.equal(a, b) for a, b in zip(out["before"], out["after"]))
+
+
+def test_dta_config_maps_lora_onto_the_actor():
+    from dta.config import load_config
+    from runtime.areal.config import actor_config_from_dta
+
+    cfg, _ = actor_config_from_dta(load_config(None, [
+        "model.path=/nonexistent", "model.lora.r=8", "model.lora.alpha=4",
+        "model.lora.target_modules=[q_proj,down_proj]"]))
+    assert (cfg.use_lora, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules) == \
+        (True, 8, 4.0, ["q_proj", "down_proj"])
+    assert not actor_config_from_dta(load_config(None, ["model.path=/x"]))[0].use_lora
+    with pytest.raises(ValueError, match="model.lora.rslora"):
+        actor_config_from_dta(load_config(None, ["model.path=/x", "model.lora.r=2",
+                                                 "model.lora.rslora=true"]))
