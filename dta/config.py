@@ -35,6 +35,18 @@ class ConfigError(ValueError):
 
 # -------------------------------------------------------------------------- sections --
 @dataclass
+class LoraKeys:
+    """LoRA adapters (peft, the optional ``lora`` extra): r = 0 trains the whole model."""
+
+    r: int = 0  # adapter rank; > 0 freezes the base and trains the adapters only
+    alpha: float = 16.0  # scale alpha / r (alpha / sqrt(r) with rslora)
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                               "o_proj"])
+    dropout: float = 0.0  # only 0: a dropout mask differs between DFS and per-sequence training
+    rslora: bool = False
+
+
+@dataclass
 class ModelConfig:
     family: str = "qwen3"  # llama | qwen2 | qwen3 (random init from `size`)
     size: str = "tiny"  # tiny | small | qwen3-0.6b | qwen3-1.7b
@@ -42,6 +54,7 @@ class ModelConfig:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     seed: int = 0  # every worker builds its replica with this seed: identical weights
+    lora: LoraKeys = field(default_factory=LoraKeys)
 
 
 @dataclass
@@ -98,6 +111,8 @@ class TrainConfig:
     skip_nonfinite: bool = False  # a non-finite gradient skips the update: go on (else: error)
     log_dir: Optional[str] = None  # per-step metrics.jsonl/.csv; default: checkpoint_dir
     export_hf: Optional[str] = None  # save_pretrained the trained model here at the end
+    # with model.lora.r > 0: export_hf holds the adapter (PEFT format); true: merged weights
+    export_merged: bool = False
     # How the workers hold the model: replicate (full replicas, gradient all-reduce) | zero1
     # (fp32 masters + optimizer state sharded, one reduce-scatter per step) | fsdp (FSDP2:
     # parameters sharded too, gathered per call) | auto (the cheapest that fits
@@ -302,6 +317,8 @@ _RANGES: dict[str, tuple] = {
     "actor.gae_lambda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "actor.reward_clip": (lambda v: v > 0, "> 0"),
     "actor.kl_ctl": (lambda v: v >= 0, ">= 0"),
+    "model.lora.r": (lambda v: v >= 0, ">= 0 (0: no LoRA)"),
+    "model.lora.alpha": (lambda v: v > 0, "> 0"),
     "train.steps": (lambda v: v >= 1, ">= 1"),
     "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
     "train.keep_last": (lambda v: v >= 0, ">= 0 (0: keep all)"),
@@ -361,6 +378,10 @@ def validate_config(cfg) -> None:
     if block != "auto" and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
         raise ConfigError(f"bad value for config key 'walker.block_tokens': {block!r} must be "
                           "auto, 0 (no cut) or a positive number of tokens")
+    if _get(cfg, "model.lora.r") and _get(cfg, "train.sharding") == "fsdp":
+        raise ConfigError("bad value for config key 'train.sharding': fsdp with LoRA "
+                          "(model.lora.r > 0) is not supported; use replicate or zero1 (the "
+                          "adapters' gradients and optimizer state are small)")
     address = _get(cfg, "ray.address")
     if address is not None and not str(address).strip():
         raise ConfigError("bad value for config key 'ray.address': empty (use null for a "

@@ -21,7 +21,11 @@ KEY_USE: dict[str, str] = {
     "model.size": "builds the random-init model (superseded by model.path)",
     "model.path": "loads a local HF model",
     "model.dtype": "model dtype", "model.attn_implementation": "HF attention kernel",
-    "model.seed": "random init", "workload.name": "batch generator (without workload.path)",
+    "model.seed": "random init", "model.lora.r": "LoRA rank (0: full model)",
+    "model.lora.alpha": "LoRA scale", "model.lora.target_modules": "LoRA targets",
+    "model.lora.rslora": "rsLoRA scale alpha / sqrt(r)",
+    "train.export_merged": "export_hf writes merged weights (LoRA)",
+    "workload.name": "batch generator (without workload.path)",
     "workload.scale": "batch generator", "workload.seed": "batch generator (seed + step)",
     "workload.path": "JSONL batches", "workload.vocab_size": "generated token ids",
     "workload.sequences_per_step": "JSONL: sequences per step",
@@ -71,6 +75,8 @@ NOT_IN_DTA_TRAIN: dict[str, tuple[Any, str]] = {
     "actor.gae_lambda": (1.0, "dta train broadcasts outcome rewards to every trained token "
                               "(discount = gae_lambda = 1)"),
     "actor.mask_no_eos_with_zero": (False, "the records carry no end-of-sequence flag"),
+    "model.lora.dropout": (0.0, "a LoRA dropout mask differs between DFS and per-sequence "
+                                "training (DTA trains exactly or not at all)"),
     "stream.target_sequences": (0, "dta train takes its batches from workload.*; stream.* "
                                    "configures Trainer.train_stream (Python API)"),
     "stream.target_tokens": (0, "dta train takes its batches from workload.*; stream.* "
@@ -104,6 +110,12 @@ def check_dta_train(cfg) -> None:
         for key in ("optimizer.betas", "optimizer.eps"):
             if changed(key):
                 raise ConfigError(f"config key '{key}' has no effect with optimizer.name=sgd")
+    if not _get(cfg, "model.lora.r"):
+        for key in ("model.lora.alpha", "model.lora.target_modules", "model.lora.rslora",
+                    "train.export_merged"):
+            if changed(key):
+                raise ConfigError(f"config key '{key}' has no effect without LoRA (set "
+                                  "model.lora.r > 0)")
     if _get(cfg, "workload.path"):
         for key in ("workload.name", "workload.scale", "workload.seed", "workload.vocab_size"):
             if changed(key):

@@ -43,7 +43,9 @@ class HeadOutput:
 
 class LMHead:
     def __init__(self, model, *, temperature: float, chunk: int):
-        head = model.get_output_embeddings()
+        from dta.lora import head_adapters
+
+        head, self.adapters = head_adapters(model.get_output_embeddings())  # LoRA: (A, B, s)
         if not isinstance(head, torch.nn.Linear):
             raise TypeError(f"the walker needs a linear LM head, got {type(head).__name__}")
         self.weight, self.bias = head.weight, head.bias
@@ -128,7 +130,14 @@ class LMHead:
                         g.sub_(ent_term)
                 g.index_put_((u_of, t), ga, accumulate=True)
                 g = self.transform.backward_(g, cap_tanh).to(h.dtype)
-                dhidden.index_add_(0, r_u, g @ self.weight)
+                dh = g @ self.weight
+                for a, b, scale in self.adapters:  # LoRA head: z += scale (h Aᵀ) Bᵀ
+                    ga, ha = g.to(a.dtype), h.to(a.dtype)  # peft: adapters in their own dtype
+                    gb = ga @ b  # [rows, r]
+                    dh.add_((gb @ a).mul_(scale).to(dh.dtype))
+                    _add_grad(b, (ga.t() @ (ha @ a.t())).mul_(scale))
+                    _add_grad(a, (gb.t() @ ha).mul_(scale))
+                dhidden.index_add_(0, r_u, dh)
                 self._add_head_grad(h, g)
                 if in_ws:  # g lives in the workspace, which the next chunk overwrites
                     self._flush_head()
@@ -148,7 +157,13 @@ class LMHead:
             self._flush_head()
 
     def _logits(self, h: torch.Tensor):
-        """h Wᵀ + b, and whether it was written into the reused workspace."""
+        """h Wᵀ + b (+ the LoRA terms), and whether it was written into the reused workspace."""
+        z, in_ws = self._base_logits(h)
+        for a, b, scale in self.adapters:  # in the adapters' dtype (as peft), added in z's
+            z.add_(((h.to(a.dtype) @ a.t()) @ b.t()).mul_(scale).to(z.dtype))
+        return z, in_ws
+
+    def _base_logits(self, h: torch.Tensor):
         if not self._reuse:
             return torch.nn.functional.linear(h, self.weight, self.bias), False
         n, vocab = len(h), self.weight.shape[0]
@@ -183,6 +198,16 @@ class LMHead:
             if self.bias.grad is None:
                 self.bias.grad = torch.zeros_like(self.bias)
             self.bias.grad.add_(g.sum(0))
+
+
+def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """p.grad += g for a trainable p (a frozen one gets no gradient)."""
+    if not p.requires_grad:
+        return
+    if p.grad is None:
+        p.grad = g.contiguous()
+    else:
+        p.grad.add_(g)
 
 
 def _unique_sorted(r: torch.Tensor):

@@ -26,12 +26,18 @@ for an attention layer the tuple is (keys, values) of the node's own positions, 
 are combined along a path into a cache layer and read back after a forward is one entry in
 ``_KINDS``, so a recurrent kind (a convolution and a recurrent state that a child continues
 from its parent's last value) is one more entry, not a change to the walk. The walker
-treats state tensors opaquely: it detaches them into leaves for the descendants and pairs
-their ``.grad`` with the graph outputs at backward.
+treats state tensors opaquely: it detaches them into leaves for the descendants
+(``state_leaves``) and pairs their ``.grad`` with the graph outputs at backward.
+
+Which state tensors need a gradient is a model fact too (``state_needs_grad``). With a frozen
+base and adapters on some linear layers (LoRA), a layer's keys may not depend on any trainable
+weight (no adapter on ``k_proj`` and nothing trainable below the layer): such a tensor becomes
+a plain detached tensor for the descendants -- no leaf, no gradient, no backward through it.
 """
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,6 +181,9 @@ def _attention_through(state: tuple, layout, local: int, rows: np.ndarray) -> tu
     return (k.index_select(2, idx), v.index_select(2, idx)), False
 
 
+_STATE_TENSORS = {"attention": 2, recurrent.RECURRENT: 2}  # (K, V); (conv, recurrent)
+_NEEDS_GRAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (pattern, flags)
+
 # kind -> (path states -> cache data, (cache layer, start, end, where) -> node state,
 #          (pack state, layout, local node, path rows) -> (the piece a pack below reads, reusable));
 # "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the final state
@@ -240,6 +249,46 @@ class ModelInterface:
             raise ModelInterfaceError(f"{self.name}: no attention layer to count positions")
         return int(piece[self._attention_layer][0].shape[2])
 
+    # ------------------------------------------------------------ trainable states --
+    def state_needs_grad(self) -> list[tuple]:
+        """Per layer, per state tensor: whether it can depend on a trainable parameter.
+
+        True where anything trainable lies below the layer (the embedding, an earlier layer:
+        the residual stream carries it into every tensor of the layer, whatever a router
+        picks), or where a one-token probe forward with grad says the layer's own state
+        depends on its own trainable weights (adapters on ``k_proj`` / ``v_proj``, on a
+        recurrent layer's projections). A trainable embedding puts everything below every
+        layer: no probe (full training, every sharded layout). Cached per model until a
+        parameter's ``requires_grad`` changes."""
+        pattern = tuple(p.requires_grad for p in self.model.parameters())
+        cached = _NEEDS_GRAD.get(self.model)
+        if cached is None or cached[0] != pattern:
+            below = _trainable_below(self.decoder, len(self.layer_kinds))
+            if all(below):  # a trainable embedding (full training): every state, no probe
+                flags = [(True,) * _STATE_TENSORS[kind] for kind in self.layer_kinds]
+            else:
+                probe = self._probe_state_grad()
+                flags = [tuple(b or x for x in layer) for b, layer in zip(below, probe)]
+            cached = _NEEDS_GRAD[self.model] = (pattern, flags)
+        return cached[1]
+
+    def _probe_state_grad(self) -> list[tuple]:
+        pending = list(self.embedding._pending)  # the probe's embedding leaf is not kept
+        p = next(self.model.parameters())
+        ids = torch.zeros(1, dtype=torch.long, device=p.device)
+        # grad mode for requires_grad to propagate, but nothing saved for a backward
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None):
+            _, state = self.forward(ids, 0, [])
+        self.embedding._pending = pending
+        return [tuple(bool(t.requires_grad) for t in layer) for layer in state]
+
+    def state_leaves(self, state: NodeState) -> NodeState:
+        """The node's state as its descendants read it: detached, and an autograd leaf (its
+        ``.grad`` collects their gradient) only where it can depend on a trainable weight."""
+        return [tuple(x.detach().requires_grad_(need) for x, need in zip(layer, needs))
+                for layer, needs in zip(state, self.state_needs_grad())]
+
     # ------------------------------------------------------------------ forward --
     def embed(self, ids: torch.Tensor) -> dict:
         return self.embedding.inputs(ids)
@@ -281,6 +330,22 @@ class ModelInterface:
                            **{self.cache_kwarg: cache})
         cache = getattr(out, "cache", None) or out.past_key_values
         return out.last_hidden_state[0], self.node_state(cache, start, end)
+
+
+def _trainable_below(decoder, n_layers: int) -> list[bool]:
+    """Per layer: whether a trainable parameter feeds its input (anything outside the layer
+    stack counts as below it; a stack that cannot be found makes every layer True)."""
+    stack = next((m for m in decoder.children()
+                  if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers), None)
+    if stack is None:
+        return [any(p.requires_grad for p in decoder.parameters())] * n_layers
+    inside = {id(p) for p in stack.parameters()}
+    outside = any(p.requires_grad for p in decoder.parameters() if id(p) not in inside)
+    below, seen = [], outside
+    for layer in stack:
+        below.append(seen)
+        seen = seen or any(p.requires_grad for p in layer.parameters())
+    return below
 
 
 def _num_layers(config) -> int:

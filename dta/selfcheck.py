@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dta.lora import base_model_class, is_peft_model
 from dta.modeling import ModelInterface, ModelInterfaceError
 
 # Relative error allowed per part, by dtype. Loose enough for rounding (float64 models whose
@@ -81,8 +82,10 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
     t0 = time.perf_counter()
     p0 = next(model.parameters())
     tol = TOLERANCE.get(p0.dtype, 1e-3)
-    report = SelfCheckReport(type(model).__name__, str(p0.dtype).replace("torch.", ""), tol,
-                             tested_class=type(model).__name__ in TESTED_MODEL_CLASSES)
+    name = base_model_class(model)  # a PEFT model: the wrapped model's class
+    report = SelfCheckReport(name + (" (LoRA)" if is_peft_model(model) else ""),
+                             str(p0.dtype).replace("torch.", ""), tol,
+                             tested_class=name in TESTED_MODEL_CLASSES)
     seqs = _probe(model)
     report.probe_tokens = sum(len(s) for s in seqs)
     was_training = model.training
@@ -139,6 +142,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 def _compare(model, seqs, report: SelfCheckReport) -> None:
     from dta.batch import Batch
+    from dta.head import LMHead
     from dta.losses import TokenLoss
     from dta.objective import Objective
     from dta.reference import unpacked_gradients
@@ -146,7 +150,7 @@ def _compare(model, seqs, report: SelfCheckReport) -> None:
     from dta.walk import Walker
 
     io = ModelInterface(model)
-    head = model.get_output_embeddings()
+    head = LMHead(model, temperature=1.0, chunk=len(seqs[0]))  # the walker's (LoRA: + adapters)
     device = next(model.parameters()).device
     full = torch.as_tensor(seqs[0], device=device)
     prefix = int(np.argmax(seqs[0][: len(seqs[1])] != seqs[1]))
@@ -155,9 +159,9 @@ def _compare(model, seqs, report: SelfCheckReport) -> None:
     with torch.no_grad():
         # head: the walker's transform on the model's own hidden states vs the model's logits
         h_full = io.decoder(input_ids=full[None]).last_hidden_state[0]
-        z, _ = LogitTransform.from_model(model).apply(torch.nn.functional.linear(
-            h_full, head.weight, head.bias).float() if h_full.dtype in (torch.float16, torch.bfloat16)
-            else torch.nn.functional.linear(h_full, head.weight, head.bias))
+        z_raw, _ = head._logits(h_full)
+        z_raw = z_raw.float() if z_raw.dtype in (torch.float16, torch.bfloat16) else z_raw
+        z, _ = LogitTransform.from_model(model).apply(z_raw)
         logits = model(input_ids=full[None]).logits[0]
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         report.errors["head (logit transform)"] = _rel(torch.log_softmax(z, -1),
@@ -188,6 +192,7 @@ def _compare(model, seqs, report: SelfCheckReport) -> None:
     ref = [p.grad for _, p in named]
     whole = sum(float(g.double().norm()) ** 2 for g in ref if g is not None) ** 0.5
     emb, out = model.get_input_embeddings().weight, head.weight
+    head_params = {id(t) for a, b, _ in head.adapters for t in (a, b)}  # a LoRA head
     parts = {"embedding gradient": [], "LM head gradient (hand-derived)": [], "body gradients": []}
     for (name, p), gw, gr in zip(named, walk, ref):
         if gw is None and gr is None:
@@ -195,7 +200,7 @@ def _compare(model, seqs, report: SelfCheckReport) -> None:
         gw = torch.zeros_like(p) if gw is None else gw
         gr = torch.zeros_like(p) if gr is None else gr
         key = ("embedding gradient" if p is emb else "LM head gradient (hand-derived)"
-               if p is out or p is head.bias else "body gradients")
+               if p is out or p is head.bias or id(p) in head_params else "body gradients")
         parts[key].append(_rel(gw, gr, GRAD_FLOOR * whole))
     if emb is out:
         parts["tied embedding/LM head gradient"] = parts.pop("embedding gradient") + \

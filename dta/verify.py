@@ -73,6 +73,8 @@ class VerifyReport:
     pack_tokens: int = 0
     packs: int = 0  # packs (decoder calls) of the training walk
     nodes: int = 0  # tree nodes walked
+    trainable_parameters: int = 0  # LoRA: the adapters' (every parameter without)
+    frozen_with_grad: int = 0  # frozen tensors that got a gradient on either side (must be 0)
 
     def max_rel_err(self) -> float:
         """The figure held to the tolerance: everything in float64; outside float64 the
@@ -84,7 +86,7 @@ class VerifyReport:
     def passed(self, tolerance: float) -> bool:
         """Every error finite and within ``tolerance``."""
         err = self.max_rel_err()
-        return math.isfinite(err) and err <= tolerance
+        return math.isfinite(err) and err <= tolerance and self.frozen_with_grad == 0
 
     def as_dict(self) -> dict:
         return {**asdict(self), "max_rel_err": self.max_rel_err()}
@@ -141,7 +143,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     With `progress`, a bar per side counts the tokens trained. packing / pack_tokens: the DFS
     side's pack policy and cap (``dta.planning.packs``; default: the cost model's plan);
     walk_kw: the walker's other options (``block_tokens``, ...; :class:`dta.walk.Walker`),
-    used by the training and the forward-only walks."""
+    used by the training and the forward-only walks. Frozen parameters (a LoRA model's
+    base) must end without a gradient on both sides."""
     from dta.planning.packs import DEFAULT_CAP
 
     walk_kw = dict(walk_kw, packing=packing, pack_tokens=int(pack_tokens or DEFAULT_CAP))
@@ -183,6 +186,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         g_dfs = torch.zeros_like(p) if g_dfs is None else g_dfs
         grad_errs.append(_rel(g_dfs, g_ref, g_floor))
     grad_err = worst(grad_errs)
+    frozen_with_grad = sum(p.grad is not None for m in (dfs_model, ref_model)
+                           for p in m.parameters() if not p.requires_grad)
     if adam_eps is None:
         adam_eps = 1e-8 if is_f64 else 1e-5
     (p_dfs, d_dfs), (p_ref, d_ref) = (_adamw_step(m, lr, adam_eps) for m in (dfs_model, ref_model))
@@ -204,7 +209,9 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
         tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps,
         logprobs_sequences=int(sum(walked)), packing=packing, pack_tokens=walk_kw["pack_tokens"],
-        packs=dfs.walk.packs, nodes=dfs.walk.nodes)
+        packs=dfs.walk.packs, nodes=dfs.walk.nodes,
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        frozen_with_grad=int(frozen_with_grad))
 
 
 def _lp_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -46,6 +46,7 @@ import torch
 
 from dta.attention import native_gqa
 from dta.head import HeadQueue, LMHead
+from dta.lora import check_peft_model
 from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective
 from dta.packmask import mask_support, pack_mask
@@ -121,6 +122,7 @@ class Walker:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         check_router_aux_loss(model, "exclude")  # validates the option's value only
+        check_peft_model(model)  # LoRA only, no dropout (dta/lora.py)
         self.model, self.policy, self.router_aux_loss = model, policy, router_aux_loss
         self.io = ModelInterface(model)
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
@@ -238,8 +240,11 @@ class Walker:
             return out.dhidden
 
         def backward(outs, grads):
-            if outs:
-                torch.autograd.backward(outs, grads)
+            # an output nothing trainable reached this time (a frozen base, an expert's
+            # adapter no token was routed to) has no gradient to pass on
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward(*map(list, zip(*pairs)))
                 res.backward_calls += 1
             self.io.collect_embedding_grads()
 
@@ -277,7 +282,7 @@ class Walker:
                         or sum(w[2] for w in waiting) >= max(self.head_rows, 1):
                     flush()
                 return
-            leaves = [tuple(x.detach().requires_grad_() for x in layer) for layer in state]
+            leaves = self.io.state_leaves(state)  # leaves where a gradient can flow
             graph = (hidden, state) if self.policy == "retain" else None
             path.append(Frame(i, layout, leaves, job, graph))
             res.max_path = max(res.max_path, len(path))

@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--headroom", type=float, default=None, metavar="F",
                      help="share of --budget-gib left free for the CUDA context, allocator "
                           "fragmentation and communication buffers (default: 0.1)")
+    mem.add_argument("--lora-r", type=int, default=0, metavar="R",
+                     help="price a LoRA run: rank-R adapters, the base frozen (replicate and "
+                          "zero1; grads and optimizer count the adapters only)")
+    mem.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                     help="adapted modules for --lora-r (default: q_proj,k_proj,v_proj,o_proj)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 
@@ -120,6 +125,13 @@ def _memory(args, tree) -> dict:
     config = _memory_config(args.model)
     path, node = batch_extent(tree)
     call = min(args.capacity, path) if args.capacity else node
+    adapters = 0
+    if args.lora_r:
+        from dta.planning.memory import lora_params
+
+        adapters = lora_params(config, args.lora_r, [t.strip() for t in
+                                                     args.lora_targets.split(",") if t.strip()])
+    modes = MODES if not adapters else tuple(m for m in MODES if m != "fsdp")
     budget = None if args.budget_gib is None else args.budget_gib * GIB
     if args.block_tokens is not None and args.block_tokens < 0:
         raise ValueError(f"--block-tokens must be >= 0 (0: no cut), got {args.block_tokens}")
@@ -127,16 +139,16 @@ def _memory(args, tree) -> dict:
     blocks = BLOCKS if args.block_tokens is None else (args.block_tokens or None,)
     plan = plan_memory(config, args.workers, float("inf") if budget is None else budget,
                        path_tokens=path, call_tokens=call, policies=policies, blocks=blocks,
-                       compute_dtype=args.compute_dtype,
+                       compute_dtype=args.compute_dtype, adapter_params=adapters, modes=modes,
                        headroom=HEADROOM if args.headroom is None else args.headroom)
     pick = plan.chosen if plan.chosen is not None else plan.cheapest
     if budget is None:  # nothing to choose for: the last policy (recompute), the given block
         pick = estimate(config, args.workers, MODES[0], path_tokens=path, call_tokens=call,
                         policy=policies[-1], block_tokens=blocks[0] if len(blocks) == 1 else None,
-                        compute_dtype=args.compute_dtype)
+                        compute_dtype=args.compute_dtype, adapter_params=adapters)
     rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
                      policy=pick.policy, compute_dtype=args.compute_dtype,
-                     block_tokens=pick.block_tokens) for m in MODES]
+                     block_tokens=pick.block_tokens, adapter_params=adapters) for m in modes]
     chosen = plan.chosen.mode if budget is not None and plan.chosen is not None else None
     shape = ModelShape.of(config)
     block = pick.block_tokens
@@ -155,7 +167,11 @@ def _memory(args, tree) -> dict:
         print(f"  budget {args.budget_gib:g} GiB: " + (
             f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}"
             if chosen else "no mode fits") + f" ({plan.message()})")
-    return {"model": args.model, "params": shape.params, "path_tokens": path,
+    if adapters:
+        print(f"  LoRA r={args.lora_r} on {args.lora_targets}: {adapters:,} adapter parameters "
+              "(grads and optimizer state; the base is frozen)")
+    return {"model": args.model, "params": shape.params, "lora_params": adapters,
+            "path_tokens": path,
             "call_tokens": min(call, block) if block else call, "node_tokens": node,
             "compute_dtype": args.compute_dtype, "policy": pick.policy,
             "block_tokens": block or 0, "activation_split": split, "budget_bytes": budget,

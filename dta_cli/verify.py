@@ -28,6 +28,15 @@ def add_arguments(p) -> None:
     p.add_argument("--tolerance", type=float, default=None,
                    help="exit 1 when max relative error exceeds it (default: 1e-10 for "
                         "float64, 1e-4 for float32)")
+    lora = p.add_argument_group("LoRA (the optional lora extra: peft)")
+    lora.add_argument("--lora", type=int, default=0, metavar="R",
+                      help="verify the model wrapped with rank-R LoRA adapters (base frozen; "
+                           "A and B random, so every adapter gradient is nonzero)")
+    lora.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                      help="comma-separated modules to adapt (peft target_modules; lm_head "
+                           "allowed; 'all-linear': every linear layer but the head)")
+    lora.add_argument("--lora-alpha", type=float, default=None, help="default: 2 R")
+    lora.add_argument("--rslora", action="store_true", help="rsLoRA scale alpha / sqrt(R)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -41,6 +50,13 @@ def run(args) -> int:
     from dta_cli.common import load_records, make_model
 
     model = make_model(args)
+    if args.lora:
+        from dta.lora import apply_lora
+
+        targets = args.lora_targets if args.lora_targets == "all-linear" else \
+            [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        model = apply_lora(model, r=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
+                           target_modules=targets, rslora=args.rslora, init_lora_weights=False)
     records = load_records(args, model.config.vocab_size)
     if args.max_sequences:
         records = records[: args.max_sequences]
@@ -79,11 +95,18 @@ def run(args) -> int:
         print(f"tested configuration of {args.family}: {feats} (dta/families.py)")
     print(f"batch: {report.sequences} sequences, {report.total_tokens:,} tokens, "
           f"{report.unique_tokens:,} unique (sharing {report.sharing_ratio:.2f}x), tree depth {report.tree_depth}")
+    if args.lora:
+        print(f"LoRA r={args.lora} on {args.lora_targets}{' (rsLoRA)' if args.rslora else ''}: "
+              f"{report.trainable_parameters:,} trainable parameters; frozen parameters with a "
+              f"gradient: {report.frozen_with_grad}")
     for key in ("logprobs", "loss", "grad", "params", "update"):
         print(f"  max relative error {key:9s} {d[key + '_rel_err']:.3e}")
     print(f"  (the AdamW step used eps {report.adam_eps:g}; see dta/verify.py)")
     print(f"{'PASS' if ok else 'FAIL'}: max relative error {report.max_rel_err():.3e} (tolerance {tol:g})")
     if args.json:
         model_info = {} if args.model_path else {"family": args.family, "matrix": bool(args.matrix)}
+        if args.lora:
+            model_info.update(lora_r=args.lora, lora_targets=args.lora_targets,
+                              rslora=bool(args.rslora))
         emit_json({**d, **model_info, "tolerance": tol, "passed": ok})
     return 0 if ok else 1

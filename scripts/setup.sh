@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv for DTA on a fresh machine: torch 2.13.0 (the local CPU wheel; an unpinned
-# torch would pull a multi-GB CUDA build), this package with its ray and dev extras, and with
+# torch would pull a multi-GB CUDA build), this package with its ray, dev and lora extras, and with
 # --areal the optional AReaL 1.0.4 backend (see runtime/areal/README.md).
 # Idempotent: a second run only checks.
 set -euo pipefail
@@ -23,7 +23,7 @@ CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==2.13.0" > "$CONSTRAINTS"
 python -m pip install -q torch==2.13.0
-python -m pip install -q -c "$CONSTRAINTS" -e ".[ray,dev]"
+python -m pip install -q -c "$CONSTRAINTS" -e ".[ray,dev,lora]"
 if [ "$WITH_AREAL" = 1 ]; then
   if python -c "import areal" 2>/dev/null; then
     echo "setup.sh: areal already installed"

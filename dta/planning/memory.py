@@ -180,8 +180,10 @@ def activation_bytes(shape: ModelShape, **kw) -> int:
 
 def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: int,
              policy: str = "recompute", compute_dtype: str = "bfloat16",
-             logits_chunk: int = 1024, block_tokens: int | None = None) -> MemoryEstimate:
-    """Per-rank peak bytes of one step (see the module doc)."""
+             logits_chunk: int = 1024, block_tokens: int | None = None,
+             adapter_params: int = 0) -> MemoryEstimate:
+    """Per-rank peak bytes of one step (see the module doc). adapter_params > 0: a LoRA run
+    (:func:`with_lora`: the frozen base in the compute dtype, state for the adapters only)."""
     if mode not in MODES:
         raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES}")
     if int(world) < 1:
@@ -206,8 +208,10 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
     split = activation_split(shape, path_tokens=path_tokens, call_tokens=call_tokens,
                              policy=policy, compute_bytes=c, logits_chunk=logits_chunk,
                              block_tokens=block_tokens)
-    return MemoryEstimate(mode, W, int(params), int(grads), int(opt), sum(split.values()),
-                          policy=policy, block_tokens=block_tokens or None, split=split)
+    est = MemoryEstimate(mode, W, int(params), int(grads), int(opt), sum(split.values()),
+                         policy=policy, block_tokens=block_tokens or None, split=split)
+    return with_lora(est, shape, adapter_params, compute_dtype=compute_dtype) \
+        if adapter_params else est
 
 
 def pick_mode(config, world: int, budget_bytes: float, *, modes=MODES,
@@ -259,10 +263,13 @@ class MemoryPlan:
 def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int,
                 call_tokens: int, modes=MODES, policies=POLICY_ORDER, blocks=BLOCKS,
                 compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
-                headroom: float = HEADROOM) -> MemoryPlan:
+                headroom: float = HEADROOM, adapter_params: int = 0) -> MemoryPlan:
     """The first mode x policy x block whose estimate fits ``budget_bytes`` less the
     ``headroom`` share: modes by communication, then retain before recompute, then the
-    largest block (a block no shorter than the largest call is the same as none: skipped)."""
+    largest block (a block no shorter than the largest call is the same as none: skipped).
+    adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters)."""
+    if adapter_params:
+        modes = tuple(m for m in modes if m != "fsdp")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     budget_bytes = budget_bytes * (1 - headroom)
@@ -277,7 +284,8 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int,
                         continue  # the same as no cut
                     est = estimate(config, world, mode, path_tokens=path_tokens,
                                    call_tokens=call_tokens, policy=policy, block_tokens=block,
-                                   compute_dtype=compute_dtype, logits_chunk=logits_chunk)
+                                   compute_dtype=compute_dtype, logits_chunk=logits_chunk,
+                                   adapter_params=adapter_params)
                     tried.append(est)
                     if est.total <= budget_bytes:
                         return MemoryPlan(float(budget_bytes), est, est, tried)
@@ -293,3 +301,54 @@ def batch_extent(tree) -> tuple[int, int]:
     lengths = np.asarray([len(s) for s in tree.sequences])
     nodes = [tree.length(u) for u in range(1, len(tree))]
     return int(lengths.max()) if len(lengths) else 0, int(max(nodes)) if nodes else 0
+
+
+# ---------------------------------------------------------------------------- LoRA --
+_LORA_SHAPES = {  # module -> (in, out) of its weight, by the shape's sizes
+    "q_proj": lambda s: (s.hidden, s.heads * s.head_dim),
+    "k_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
+    "v_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
+    "o_proj": lambda s: (s.heads * s.head_dim, s.hidden),
+    "gate_proj": lambda s: (s.hidden, s.intermediate),
+    "up_proj": lambda s: (s.hidden, s.intermediate),
+    "down_proj": lambda s: (s.intermediate, s.hidden),
+}
+
+
+def lora_params(config, r: int, targets) -> int:
+    """Adapter parameters of rank-``r`` LoRA on ``targets`` (module names of a Llama/Qwen
+    layer, or ``lm_head``): r (in + out) per adapted weight."""
+    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
+    total = 0
+    for name in targets:
+        if name == "lm_head":
+            total += int(r) * (shape.hidden + shape.vocab)
+        elif name in _LORA_SHAPES:
+            total += shape.layers * int(r) * sum(_LORA_SHAPES[name](shape))
+        else:
+            raise ValueError(f"LoRA target {name!r} is not priced; choose from "
+                             f"{', '.join(list(_LORA_SHAPES) + ['lm_head'])}")
+    return total
+
+
+def with_lora(est: MemoryEstimate, config, adapter_params: int, *,
+              compute_dtype: str = "bfloat16") -> MemoryEstimate:
+    """The estimate of a LoRA run in ``est``'s mode: the frozen base held whole in the compute
+    dtype (no master, gradient or optimizer state), the adapters priced as ``estimate`` prices
+    a model (replicate: all of them; zero1: fp32 masters and AdamW state sharded). fsdp is
+    not offered with LoRA (dta.config refuses it)."""
+    if est.mode == "fsdp":
+        raise ValueError("fsdp is not offered with LoRA; price replicate or zero1")
+    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
+    c = DTYPE_BYTES[compute_dtype]
+    m = max(c, 4)
+    A, W = int(adapter_params), est.world
+    if est.mode == "replicate":
+        params, grads, opt = A * c, A * c, 2 * A * c
+    else:
+        params = A * c + math.ceil(A / W) * m
+        grads = A * c + math.ceil(A / W) * m + W * min(BUCKET_ELEMS, math.ceil(A / W)) * m
+        opt = 2 * math.ceil(A / W) * m
+    return MemoryEstimate(est.mode, W, int(shape.params * c + params), int(grads), int(opt),
+                          est.activations, policy=est.policy, block_tokens=est.block_tokens,
+                          split=est.split)

@@ -103,11 +103,13 @@ class CheckpointMixin:
             if self.parallel.rank == 0:
                 self.model.save_pretrained(meta.path, state_dict=state)
         elif self.parallel.rank == 0:
-            self.model.save_pretrained(meta.path)
+            self.model.save_pretrained(meta.path)  # LoRA: the adapter (PEFT format)
         if self.parallel.rank == 0:
-            if meta.tokenizer is not None:
+            if self.use_lora:  # as FSDPEngine: the base config beside the adapter, no tokenizer
+                self.model.config.save_pretrained(meta.path)
+            if meta.tokenizer is not None and not self.use_lora:
                 meta.tokenizer.save_pretrained(meta.path)
-            if meta.processor is not None:
+            if meta.processor is not None and not self.use_lora:
                 meta.processor.save_pretrained(meta.path)
         if meta.with_optim:
             self._require_optimizer()
@@ -214,10 +216,38 @@ def local_state_dict(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def is_adapter_dir(path: str) -> bool:
+    """Whether ``path`` holds a PEFT adapter (``adapter_config.json``) rather than weights."""
+    return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def load_adapter(model, path: str, *, what: str):
+    """A PEFT LoRA adapter folder into ``model``: a PEFT model gets its adapter weights
+    replaced in place (every key must match), a plain model is wrapped
+    (``PeftModel.from_pretrained``). Returns ``(model, state read)``."""
+    from peft import PeftModel, load_peft_weights, set_peft_model_state_dict
+
+    if not hasattr(model, "peft_config"):
+        model = PeftModel.from_pretrained(model, path, is_trainable=False)
+        return model, load_peft_weights(path, device="cpu")
+    state = load_peft_weights(path, device=str(next(model.parameters()).device))
+    result = set_peft_model_state_dict(model, state)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected or not state:
+        raise ValueError(f"{what} {path!r} does not match the model's adapters: unexpected "
+                         f"{sorted(unexpected)[:5]}{', empty' if not state else ''}")
+    return model, state
+
+
 def load_hf_weights(model, path: str, *, what: str) -> dict[str, torch.Tensor]:
     """An HF weights folder into ``model`` in place; every key must match (a tied
     ``lm_head.weight`` may be absent). ``what`` names the folder in the error. Returns the
-    state dict read."""
+    state dict read. A PEFT model takes an adapter folder (:func:`load_adapter`)."""
+    if hasattr(model, "peft_config"):
+        if not is_adapter_dir(path):
+            raise ValueError(f"{what} {path!r} holds no adapter_config.json: a LoRA model "
+                             "loads PEFT adapter folders")
+        return load_adapter(model, path, what=what)[1]
     state = local_state_dict(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = ({"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False)

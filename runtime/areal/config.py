@@ -59,7 +59,13 @@ def actor_config_from_dta(cfg, *, experiment_name: str = "dta", trial_name: str 
         n = actor.adv_norm
         adv_norm = NormConfig(mean_level=n.mean_level, std_level=n.std_level,
                               group_size=int(n.group_size), eps=float(n.eps))
+    lora = cfg.model.lora  # AReaL's keys: use_lora, lora_rank, lora_alpha, target_modules
+    if int(lora.r) and bool(lora.rslora):
+        raise ValueError("config key 'model.lora.rslora' has no AReaL counterpart "
+                         "(FSDPEngine scales alpha / r); set it to false for the AReaL backend")
     config = PPOActorConfig(
+        use_lora=bool(int(lora.r)), lora_rank=int(lora.r) or 32, lora_alpha=float(lora.alpha),
+        target_modules=[str(t) for t in lora.target_modules] if int(lora.r) else [],
         experiment_name=experiment_name, trial_name=trial_name, path=str(cfg.model.path),
         attn_impl=str(cfg.model.attn_implementation), backend=backend,
         dtype=dtype if dtype in _AREAL_DTYPES else "float32",

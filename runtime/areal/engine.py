@@ -85,8 +85,10 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         if getattr(config, "is_critic", False):
             raise NotImplementedError("DTATrainEngine trains actors / language models; critics "
                                       "(is_critic=True) are not supported")
-        if getattr(config, "use_lora", False):
-            raise NotImplementedError("DTATrainEngine does not support LoRA (use_lora=True)")
+        self.use_lora = bool(getattr(config, "use_lora", False))
+        if self.use_lora and getattr(config, "peft_type", "lora") != "lora":
+            raise NotImplementedError(f"DTATrainEngine trains LoRA adapters only "
+                                      f"(peft_type={config.peft_type!r})")
         self.policy = self.dta.policy or ("recompute" if config.gradient_checkpointing
                                           else "retain")
         self.model = None
@@ -184,6 +186,10 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         storage = resolve_dtype(self.dta.dtype or self.config.optimizer_dtype)
         self.sharding = resolve_sharding(self.dta.sharding, self.world_size,
                                          trains=self.optimizer_config is not None)
+        if self.use_lora and self.sharding == "fsdp":
+            raise NotImplementedError("DTATrainEngine with use_lora=True runs replicated or "
+                                      "zero1 (actor.dta.sharding=replicate | zero1), not fsdp: "
+                                      "the adapters' state is small")
         if self.sharding != "replicate":
             if storage != master_dtype_for(compute):
                 raise ValueError(f"actor.dta.sharding={self.sharding} keeps "
@@ -214,9 +220,23 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             import transformers
 
             cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-            return transformers.AutoModelForCausalLM.from_config(
+            model = transformers.AutoModelForCausalLM.from_config(
                 cfg, dtype=dtype, attn_implementation=self.config.attn_impl)
-        return load_model(path, dtype=dtype, attn_implementation=self.config.attn_impl)
+        else:
+            model = load_model(path, dtype=dtype, attn_implementation=self.config.attn_impl)
+        return self._wrap_lora(model) if self.use_lora else model
+
+    def _wrap_lora(self, model):
+        """LoRA adapters as ``FSDPEngine._apply_peft_wrapper`` adds them: ``lora_rank``,
+        ``lora_alpha``, ``target_modules`` (empty or ``["all-linear"]``: every linear layer
+        but the head), bias ``none``, adapters in the storage dtype (fp32 masters), the base
+        frozen."""
+        from dta.lora import apply_lora
+
+        targets = list(self.config.target_modules or [])
+        targets = "all-linear" if targets in ([], ["all-linear"]) else targets
+        return apply_lora(model, r=int(self.config.lora_rank),
+                          alpha=float(self.config.lora_alpha), target_modules=targets)
 
     def _initialize_sharded(self, compute: torch.dtype, ft_spec) -> None:
         """The model built in the master dtype on the device, then sharded (zero1 / fsdp) over

@@ -173,6 +173,9 @@ class RolloutMixin:
             fut.result()
 
     def _update_weights_from_distributed(self, meta: WeightUpdateMeta):
+        if self.use_lora:
+            raise NotImplementedError("DTATrainEngine with use_lora=True updates the inference "
+                                      "engine's adapter by disk (weight_update_mode=disk)")
         main = self.parallel.rank == 0
         meta.nccl_master_address, meta.nccl_master_port = self._weight_update_address
         meta.nccl_group_name = _GROUP_NAME

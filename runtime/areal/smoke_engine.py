@@ -50,9 +50,10 @@ class SmokeInferenceEngine(InferenceEngine):
     local HF directory."""
 
     def __init__(self, config, model_path: str, *, seed: int = 1, device: str = "cpu",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", lora_path: str | None = None):
         self.config = config
         self.model_path = str(model_path)
+        self.lora_path = lora_path  # LoRA: the initial adapter served on the base
         self.seed = int(seed)
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
@@ -77,6 +78,10 @@ class SmokeInferenceEngine(InferenceEngine):
 
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.dtype, local_files_only=True).to(self.device).eval()
+        if self.lora_path is not None:
+            from runtime.areal.checkpoint import load_adapter
+
+            self.model, _ = load_adapter(self.model, self.lora_path, what="initial adapter")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smoke-weights")
         self._initialized = True
 
@@ -251,12 +256,15 @@ class SmokeInferenceEngine(InferenceEngine):
 
     def _load_from_disk(self, meta: WeightUpdateMeta, version: int) -> float:
         from areal.utils import name_resolve, names
-        from runtime.areal.checkpoint import load_hf_weights
+        from runtime.areal.checkpoint import is_adapter_dir, load_adapter, load_hf_weights
 
         key = names.update_weights_from_disk(self.config.experiment_name,
                                              self.config.trial_name, version)
         saved_at = float(name_resolve.wait(key, timeout=_RECORD_TIMEOUT_S))
-        state = load_hf_weights(self.model, meta.path, what="weights folder")
+        if is_adapter_dir(meta.path):  # LoRA (meta.use_lora): the adapter on the base
+            self.model, state = load_adapter(self.model, meta.path, what="adapter folder")
+        else:
+            state = load_hf_weights(self.model, meta.path, what="weights folder")
         self.updates.append(dict(version=meta.version, path=meta.path, record=key,
                                  checksum=float(sum(t.double().sum() for t in state.values()
                                                     if t.is_floating_point()))))

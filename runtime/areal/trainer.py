@@ -110,8 +110,6 @@ class DTAPPOTrainer(PPOTrainer):
         factory = self._inference_engine
         if factory is None:
             return super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)
-        if lora_path is not None:
-            raise NotImplementedError("LoRA is not supported by DTAPPOTrainer")
         if factory == "smoke":
             from runtime.areal.smoke_engine import SmokeInferenceEngine
 
@@ -121,9 +119,10 @@ class DTAPPOTrainer(PPOTrainer):
                                  "reach rank 0's engine only, as they reach a shared server)")
 
             engine = SmokeInferenceEngine(rollout_config, self.config.actor.path,
-                                          seed=self.config.seed)
-        else:
-            engine = factory(rollout_config, is_eval)
+                                          seed=self.config.seed, lora_path=lora_path)
+        else:  # a custom factory with LoRA gets the initial adapter's folder
+            engine = factory(rollout_config, is_eval) if lora_path is None else \
+                factory(rollout_config, is_eval, lora_path=lora_path)
         if not engine.initialized:
             engine.initialize(train_data_parallel_size=self.actor_alloc.parallel.dp_size)
         return engine

@@ -4,7 +4,7 @@ Layout of ``<dir>``::
 
     run.json              the run that owns the folder: {"run_id", "created", "format"}
     step-000003/          one directory per checkpoint (written as .tmp-*, then renamed)
-        model.pt          model state_dict (tensors)
+        model.pt          model state_dict (tensors; a LoRA model: its adapters only)
         optimizer.pt      optimizer state_dict (tensors, numbers, lists)
         rng.pt            torch (+ CUDA), numpy and python RNG states (tensors, numbers)
         meta.json         step, config (resolved), plan settings, run statistics
@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dta.lora import trained_state
 from runtime.ray_runtime.folders import RUN_FILE, foreign_folder
 
 LATEST = "latest"
@@ -380,7 +381,7 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
     tmp = tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=directory)
     try:
         os.chmod(tmp, 0o755)
-        save_tensors({k: v.detach().cpu() for k, v in model.state_dict().items()},
+        save_tensors({k: v.detach().cpu() for k, v in trained_state(model).items()},
                      os.path.join(tmp, "model.pt"))
         save_tensors(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         save_tensors(rng_state(), os.path.join(tmp, "rng.pt"))
@@ -459,7 +460,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, restore_rng: bool = Tru
     rng = load_tensors(os.path.join(path, "rng.pt")) if restore_rng else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"checkpoint {path!r}: model.pt is not a state dict of tensors")
-    own = model.state_dict()
+    own = trained_state(model)  # a LoRA model: its adapters only
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     shapes = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
@@ -467,7 +468,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, restore_rng: bool = Tru
         raise CheckpointError(f"checkpoint {path!r} does not match the model: missing "
                               f"{missing[:5]}, unexpected {unexpected[:5]}, other shape "
                               f"{shapes[:5]}")
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=len(own) == len(model.state_dict()))
     if optimizer is not None:
         optimizer.load_state_dict(opt_state)
     if rng is not None:

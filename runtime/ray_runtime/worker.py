@@ -50,6 +50,13 @@ def build_replica(cfg, device: str | torch.device = "cpu", dtype=None):
     else:
         model = build_model(m.family, m.size, dtype=dtype, seed=int(m.seed),
                             attn_implementation=m.attn_implementation)
+    if int(m.lora.r) > 0:  # the base frozen, LoRA adapters the only trainable weights
+        from dta.lora import apply_lora
+
+        torch.manual_seed(int(m.seed))  # every rank's adapters start alike
+        model = apply_lora(model, r=int(m.lora.r), alpha=float(m.lora.alpha),
+                           target_modules=list(m.lora.target_modules),
+                           dropout=float(m.lora.dropout), rslora=bool(m.lora.rslora))
     return model.to(device)
 
 
@@ -338,6 +345,14 @@ class DFSWorker:
         """The model as a Hugging Face directory (``save_pretrained``: config + safetensors).
         Sharded: every rank calls this (gathering the full state is a collective) and rank 0
         writes it, in the compute dtype (what a replicated run holds and exports)."""
+        from dta.lora import is_peft_model, save_adapter
+
+        if is_peft_model(self.model):  # LoRA: the adapter in PEFT format, or merged weights
+            # zero1 keeps the gathered compute copy in the model itself: nothing to gather
+            if self.rank == 0:
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                save_adapter(self.model, path, merged=bool(self.cfg.train.export_merged))
+            return path
         if not self.sharded:
             os.makedirs(path, mode=0o755, exist_ok=True)
             self.model.save_pretrained(path)

@@ -12,7 +12,7 @@ mode nor a budget, an ``auto`` block is 2,048 tokens.
 from __future__ import annotations
 
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
-from dta.planning.memory import BLOCKS, GIB, MODES, batch_extent, plan_memory
+from dta.planning.memory import BLOCKS, GIB, MODES, batch_extent, lora_params, plan_memory
 
 
 def default_budget_bytes(num_workers: int) -> float:
@@ -43,7 +43,11 @@ def resolve(cfg, hf_config, tree=None) -> tuple[str, int, dict]:
     budget = cfg.train.memory_budget_gib
     budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
     path, call = batch_extent(tree) if tree is not None else (0, 0)
+    # LoRA: the adapters' state only; replicate or zero1 (dta.config refuses fsdp with adapters)
+    lora = cfg.model.lora
+    adapters = lora_params(hf_config, int(lora.r), list(lora.target_modules)) if int(lora.r) else 0
     plan = plan_memory(hf_config, W, budget, modes=MODES if auto_mode else (str(cfg.train.sharding),),
+                       adapter_params=adapters,
                        path_tokens=path, call_tokens=call, policies=(str(cfg.walker.policy),),
                        blocks=(BLOCKS if tree is not None else (DEFAULT_BLOCK_TOKENS,))
                        if block == "auto" else (int(block) or None,),

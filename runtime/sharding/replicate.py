@@ -61,7 +61,8 @@ class Replicate:
         return clip_and_step(self.model, self.optimizer, max_grad_norm)
 
     def state_bytes(self) -> dict:
-        return {"params": sum(tensor_bytes(p) for p in self.params),
+        # every weight held (a LoRA model's frozen base too); grads/optimizer: trained only
+        return {"params": sum(tensor_bytes(p) for p in self.model.parameters()),
                 "grads": self._grad_bytes, "optimizer": optimizer_bytes(self.optimizer)}
 
     @torch.no_grad()

@@ -24,6 +24,12 @@ class Zero1:
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # frozen weights (a LoRA model's base): no master, no shard, held in the compute dtype
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        with torch.no_grad():
+            for p in self.frozen:
+                if compute_dtype is not None and p.is_floating_point():
+                    p.data = p.data.to(compute_dtype)
         # masters from the parameters as built (fp32), then the compute copy is cast
         self.shards = FlatShards(named, group=group, compute_dtype=compute_dtype)
         self.shards.gather_parameters()  # the compute copy (cast) from the masters
@@ -54,7 +60,8 @@ class Zero1:
 
     def state_bytes(self) -> dict:
         b = self.shards.bytes()
-        return {"params": b["compute_params"] + b["master"], "grads": self._grad_bytes,
+        frozen = sum(p.numel() * p.element_size() for p in self.frozen)
+        return {"params": b["compute_params"] + b["master"] + frozen, "grads": self._grad_bytes,
                 "optimizer": optimizer_bytes(self.optimizer)}
 
     @torch.no_grad()
