@@ -57,6 +57,13 @@ def run(args) -> int:
             [t.strip() for t in args.lora_targets.split(",") if t.strip()]
         model = apply_lora(model, r=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
                            target_modules=targets, rslora=args.rslora, init_lora_weights=False)
+        if str(next(model.parameters()).dtype) == "torch.float64":
+            # the check runs truly float64 anyway (dta.verify); the self-check of the behaviour
+            # log-probs below would otherwise see HF's float32 norms against small adapter
+            # gradients (1e-6 on Gemma 2 / Qwen3-Next, 1e-14 once truly float64)
+            from dta.models import make_truly_float64
+
+            make_truly_float64(model)
     records = load_records(args, model.config.vocab_size)
     if args.max_sequences:
         records = records[: args.max_sequences]
