@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.ray_runtime.checkpoint import (latest_checkpoint, publish, verify_manifest,
                                             write_manifest)
+from runtime.ray_runtime.files import _fsync_dir
 
 LATEST = "latest"
 META = "meta.json"
@@ -74,16 +75,6 @@ def _broadcast(obj, group=None):
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _dcp_state(state: dict) -> dict:
@@ -120,7 +111,7 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
                 os.fsync(f.fileno())
             write_manifest(tmp, run_id=(meta or {}).get("run_id"), step=int(step),
                            extra={"kind": "dcp"})
-            _fsync(tmp)
+            _fsync_dir(tmp)
             publish(tmp, final)
     except BaseException as exc:
         if _rank() == 0:
