@@ -179,9 +179,9 @@ def test_from_pretrained_builds_the_config_fsdp_engine_builds(model_dir):
     assert engine.config.optimizer.lr == config.optimizer.lr
     assert DTATrainEngine.from_pretrained(model=model_dir, experiment_name="e",
                                           trial_name="t").config.optimizer is None
-    with pytest.raises(NotImplementedError, match="LoRA"):
-        DTATrainEngine.from_pretrained(model=model_dir, experiment_name="e", trial_name="t",
-                                       use_lora=True)
+    lora = DTATrainEngine.from_pretrained(model=model_dir, experiment_name="e", trial_name="t",
+                                          use_lora=True, lora_rank=8, lora_alpha=16)
+    assert (lora.config.use_lora, lora.config.lora_rank, lora.config.lora_alpha) == (True, 8, 16)
 
 
 # ------------------------------------------------------------ test_tree_training.py --
