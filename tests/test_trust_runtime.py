@@ -77,19 +77,27 @@ def test_failed_start_leaves_nothing_behind(tmp_path):
 
 
 def test_folders_of_a_killed_run_are_swept(tmp_path):
-    from runtime.ray_runtime.cluster import OWNER_FILE, private_dir, sweep_stale
+    from runtime.ray_runtime.cluster import OWNER_FILE, owner_record, private_dir, sweep_stale
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = private_dir("dta-ray-", str(tmp_path))
     with open(os.path.join(stale, OWNER_FILE), "w") as f:
-        f.write(str(dead.pid))  # its creator is gone (killed with SIGKILL, say)
+        f.write(owner_record(dead.pid))  # its creator is gone (killed with SIGKILL, say)
+    # a run inside another pid namespace (unshare -p) shares /tmp: its pid means nothing here
+    elsewhere = private_dir("dta-ray-", str(tmp_path))
+    with open(os.path.join(elsewhere, OWNER_FILE), "w") as f:
+        f.write(f"{dead.pid} pid:[1]")
+    old = private_dir("dta-ray-", str(tmp_path))
+    with open(os.path.join(old, OWNER_FILE), "w") as f:
+        f.write(str(dead.pid))  # no namespace recorded: cannot be judged, left alone
     live = private_dir("dta-auth-", str(tmp_path))  # created by this (live) process
     foreign = tmp_path / "dta-pg-foreign"
     foreign.mkdir()  # no owner file: not made by this code, never touched
     assert stat.S_IMODE(os.stat(live).st_mode) == 0o700
     assert sweep_stale((str(tmp_path),)) == [stale]
     assert os.path.isdir(live) and foreign.is_dir() and not os.path.exists(stale)
+    assert os.path.isdir(elsewhere) and os.path.isdir(old)
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import psutil
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-OWNER_FILE = ".dta-owner-pid"  # in each private folder: the pid that created it
+OWNER_FILE = ".dta-owner-pid"  # in each private folder: "<pid> <pid namespace>" of its creator
 PRIVATE_PREFIXES = ("dta-ray-", "dta-auth-", "dta-pg-")
 JOIN_PROBE_S = 5.0
 
@@ -279,12 +279,25 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
 
 
 # ---------------------------------------------------------------- private folders --
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
+
+
+def owner_record(pid: int) -> str:
+    """What a private folder's owner file holds: the pid and the pid namespace it lives in (a
+    pid means nothing outside its namespace: a run inside ``unshare -p`` shares /tmp)."""
+    return f"{int(pid)} {_pid_namespace()}"
+
+
 def private_dir(prefix: str, parent: str | None = None) -> str:
-    """A fresh 0700 folder that records its owner pid (for :func:`sweep_stale`)."""
+    """A fresh 0700 folder that records its owner (for :func:`sweep_stale`)."""
     path = tempfile.mkdtemp(prefix=prefix, dir=parent)
     os.chmod(path, 0o700)
     with open(os.path.join(path, OWNER_FILE), "w") as f:
-        f.write(str(os.getpid()))
+        f.write(owner_record(os.getpid()))
     return path
 
 
@@ -303,8 +316,10 @@ def tighten_tree(root: str) -> None:
 
 def sweep_stale(parents: tuple[str, ...] | None = None) -> list[str]:
     """Remove this user's private folders whose creating process is gone (a run killed
-    with SIGKILL cannot clean up after itself); returns those removed."""
-    removed = []
+    with SIGKILL cannot clean up after itself); returns those removed. A folder made in
+    another pid namespace (or recording no namespace) is left alone: its pid cannot be
+    checked from here."""
+    removed, here = [], _pid_namespace()
     parents = parents or tuple(dict.fromkeys(["/tmp", tempfile.gettempdir()]))
     for parent in parents:
         try:
@@ -319,9 +334,12 @@ def sweep_stale(parents: tuple[str, ...] | None = None) -> list[str]:
                 if os.lstat(path).st_uid != os.getuid() or not os.path.isdir(path):
                     continue
                 with open(os.path.join(path, OWNER_FILE)) as f:
-                    pid = int(f.read().strip() or 0)
+                    pid_text, _, namespace = f.read().strip().partition(" ")
+                pid = int(pid_text or 0)
             except (OSError, ValueError):
                 continue  # not ours, or not made by this code
+            if namespace != here:
+                continue  # another pid namespace's run (or an old folder): not ours to judge
             if pid and not psutil.pid_exists(pid):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
