@@ -45,17 +45,13 @@ def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device
     from dta.losses import NLL
     from dta.models import build_model
     from dta.train import accumulate_gradients
+    from experiments.bench_path_memory import shared_prefix_batch
 
     if threads:
         torch.set_num_threads(threads)
     model = build_model("qwen3", size, seed=0, max_position_embeddings=max(
         32768, prompt + leaf_len)).to(device)
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, model.config.vocab_size, prompt)
-    seqs = [np.concatenate([shared, rng.integers(3, model.config.vocab_size, leaf_len)])
-            for _ in range(leaves)]
-    mask = np.r_[np.zeros(prompt), np.ones(leaf_len)]
-    batch = Batch.from_records([{"input_ids": s, "loss_mask": mask} for s in seqs])
+    batch, seqs, mask = shared_prefix_batch(model.config.vocab_size, prompt, leaf_len, leaves)
 
     def sync():
         if device.startswith("cuda"):

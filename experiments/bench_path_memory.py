@@ -34,6 +34,20 @@ def padded_estimate_mb(leaves: int, prefix: int, leaf_len: int, size: str) -> fl
     return 1.35 * tokens * per_token * 4 / 2**20  # 1.35: measured on CPU (results/path_memory.txt)
 
 
+def shared_prefix_batch(vocab: int, prefix: int, leaf_len: int, leaves: int, seed: int = 0):
+    """``leaves`` random sequences sharing a ``prefix``-token prompt, the loss on the leaves:
+    (the batch, the sequences, the loss mask every sequence shares)."""
+    import numpy as np
+
+    from dta.batch import Batch
+
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, vocab, prefix)
+    seqs = [np.concatenate([shared, rng.integers(3, vocab, leaf_len)]) for _ in range(leaves)]
+    mask = np.r_[np.zeros(prefix), np.ones(leaf_len)]
+    return Batch.from_records([{"input_ids": s, "loss_mask": mask} for s in seqs]), seqs, mask
+
+
 def child(mode: str, leaves: int, prefix: int, leaf_len: int, size: str, device: str) -> dict:
     import resource
     import time
@@ -41,19 +55,13 @@ def child(mode: str, leaves: int, prefix: int, leaf_len: int, size: str, device:
     import numpy as np
     import torch
 
-    from dta.batch import Batch
     from dta.losses import NLL
     from dta.models import build_model
     from dta.train import accumulate_gradients
 
     torch.set_num_threads(2)
     model = build_model("qwen3", size, seed=0).to(device)
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, model.config.vocab_size, prefix)
-    seqs = [np.concatenate([shared, rng.integers(3, model.config.vocab_size, leaf_len)])
-            for _ in range(leaves)]
-    mask = np.r_[np.zeros(prefix), np.ones(leaf_len)]
-    batch = Batch.from_records([{"input_ids": s, "loss_mask": mask} for s in seqs])
+    batch, seqs, mask = shared_prefix_batch(model.config.vocab_size, prefix, leaf_len, leaves)
 
     def peak():
         if device == "cuda":
