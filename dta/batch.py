@@ -30,6 +30,8 @@ class Batch:
     weight: np.ndarray | None = None  # per-sequence multiplier of every loss term
     group_id: list | None = None
     sources: list[str] | None = None  # per sequence: where it came from ("f.jsonl line 3")
+    # MoE routing replay: per sequence [tokens, MoE layers, k] expert ids (dta/routing.py)
+    routed_experts: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -54,7 +56,7 @@ class Batch:
         records = list(records)
         if sources is not None and len(sources) != len(records):
             raise BatchError(f"{len(sources)} sources for {len(records)} records")
-        ids, fields, weights, groups = [], {}, [], []
+        ids, fields, weights, groups, routed = [], {}, [], [], {}
         for i, rec in enumerate(records):
             where = sources[i] if sources is not None else f"sequence {i}"
             rec = validate_record(dict(rec) if isinstance(rec, Mapping) else rec, where,
@@ -67,6 +69,8 @@ class Batch:
                         value = value.copy()
                         value[0] = 0  # token 0 is never a target (see the module doc)
                     fields.setdefault(name, {})[i] = np.asarray(value, dtype=np.float64)
+            if "routed_experts" in rec:
+                routed[i] = rec["routed_experts"]
             weights.append(float(rec.get("weight", 1.0)))
             groups.append(rec.get("group_id"))
         out = {}
@@ -77,8 +81,14 @@ class Batch:
                 raise BatchError(f"{where}: field '{name}' is missing (given for other "
                                  "sequences)")
             out[name] = [per_seq[i] for i in range(len(ids))]
+        if routed and len(routed) != len(ids):
+            i = next(i for i in range(len(ids)) if i not in routed)
+            where = sources[i] if sources is not None else f"sequence {i}"
+            raise BatchError(f"{where}: field 'routed_experts' is missing (given for other "
+                             "sequences)")
         return cls(ids, out, np.array(weights), groups,
-                   list(sources) if sources is not None else None)
+                   list(sources) if sources is not None else None,
+                   [routed[i] for i in range(len(ids))] if routed else None)
 
     @classmethod
     def from_padded(cls, input_ids, attention_mask, **token_fields) -> "Batch":
@@ -101,7 +111,8 @@ class Batch:
                      {k: [v[i] for i in ids] for k, v in self.fields.items()},
                      None if self.weight is None else self.weight[ids],
                      None if self.group_id is None else [self.group_id[i] for i in ids],
-                     None if self.sources is None else [self.sources[i] for i in ids])
+                     None if self.sources is None else [self.sources[i] for i in ids],
+                     None if self.routed_experts is None else [self.routed_experts[i] for i in ids])
 
     # ------------------------------------------------------------------- validation --
     def loss_mask(self, i: int) -> np.ndarray:

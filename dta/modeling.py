@@ -36,6 +36,7 @@ a plain detached tensor for the descendants -- no leaf, no gradient, no backward
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from dta import recurrent
+from dta.routing import MoERouters
 
 NodeState = list  # per layer: a tuple of tensors (attention: (keys, values))
 
@@ -207,12 +209,16 @@ class ModelInterface:
                             else ["attention"] * _num_layers(model.config))
         self.recurrent_modules = recurrent.gdn_modules(model) if recurrent.RECURRENT in self.layer_kinds else []
         self._attention_layer = self.layer_kinds.index("attention") if "attention" in self.layer_kinds else None
+        self.moe = MoERouters(model)  # the top-k routers: replay and capture (dta/routing.py)
 
     # -------------------------------------------------------------- packs --
+    @contextlib.contextmanager
     def walking(self):
-        """A walk's scope: the model's recurrent layers take a pack's tree (``dta/gdn.py``);
-        outside it the model is unchanged."""
-        return recurrent.packed(self.recurrent_modules)
+        """A walk's scope: the model's recurrent layers take a pack's tree (``dta/gdn.py``)
+        and its MoE routers are hooked (``dta/routing.py``); outside it the model is
+        unchanged."""
+        with recurrent.packed(self.recurrent_modules), self.moe.scope():
+            yield
 
     def pack_cache(self, pieces: list | None, layout):
         """The cache of one pack's forward: per layer, the path's pieces (``state_through``
@@ -360,11 +366,11 @@ ROUTER_AUX_LOSS = ("refuse", "exclude")
 
 
 def check_router_aux_loss(model, router_aux_loss: str = "refuse") -> None:
-    """MoE: DTA trains the policy loss only (the router is trained through it, exactly);
-    the router's auxiliary load-balancing loss is not computed. A config that asks for it
-    (``output_router_logits=True`` with ``router_aux_loss_coef > 0``, which makes HF's
-    CausalLM add it to a labelled loss) is refused, unless ``router_aux_loss="exclude"``
-    says explicitly to train without it."""
+    """MoE: the router's auxiliary load-balancing loss is computed only when the walker is
+    given ``router_aux_loss_coef > 0`` (``dta/router_aux.py``; docs/moe.md). A model config
+    that asks for it (``output_router_logits=True`` with ``router_aux_loss_coef > 0``, which
+    makes HF's CausalLM add it to a labelled loss) while the walker's coefficient is 0 is
+    refused, unless ``router_aux_loss="exclude"`` says explicitly to train without it."""
     if router_aux_loss not in ROUTER_AUX_LOSS:
         raise ValueError(f"unknown router_aux_loss {router_aux_loss!r}; choose one of {ROUTER_AUX_LOSS}")
     cfg = model.config
@@ -372,6 +378,8 @@ def check_router_aux_loss(model, router_aux_loss: str = "refuse") -> None:
     if router_aux_loss == "refuse" and getattr(cfg, "output_router_logits", False) and coef > 0:
         raise ModelInterfaceError(
             f"{type(model).__name__}: config.output_router_logits=True with router_aux_loss_coef="
-            f"{coef} asks for the router's auxiliary load-balancing loss, which DTA does not "
-            "compute; pass router_aux_loss='exclude' to train the policy loss alone, or set "
+            f"{coef} asks for the router's auxiliary load-balancing loss, but the trainer's "
+            "router_aux_loss_coef is 0; set it (actor.router_aux_loss_coef, "
+            f"router_aux_loss_coef={coef}) to compute it per sequence, pass "
+            "router_aux_loss='exclude' to train the policy loss alone, or set "
             "config.output_router_logits=False")

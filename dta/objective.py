@@ -17,6 +17,8 @@ import torch
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights, token_weights
 
+_sequence_weights = sequence_weights
+
 
 @dataclass
 class NodeTerms:
@@ -65,13 +67,19 @@ class Objective:
 
     def __init__(self, batch: Batch, loss: TokenLoss, reduction: str = "token_mean",
                  totals: Totals | None = None, *, weights: list[np.ndarray] | None = None,
-                 fields: dict[str, list[np.ndarray]] | None = None):
+                 fields: dict[str, list[np.ndarray]] | None = None,
+                 sequence_weights: np.ndarray | None = None):
         if isinstance(loss, SequenceLoss):
             raise TypeError("a SequenceLoss is trained through Objective.linearized(); "
                             "use dta.train.accumulate_gradients, which does that")
         self.batch, self.loss, self.reduction = batch, loss, reduction
         self.weights = weights if weights is not None else token_weights(batch, reduction, totals)
         self.fields = fields if fields is not None else {k: batch.fields[k] for k in loss.fields}
+        # per sequence: the weight of its loss in the reduction (its router aux loss's too:
+        # dta/router_aux.py); 0 for a sequence without a loss term
+        seq_w = sequence_weights if sequence_weights is not None else \
+            _sequence_weights(batch, reduction, totals)
+        self.sequence_weights = np.where([self.has_loss(i) for i in range(len(batch))], seq_w, 0.0)
 
     @classmethod
     def record_only(cls, batch: Batch) -> "Objective":
@@ -182,5 +190,5 @@ def linearize(batch: Batch, loss: SequenceLoss, reduction: str, logprobs, entrop
     uses_entropy = any(np.any(h) for h in h_all)
     weights = [((g != 0) | (h != 0)).astype(np.float64) for g, h in zip(g_all, h_all)]
     obj = Objective(batch, Linear(uses_entropy), "sum", weights=weights,
-                    fields={"dlogp": g_all, "dentropy": h_all})
+                    fields={"dlogp": g_all, "dentropy": h_all}, sequence_weights=coef)
     return obj, total

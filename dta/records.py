@@ -16,6 +16,10 @@ One record is one training sequence. Its fields (any other name is an error that
 * ``reward``: one finite number (GRPO: ``dta train`` turns rewards into advantages).
 * ``weight``: one finite number ``>= 0`` multiplying every loss term of the sequence.
 * ``group_id``: an int or a string (the GRPO group, i.e. the prompt the sequence answers).
+* ``routed_experts``: MoE routing replay (``docs/moe.md``): per token, per MoE layer, the
+  top-k expert ids the rollout used -- a nested list ``[tokens][layers][k]`` of ints >= 0,
+  the same number of layers and of ids for every token, no id twice in one token's layer.
+  The model check (layers, k, ids below the number of experts) is ``dta.routing``'s.
 * metadata, kept as given and never used for training: ``id``, ``uid``, ``episode``,
   ``task``, ``call``, ``calls`` (ints or strings) and ``meta`` (anything JSON).
 
@@ -47,7 +51,7 @@ TOKEN_FLOAT_FIELDS = ("advantages", "logprobs", "old_logprobs", "prox_logprobs",
 LOGPROB_FIELDS = ("logprobs", "old_logprobs", "prox_logprobs", "prox_logp")
 METADATA_FIELDS = ("id", "uid", "episode", "task", "call", "calls", "meta")
 FIELDS = ("input_ids", "loss_mask", *TOKEN_FLOAT_FIELDS, "reward", "weight", "group_id",
-          *METADATA_FIELDS)
+          "routed_experts", *METADATA_FIELDS)
 # alternative name -> the name the library uses; a record may hold only one of a pair
 ALIASES = {"logprobs": "old_logprobs", "prox_logp": "prox_logprobs"}
 INT64_MAX = 2 ** 63 - 1
@@ -154,6 +158,49 @@ def _floats(where: str, field: str, values: Any, n: int) -> np.ndarray:
     return arr
 
 
+def _routing(where: str, values: Any, n: int) -> np.ndarray:
+    """[n, layers, k] int64 expert ids; an error names the first bad token."""
+    field = "routed_experts"
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
+        values = values.detach().cpu().numpy()
+    if not isinstance(values, (list, tuple, np.ndarray)):
+        raise RecordError(f"{where}: field '{field}' must be a nested list [tokens][layers][k], "
+                          f"got {type(values).__name__}")
+    if len(values) != n:
+        raise RecordError(f"{where}: field '{field}' has {len(values)} tokens, input_ids has {n}")
+    shape = None
+    ok_int = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    for j, tok in enumerate(values):
+        try:
+            arr = np.asarray(tok)
+        except (ValueError, TypeError):  # ragged layers
+            arr = np.asarray(tok, dtype=object)
+        if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0 or arr.dtype == object:
+            raise RecordError(f"{where}: field '{field}' token {j} must be [layers][k] expert "
+                              "ids (a non-empty list of equally long non-empty lists)")
+        if shape is None:
+            shape = arr.shape
+        elif arr.shape != shape:
+            raise RecordError(f"{where}: field '{field}' token {j} has {arr.shape[0]} layers x "
+                              f"{arr.shape[1]} experts, token 0 has {shape[0]} x {shape[1]}")
+        if arr.dtype.kind not in "iu":
+            flat = arr.reshape(-1).tolist()
+            i = next(i for i, x in enumerate(flat) if not ok_int(x))
+            raise RecordError(f"{where}: field '{field}' token {j} layer {i // shape[1]} holds "
+                              f"{_shown(flat[i])}, expected an expert id (an int >= 0)")
+        if arr.min() < 0:
+            layer = int(np.argwhere(arr < 0)[0][0])
+            raise RecordError(f"{where}: field '{field}' token {j} layer {layer} holds "
+                              f"{int(arr.min())}, expected an expert id (an int >= 0)")
+        srt = np.sort(arr, axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
+        if dup.any():
+            layer = int(np.flatnonzero(dup)[0])
+            raise RecordError(f"{where}: field '{field}' token {j} layer {layer} names an "
+                              f"expert twice: {arr[layer].tolist()}")
+    return np.asarray(values, dtype=np.int64).reshape(n, *shape)
+
+
 def _number(where: str, field: str, value: Any, minimum: float | None = None) -> float:
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         value = value.item()
@@ -194,6 +241,8 @@ def validate_record(obj: Any, where: str = "record", *, vocab_size: int | None =
     for field in TOKEN_FLOAT_FIELDS:
         if field in obj:
             out[field] = _floats(where, field, obj[field], n)
+    if "routed_experts" in obj:
+        out["routed_experts"] = _routing(where, obj["routed_experts"], n)
     if "reward" in obj:
         out["reward"] = _number(where, "reward", obj["reward"])
     if "weight" in obj:

@@ -2,6 +2,11 @@
 
 This is what DFS must equal. It shares nothing with the walker but the loss formulas: the
 logits come from ``model(input_ids).logits`` over the whole sequence, no cache, no tree.
+MoE: a sequence's ``routed_experts`` are forced in its forward (the replay is the model
+fact of ``dta/routing.py``), and with ``router_aux_loss_coef > 0`` the sequence's own
+load-balancing loss (:func:`sequence_aux_loss`, Hugging Face's formula over that sequence's
+router logits of every MoE layer) is added, times the coefficient and the sequence's weight,
+and differentiated by autograd.
 """
 from __future__ import annotations
 
@@ -13,6 +18,21 @@ import torch
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights
 from dta.objective import Objective
+from dta.routing import MoERouters
+
+
+def sequence_aux_loss(routed, num_experts: int) -> torch.Tensor:
+    """HF's ``load_balancing_loss_func`` for one sequence (no padding): the MoE layers' router
+    logits concatenated into [layers · n, E] rows; f = the mean over rows of the experts each
+    row used (one-hot, summed over k), P = the mean over rows of softmax(logits);
+    E · Σ_e f_e P_e."""
+    layers = sorted(routed.logits)
+    logits = torch.cat([routed.logits[layer] for layer in layers])
+    experts = torch.cat([routed.experts[layer] for layer in layers])
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(logits.to(dtype), dim=-1)
+    f = torch.nn.functional.one_hot(experts, num_experts).sum(1).to(dtype).mean(0)
+    return num_experts * (f * probs.mean(0)).sum()
 
 
 @dataclass
@@ -40,19 +60,30 @@ def sequence_logprobs(model, ids: np.ndarray, temperature: float = 1.0):
 def unpacked_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
                        reduction: str = "token_mean", totals: Totals | None = None,
                        temperature: float = 1.0, backward: bool = True,
-                       progress=None) -> ReferenceResult:
+                       router_aux_loss_coef: float = 0.0, progress=None) -> ReferenceResult:
     """Accumulate the batch's gradient into ``.grad``, one sequence per forward/backward."""
     if isinstance(loss, SequenceLoss):
         coef = sequence_weights(batch, reduction, totals)
         objective = None
     else:
         objective = Objective(batch, loss, reduction, totals)
+    if router_aux_loss_coef > 0 and objective is None:
+        raise ValueError("router_aux_loss_coef > 0 with a sequence-level loss is not implemented")
+    moe = MoERouters(model)
+    device = next(model.parameters()).device
     total, lps, ents = 0.0, [], []
     for i, ids in enumerate(batch.input_ids):
-        with torch.set_grad_enabled(backward):
+        forced = None if batch.routed_experts is None else \
+            torch.as_tensor(batch.routed_experts[i], device=device)
+        with torch.set_grad_enabled(backward), moe.scope(), \
+                moe.call(forced, capture=router_aux_loss_coef > 0) as routed:
             logp, ent = sequence_logprobs(model, ids, temperature)
             if objective is not None:
                 value = objective.sequence_loss(i, logp, ent)
+                omega = float(objective.sequence_weights[i])
+                if router_aux_loss_coef > 0 and omega != 0:
+                    value = value + router_aux_loss_coef * omega * \
+                        sequence_aux_loss(routed, moe.num_experts).to(value.dtype)
             else:
                 fields = {k: torch.as_tensor(batch.fields[k][i], dtype=logp.dtype, device=logp.device)
                           for k in loss.fields}

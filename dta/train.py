@@ -16,6 +16,7 @@ from dta.lora import check_peft_model
 from dta.losses import SequenceLoss, TokenLoss, Totals
 from dta.objective import Objective, linearize
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
+from dta.routing import MoERouters, check_routing, check_shared_routing
 from dta.selfcheck import ensure_self_check
 from dta.tree import PrefixTree, TreeStats
 from dta.walk import Walker, WalkResult
@@ -34,11 +35,12 @@ class StepResult:
     updated: bool | None = None
 
 
-def validate_for_model(batch: Batch, model, loss) -> None:
+def validate_for_model(batch: Batch, model, loss=None) -> None:
     cfg = model.config
     batch.validate(vocab_size=cfg.vocab_size,
                    max_positions=getattr(cfg, "max_position_embeddings", None),
-                   required=loss.fields)
+                   required=loss.fields if loss is not None else ())
+    check_routing(batch, MoERouters(model))  # routed_experts fit the model's MoE layers
 
 
 def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
@@ -46,14 +48,15 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
                          policy: str = "retain", temperature: float = 1.0,
                          logits_chunk: int = 1024, min_shared: int = 1, record: bool = False,
                          progress=None, router_aux_loss: str = "refuse",
-                         self_check: bool = True,
+                         router_aux_loss_coef: float = 0.0, self_check: bool = True,
                          block_tokens: int | None = DEFAULT_BLOCK_TOKENS, **walk_kw) -> StepResult:
     """Add the batch's loss gradient into the parameters' ``.grad`` by one DFS walk.
 
     totals: normalizers of the mean reductions over the whole global batch, when this call
     sees only part of it (a data-parallel worker); default: this batch's own.
-    router_aux_loss: "refuse" | "exclude"; self_check: probe the model once (cached) and
-    refuse one the walker would train wrong; see ``dta.walk.Walker``.
+    router_aux_loss_coef: > 0 adds each sequence's router load-balancing loss (docs/moe.md);
+    router_aux_loss: "refuse" | "exclude" (with the coefficient 0); self_check: probe the model
+    once (cached) and refuse one the walker would train wrong; see ``dta.walk.Walker``.
     block_tokens: a node longer than this is walked as a chain of blocks, so no call (and
     under recompute no live graph) is longer (``dta.planning.blocks``); None or 0: no cut.
     walk_kw: the walker's packing options (``packing``, ``pack_tokens``, ``block_tokens``,
@@ -61,8 +64,13 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
     """
     validate_for_model(batch, model, loss)
     tree = PrefixTree(batch.input_ids, min_shared=min_shared)
+    check_shared_routing(batch, tree)  # one routing per shared token, before any forward
+    if router_aux_loss_coef > 0 and isinstance(loss, SequenceLoss):
+        raise ValueError("router_aux_loss_coef > 0 with a sequence-level loss is not "
+                         "implemented (docs/moe.md); use a token loss or set it to 0")
     walker = checked_walker(model, self_check, policy=policy, logits_chunk=logits_chunk,
                             temperature=temperature, router_aux_loss=router_aux_loss,
+                            router_aux_loss_coef=router_aux_loss_coef,
                             block_tokens=block_tokens, **walk_kw)
     if isinstance(loss, SequenceLoss):
         fwd = walker.forward(tree, batch)
@@ -80,8 +88,7 @@ def forward_logprobs(model, batch: Batch, *, temperature: float = 1.0, logits_ch
                      block_tokens: int | None = DEFAULT_BLOCK_TOKENS, **walk_kw) -> WalkResult:
     """Per-sequence, per-token log-probs and entropy with K/V reuse and no graph (no call
     longer than ``block_tokens``; None or 0: nodes uncut)."""
-    batch.validate(vocab_size=model.config.vocab_size,
-                   max_positions=getattr(model.config, "max_position_embeddings", None))
+    validate_for_model(batch, model)
     tree = PrefixTree(batch.input_ids)
     return checked_walker(model, self_check, logits_chunk=logits_chunk, temperature=temperature,
                           block_tokens=block_tokens, **walk_kw).forward(tree, batch, minmax=minmax)

@@ -138,12 +138,15 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
            policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
            lr: float = 1e-3, adam_eps: float | None = None,
            truly_float64: bool = True, progress: bool = False, packing: str = "auto",
-           pack_tokens: int | None = None, **walk_kw) -> VerifyReport:
+           pack_tokens: int | None = None, router_aux_loss_coef: float = 0.0,
+           **walk_kw) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed.
     With `progress`, a bar per side counts the tokens trained. packing / pack_tokens: the DFS
     side's pack policy and cap (``dta.planning.packs``; default: the cost model's plan);
     walk_kw: the walker's other options (``block_tokens``, ...; :class:`dta.walk.Walker`),
-    used by the training and the forward-only walks. Frozen parameters (a LoRA model's
+    used by the training and the forward-only walks. router_aux_loss_coef: both sides add
+    each sequence's router load-balancing loss (docs/moe.md); a batch's ``routed_experts``
+    are replayed on both sides. Frozen parameters (a LoRA model's
     base) must end without a gradient on both sides."""
     from dta.planning.packs import DEFAULT_CAP
 
@@ -160,10 +163,12 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     with _bar(progress, "DFS (unique tokens)") as bar:
         dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
                                    temperature=temperature, logits_chunk=logits_chunk,
-                                   record=True, progress=bar, **walk_kw)
+                                   record=True, progress=bar,
+                                   router_aux_loss_coef=router_aux_loss_coef, **walk_kw)
     with _bar(progress, "unpacked (tokens)") as bar:
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
-                                 temperature=temperature, progress=bar)
+                                 temperature=temperature, progress=bar,
+                                 router_aux_loss_coef=router_aux_loss_coef)
 
     # the training walk: on the sequences it walks whole (those with a loss term)
     walked = [bool(w.any()) for w in token_weights(batch, reduction)]

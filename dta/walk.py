@@ -53,6 +53,8 @@ from dta.packmask import mask_support, pack_mask
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS, check_block_tokens, cut_blocks
 from dta.planning.index import PlanningError
 from dta.planning.packs import DEFAULT_CAP, PackCost, PackLayout, PackPlan, plan_packs
+from dta.router_aux import NoRouterAux, RouterAux
+from dta.routing import NodeRouting, check_shared_routing
 from dta.tree import PrefixTree
 
 POLICIES = ("retain", "recompute")
@@ -70,7 +72,8 @@ class Frame:
 
 @dataclass
 class WalkResult:
-    loss: float = 0.0
+    loss: float = 0.0  # the router's aux loss included (``aux_loss``)
+    aux_loss: float = 0.0  # the router's load-balancing loss, coef and weights applied
     nodes: int = 0  # nodes forwarded (first time)
     tokens: int = 0  # tokens forwarded (first time)
     recomputed_tokens: int = 0  # tokens forwarded again at pop (recompute policy)
@@ -106,14 +109,18 @@ class Walker:
         grouped-query path, and forwards over cached keys split at the cache boundary).
     block_tokens: the longest piece of a node forwarded in one call (``dta.planning.blocks``;
     default 2,048; None or 0: nodes are never cut); packs are capped at it too.
-    router_aux_loss: "refuse" (default) raises at ``train`` when a MoE config asks for the
-    router's load-balancing loss; "exclude" trains the policy loss without it (see
-    ``dta.modeling.check_router_aux_loss``). The walker does not probe the model: the
+    router_aux_loss_coef: > 0 adds the router's load-balancing loss of every sequence, as
+    per-sequence training does (``dta/router_aux.py``, docs/moe.md); 0 (default): off.
+    router_aux_loss: with the coefficient 0, "refuse" (default) raises at ``train`` when a MoE
+    config asks for the load-balancing loss; "exclude" trains the policy loss without it (see
+    ``dta.modeling.check_router_aux_loss``). A record's ``routed_experts`` are replayed in
+    every MoE layer (``dta/routing.py``). The walker does not probe the model: the
     trainer's entry points (``dta.train``) run ``dta.selfcheck`` before they build one.
     """
 
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
                  temperature: float = 1.0, router_aux_loss: str = "refuse",
+                 router_aux_loss_coef: float = 0.0,
                  packing: str = "auto", pack_tokens: int = DEFAULT_CAP,
                  block_tokens: int | None = DEFAULT_BLOCK_TOKENS, head_rows: int | None = None,
                  pack_cost: PackCost | None = None, native_gqa: bool = True):
@@ -122,9 +129,14 @@ class Walker:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         check_router_aux_loss(model, "exclude")  # validates the option's value only
+        if not router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {router_aux_loss_coef}")
         check_peft_model(model)  # LoRA only, no dropout (dta/lora.py)
         self.model, self.policy, self.router_aux_loss = model, policy, router_aux_loss
         self.io = ModelInterface(model)
+        self.router_aux_loss_coef = float(router_aux_loss_coef)
+        if self.router_aux_loss_coef > 0:
+            self.io.moe.require(f"router_aux_loss_coef={router_aux_loss_coef}")
         self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -152,17 +164,20 @@ class Walker:
         return plan
 
     # --------------------------------------------------------------------- the model --
-    def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
-        """The pack's last hidden states [T, H] and its own new per-layer state."""
+    def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame], routes: NodeRouting,
+                 capture: bool = False):
+        """The pack's last hidden states [T, H], its own new per-layer state, and its routing
+        (``dta.routing.RouterCall``: the replayed experts forced, the routers read)."""
         ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])
         ids = torch.as_tensor(ids, device=self.device)
         pos = torch.as_tensor(layout.positions, device=self.device).unsqueeze(0)
         cache = self.io.pack_cache(self._path_pieces(tree, layout, path), layout)
         mask = pack_mask(layout, self.model, self.device, self.dtype, self.mask_support)
-        out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
-                              **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
+        with self.io.moe.call(routes.rows(layout.tree_nodes), capture) as routed:
+            out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
+                                  **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
         P = layout.prefix
-        return out.last_hidden_state[0], self.io.node_state(cache, P, P + layout.tokens)
+        return out.last_hidden_state[0], self.io.node_state(cache, P, P + layout.tokens), routed
 
     def _path_pieces(self, tree: PrefixTree, layout: PackLayout, path: list[Frame]):
         """Per layer, the path's K/V pieces covering positions 0..prefix-1: in each frame, the
@@ -204,7 +219,9 @@ class Walker:
     def train(self, tree: PrefixTree, objective: Objective, *, record: bool = False,
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
-        check_router_aux_loss(self.model, self.router_aux_loss)
+        check_router_aux_loss(self.model, "exclude" if self.router_aux_loss_coef > 0
+                              else self.router_aux_loss)
+        check_shared_routing(objective.batch, tree)  # before anything is forwarded
         with self._walking():
             return self._train(tree, objective, record, progress)
 
@@ -223,10 +240,13 @@ class Walker:
         plan = self.plan(tree, self._active(tree, objective))
         tree, res.plan = plan.tree, self._stats(plan, tree)
         rec = _Recorder(tree, self.device, self.dtype) if record else None
+        routes = NodeRouting(objective.batch, tree, self.device)
+        aux = RouterAux(self.router_aux_loss_coef, tree, objective.sequence_weights,
+                        self.io.moe.layers) if self.router_aux_loss_coef > 0 else NoRouterAux()
         need_ent = objective.loss.uses_entropy
         queue = HeadQueue()
         path: list[Frame] = []
-        waiting: list[tuple] = []  # leaf packs: (hidden with graph, head job, tokens)
+        waiting: list[tuple] = []  # leaf packs: (hidden with graph, head job, tokens, aux pairs)
 
         def evaluate(hidden, terms):
             """One LM-head call over the queued rows: loss value and ∂L/∂hidden."""
@@ -252,12 +272,13 @@ class Walker:
             """Evaluate the queued head rows, then leaf() every waiting leaf pack."""
             queue.flush(evaluate)
             if waiting:
-                leaf([(h, job.dhidden) for h, job, _ in waiting])
+                leaf([(h, job.dhidden, extra) for h, job, _, extra in waiting])
                 waiting.clear()
 
         def leaf(done):
             """Backpropagate leaf packs (their own loss only) in one backward call."""
-            backward([h for h, d in done if d is not None], [d for _, d in done if d is not None])
+            pairs = [(h, d) for h, d, _ in done if d is not None] + [p for *_, x in done for p in x]
+            backward([o for o, _ in pairs], [g for _, g in pairs])
 
         def push(i):
             pack, layout = plan.packs[i], plan.layout(i)
@@ -268,7 +289,8 @@ class Walker:
             res.tokens += layout.tokens
             res.forward_calls += 1
             with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
-                hidden, state = self._forward(tree, layout, path)
+                hidden, state, routed = self._forward(tree, layout, path, routes, aux.capture)
+            aux_pairs = aux.pushed(i, layout, path, routed, is_leaf)  # the router's aux loss
             job = queue.add(hidden, self._terms(tree, layout, objective, record))
             kept = [f.layout.tokens for f in path] + [w[2] for w in waiting] \
                 if self.policy == "retain" else []  # graphs alive besides this one
@@ -276,7 +298,7 @@ class Walker:
             res.max_graph_tokens = max(res.max_graph_tokens, layout.tokens + sum(kept))
             res.max_call_tokens = max(res.max_call_tokens, layout.tokens)
             if is_leaf:
-                waiting.append((hidden, job, layout.tokens))
+                waiting.append((hidden, job, layout.tokens, aux_pairs))
                 # recompute keeps one graph alive: its leaf packs do not wait for a flush
                 if self.policy == "recompute" or queue.rows >= self.head_rows \
                         or sum(w[2] for w in waiting) >= max(self.head_rows, 1):
@@ -293,14 +315,17 @@ class Walker:
             flush()  # the pack's own head rows, and its leaf packs' backward passes
             frame = path.pop()
             if self.policy == "recompute":  # re-forward with grad; the head is not re-run
-                hidden, state = self._forward(tree, frame.layout, path)
+                hidden, state, routed = self._forward(tree, frame.layout, path, routes, aux.capture)
                 res.recomputed_tokens += frame.layout.tokens
                 res.forward_calls += 1
                 res.max_live_graphs = max(res.max_live_graphs, 1)
                 res.max_graph_tokens = max(res.max_graph_tokens, frame.layout.tokens)
             else:
-                hidden, state = frame.graph
+                (hidden, state), routed = frame.graph, None
             outs, grads = ([hidden], [frame.job.dhidden]) if frame.job.dhidden is not None else ([], [])
+            for out, grad in aux.popped(frame.pack, routed):  # the router's aux loss
+                outs.append(out)
+                grads.append(grad)
             for layer, layer_leaves in zip(state, frame.state):
                 for out, lf in zip(layer, layer_leaves):
                     if lf.grad is not None:
@@ -313,6 +338,8 @@ class Walker:
             if progress is not None and kind == "push":
                 progress(plan.packs[i].tokens)
         flush()
+        res.aux_loss = aux.value
+        res.loss += aux.value
         if rec is not None:
             res.logprobs, res.entropy = rec.split()
         return res
@@ -326,13 +353,15 @@ class Walker:
         plan = self.plan(tree)
         tree, res.plan = plan.tree, self._stats(plan, tree)
         path: list[Frame] = []
+        check_shared_routing(batch, tree)
+        routes = NodeRouting(batch, tree, self.device)
         with self._walking():
             for kind, i in plan.walk():
                 if kind == "pop":
                     path.pop()
                     continue
                 layout = plan.layout(i)
-                hidden, state = self._forward(tree, layout, path)
+                hidden, state, _ = self._forward(tree, layout, path, routes)
                 terms = self._terms(tree, layout, objective, True)
                 if not terms.empty:
                     out = self.head.evaluate(hidden, terms, entropy=True, minmax=minmax)
