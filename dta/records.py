@@ -184,8 +184,8 @@ def _routing(where: str, values: Any, n: int) -> np.ndarray:
             raise RecordError(f"{where}: field '{field}' token {j} has {arr.shape[0]} layers x "
                               f"{arr.shape[1]} experts, token 0 has {shape[0]} x {shape[1]}")
         if arr.dtype.kind not in "iu":
-            flat = arr.reshape(-1).tolist()
-            i = next(i for i, x in enumerate(flat) if not ok_int(x))
+            flat = [x for layer in tok for x in layer]
+            i = next((i for i, x in enumerate(flat) if not ok_int(x)), 0)
             raise RecordError(f"{where}: field '{field}' token {j} layer {i // shape[1]} holds "
                               f"{_shown(flat[i])}, expected an expert id (an int >= 0)")
         if arr.min() < 0:

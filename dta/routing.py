@@ -198,3 +198,23 @@ class NodeRouting:
         parts = [self.routed[int(t.order[t.lo[u]])][int(t.start[u]):int(t.end[u])]
                  for u in tree_nodes]
         return torch.as_tensor(np.concatenate(parts), device=self.device)
+
+
+def synthetic_routing(sequences, layers: int, top_k: int, num_experts: int,
+                      seed: int = 0) -> list[np.ndarray]:
+    """Random replayed routings for tests and ``dta verify --replay``: per sequence
+    [tokens, layers, k] distinct expert ids, a function of the token's *prefix* (so
+    sequences sharing a prefix agree on it, as one rollout engine's routing does) and of
+    ``seed`` -- not of the router, so most differ from what it would pick."""
+    import zlib
+
+    out = []
+    for seq in sequences:
+        h = zlib.crc32(np.int64(seed).tobytes())
+        rows = []
+        for tok in np.asarray(seq, dtype=np.int64):
+            h = zlib.crc32(tok.tobytes(), h)
+            rng = np.random.default_rng(h)
+            rows.append(np.argsort(rng.random((layers, num_experts)), axis=1)[:, :top_k])
+        out.append(np.asarray(rows, dtype=np.int64).reshape(len(rows), layers, top_k))
+    return out
