@@ -179,6 +179,9 @@ class ActorConfig:
     adv_norm: Optional[NormConfig] = None
     kl_ctl: float = 0.0
     kl_estimator: str = "k1"
+    # MoE: the router's load-balancing loss of every sequence, computed exactly (docs/moe.md);
+    # 0 = off (a model config that asks for it is then refused)
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclass
@@ -310,6 +313,7 @@ _RANGES: dict[str, tuple] = {
     "actor.eps_clip_higher": (lambda v: v > 0, "> 0"),
     "actor.c_clip": (lambda v: v > 1, "> 1"),
     "actor.temperature": (lambda v: v > 0, "> 0"),
+    "actor.router_aux_loss_coef": (lambda v: v >= 0, ">= 0"),
     "actor.behav_imp_weight_cap": (lambda v: v > 1, "> 1"),
     "actor.group_size": (lambda v: v >= 1, ">= 1"),
     "actor.ppo_n_minibatches": (lambda v: v >= 1, ">= 1"),

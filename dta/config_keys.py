@@ -63,6 +63,7 @@ KEY_USE: dict[str, str] = {
     "actor.adv_norm.std_level": "GRPO advantage normalization",
     "actor.adv_norm.group_size": "GRPO groups of records without group_id",
     "actor.adv_norm.eps": "GRPO advantage normalization",
+    "actor.router_aux_loss_coef": "MoE router load-balancing loss per sequence (docs/moe.md)",
 }
 # key -> (the only value dta train accepts, why)
 NOT_IN_DTA_TRAIN: dict[str, tuple[Any, str]] = {

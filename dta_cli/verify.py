@@ -28,6 +28,14 @@ def add_arguments(p) -> None:
     p.add_argument("--tolerance", type=float, default=None,
                    help="exit 1 when max relative error exceeds it (default: 1e-10 for "
                         "float64, 1e-4 for float32)")
+    moe = p.add_argument_group("MoE (docs/moe.md)")
+    moe.add_argument("--router-aux-loss", type=float, default=0.0, metavar="COEF",
+                     help="add each sequence's router load-balancing loss times COEF on both "
+                          "sides (default 0: off)")
+    moe.add_argument("--replay", action="store_true",
+                     help="replay synthesized routings (random experts per token and MoE "
+                          "layer, the same on a shared prefix) on both sides, unless the "
+                          "input records bring their own routed_experts")
     lora = p.add_argument_group("LoRA (the optional lora extra: peft)")
     lora.add_argument("--lora", type=int, default=0, metavar="R",
                       help="verify the model wrapped with rank-R LoRA adapters (base frozen; "
@@ -68,6 +76,18 @@ def run(args) -> int:
     if args.max_sequences:
         records = records[: args.max_sequences]
     batch = Batch.from_records(records)
+    if args.router_aux_loss < 0:
+        raise SystemExit(f"dta verify: --router-aux-loss must be >= 0, got {args.router_aux_loss}")
+    if args.replay and batch.routed_experts is None:
+        from dta.routing import MoERouters, RoutingError, synthetic_routing
+
+        routers = MoERouters(model)
+        try:
+            routers.require("--replay")
+        except RoutingError as e:
+            raise SystemExit(f"dta verify: {e}") from None
+        batch.routed_experts = synthetic_routing(batch.input_ids, routers.layers, routers.top_k,
+                                                 routers.num_experts, seed=args.seed)
     loss = {"nll": NLL(), "ppo": PPO(eps_clip=0.2, dual_clip=3.0),
             "ppo-decoupled": PPO(eps_clip=0.2, decoupled=True, behav_imp_weight_cap=5.0)}[args.loss]
     if args.loss != "nll":
@@ -87,7 +107,8 @@ def run(args) -> int:
         raise SystemExit(f"dta verify: --pack-tokens must be a positive number of tokens, got "
                          f"{args.pack_tokens}")
     report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
-                    progress=True, packing=args.packing, pack_tokens=args.pack_tokens)
+                    progress=True, packing=args.packing, pack_tokens=args.pack_tokens,
+                    router_aux_loss_coef=args.router_aux_loss)
     tol = args.tolerance or (1e-10 if report.dtype == "float64" else 1e-4)
     ok = report.passed(tol)  # NaN/inf anywhere: a failure
     d = report.as_dict()
@@ -102,6 +123,9 @@ def run(args) -> int:
         print(f"tested configuration of {args.family}: {feats} (dta/families.py)")
     print(f"batch: {report.sequences} sequences, {report.total_tokens:,} tokens, "
           f"{report.unique_tokens:,} unique (sharing {report.sharing_ratio:.2f}x), tree depth {report.tree_depth}")
+    if args.replay or args.router_aux_loss or batch.routed_experts is not None:
+        print(f"MoE: routing {'replayed' if batch.routed_experts is not None else 'chosen by the router'}"
+              f", router aux loss coefficient {args.router_aux_loss:g}")
     if args.lora:
         print(f"LoRA r={args.lora} on {args.lora_targets}{' (rsLoRA)' if args.rslora else ''}: "
               f"{report.trainable_parameters:,} trainable parameters; frozen parameters with a "
@@ -112,6 +136,8 @@ def run(args) -> int:
     print(f"{'PASS' if ok else 'FAIL'}: max relative error {report.max_rel_err():.3e} (tolerance {tol:g})")
     if args.json:
         model_info = {} if args.model_path else {"family": args.family, "matrix": bool(args.matrix)}
+        model_info.update(replay=batch.routed_experts is not None,
+                          router_aux_loss_coef=args.router_aux_loss)
         if args.lora:
             model_info.update(lora_r=args.lora, lora_targets=args.lora_targets,
                               rslora=bool(args.rslora))

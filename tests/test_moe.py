@@ -214,3 +214,26 @@ def test_moe_matrix_exact(family, policy, packing, replay, coef):
                     reduction="seq_mean" if packing == "tree" else "token_mean",
                     router_aux_loss_coef=coef, logits_chunk=7)
     assert report.max_rel_err() <= 1e-10, (family, policy, packing, replay, coef, report)
+
+
+# ------------------------------------------------------------------- CLI, config --
+def test_cli_verify_replay_and_aux(capsys):
+    from dta_cli.main import main
+
+    code = main(["verify", "--family", "olmoe", "--dtype", "float64", "--max-sequences", "4",
+                 "--replay", "--router-aux-loss", "0.01", "--packing", "node", "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and report["passed"] and report["replay"]
+    assert report["router_aux_loss_coef"] == 0.01 and report["max_rel_err"] <= 1e-10
+    assert "MoE: routing replayed, router aux loss coefficient 0.01" in out
+    with pytest.raises(SystemExit, match="--replay needs a top-k router"):
+        main(["verify", "--family", "llama", "--max-sequences", "2", "--replay"])
+
+
+def test_config_key():
+    from dta.config import ConfigError, load_config
+
+    assert load_config(overrides=["actor.router_aux_loss_coef=0.01"]).actor.router_aux_loss_coef == 0.01
+    with pytest.raises(ConfigError, match="actor.router_aux_loss_coef"):
+        load_config(overrides=["actor.router_aux_loss_coef=-1"])

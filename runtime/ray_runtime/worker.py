@@ -92,7 +92,8 @@ def fill_recomputed(model, batch: Batch, names, cfg) -> Batch:
     fields = dict(batch.fields)
     for n in missing:
         fields[n] = lps
-    return Batch(batch.input_ids, fields, batch.weight, batch.group_id)
+    return Batch(batch.input_ids, fields, batch.weight, batch.group_id,
+                 routed_experts=batch.routed_experts)
 
 
 # --------------------------------------------------------------------- memory --
@@ -276,6 +277,8 @@ class DFSWorker:
                                        logits_chunk=int(w.logits_chunk),
                                        min_shared=int(w.min_shared), progress=reporter,
                                        block_tokens=block_tokens_of(self.cfg),
+                                       router_aux_loss_coef=float(
+                                           self.cfg.actor.router_aux_loss_coef),
                                        **getattr(self.strategy, "walk_options", {}))
             if reporter is not None:
                 reporter.flush()
@@ -402,7 +405,9 @@ def _writable(batch: Batch) -> Batch:
     """Ray hands numpy arrays over read-only (zero copy); torch wants writable ones."""
     return Batch([np.array(s) for s in batch.input_ids],
                  {k: [np.array(a) for a in v] for k, v in batch.fields.items()},
-                 None if batch.weight is None else np.array(batch.weight), batch.group_id)
+                 None if batch.weight is None else np.array(batch.weight), batch.group_id,
+                 routed_experts=None if batch.routed_experts is None else
+                 [np.array(r) for r in batch.routed_experts])
 
 
 def _to_cpu(obj):
