@@ -168,14 +168,16 @@ def test_forcing(family):
 
 # ------------------------------------------------------------------- exactness --
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-@pytest.mark.parametrize("policy, packing", [("retain", "auto"), ("recompute", "node")])
-def test_replay_and_aux_loss_exact(family, policy, packing):
+@pytest.mark.parametrize("policy, packing, block", [("retain", "auto", None),
+                                                    ("recompute", "node", 4)])
+def test_replay_and_aux_loss_exact(family, policy, packing, block):
     """Replayed routing (not the router's choice) and the aux loss at 0.01; packs of at
-    most 12 tokens (several packs, some masked, a path of frames), or node by node."""
+    most 12 tokens (several packs, some masked, a path of frames), or node by node with
+    nodes cut into blocks of at most 4 tokens."""
     model = moe_model(family)
     batch = replay_batch(model, small_sequences())
     report = verify(model, batch, LOSS, policy=policy, packing=packing, pack_tokens=12,
-                    router_aux_loss_coef=COEF)
+                    router_aux_loss_coef=COEF, **({"block_tokens": block} if block else {}))
     assert report.truly_float64 and 1 < report.packs <= report.nodes
     for err in ("logprobs", "loss", "grad", "params", "update"):
         assert getattr(report, f"{err}_rel_err") <= 1e-10, (family, report)
