@@ -19,7 +19,9 @@ One record is one training sequence. Its fields (any other name is an error that
 * ``routed_experts``: MoE routing replay (``docs/moe.md``): per token, per MoE layer, the
   top-k expert ids the rollout used -- a nested list ``[tokens][layers][k]`` of ints >= 0,
   the same number of layers and of ids for every token, no id twice in one token's layer.
-  The model check (layers, k, ids below the number of experts) is ``dta.routing``'s.
+  The model check (layers, k, ids below the number of experts) is ``dta.routing``'s. It may
+  hold one token less than ``input_ids`` (SGLang's export: the last token, which no rollout
+  forward saw, is routed by the model itself; its output predicts nothing).
 * metadata, kept as given and never used for training: ``id``, ``uid``, ``episode``,
   ``task``, ``call``, ``calls`` (ints or strings) and ``meta`` (anything JSON).
 
@@ -166,8 +168,9 @@ def _routing(where: str, values: Any, n: int) -> np.ndarray:
     if not isinstance(values, (list, tuple, np.ndarray)):
         raise RecordError(f"{where}: field '{field}' must be a nested list [tokens][layers][k], "
                           f"got {type(values).__name__}")
-    if len(values) != n:
-        raise RecordError(f"{where}: field '{field}' has {len(values)} tokens, input_ids has {n}")
+    if len(values) not in (n, n - 1) or (n == 1 and len(values) == 0):
+        raise RecordError(f"{where}: field '{field}' has {len(values)} tokens, input_ids has {n} "
+                          f"(give {n}, or {n - 1}: the last token routed by the model)")
     shape = None
     ok_int = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
     for j, tok in enumerate(values):
@@ -198,7 +201,10 @@ def _routing(where: str, values: Any, n: int) -> np.ndarray:
             layer = int(np.flatnonzero(dup)[0])
             raise RecordError(f"{where}: field '{field}' token {j} layer {layer} names an "
                               f"expert twice: {arr[layer].tolist()}")
-    return np.asarray(values, dtype=np.int64).reshape(n, *shape)
+    out = np.asarray(values, dtype=np.int64).reshape(len(values), *shape)
+    if len(values) == n - 1:  # SGLang's export: the last token was never forwarded
+        out = np.concatenate([out, np.full((1, *shape), -1, dtype=np.int64)])
+    return out
 
 
 def _number(where: str, field: str, value: Any, minimum: float | None = None) -> float:

@@ -115,11 +115,14 @@ class MoERouters:
         layer = self._layer[id(module)]
         logits, weights, experts = output
         if call.forced is not None:
-            experts = call.forced[:, layer]
-            if experts.shape[0] != logits.shape[0]:
+            forced = call.forced[:, layer]
+            if forced.shape[0] != logits.shape[0]:
                 raise RoutingError(f"{self.name}: MoE layer {layer} routes {logits.shape[0]} "
-                                   f"tokens, the replay holds {experts.shape[0]}")
-            weights = forced_weights(module, logits, experts)
+                                   f"tokens, the replay holds {forced.shape[0]}")
+            own = forced[:, :1] < 0  # a token without a replayed routing: the router's own
+            forced_w = forced_weights(module, logits, forced.clamp_min(0))
+            experts = torch.where(own, experts, forced)
+            weights = torch.where(own, weights.to(forced_w.dtype), forced_w)
             output = (logits, weights, experts)
         if call.capture:
             call.logits[layer], call.experts[layer] = logits, experts
@@ -137,11 +140,18 @@ def forced_weights(router, logits: torch.Tensor, experts: torch.Tensor) -> torch
 
 
 # ------------------------------------------------------------------- batch checks --
-def check_routing(batch, routers: MoERouters) -> None:
+def check_routing(batch, routers: MoERouters, aux_loss: bool = False) -> None:
     """Every sequence's ``routed_experts`` fits the model: one entry per MoE layer, k ids
-    each, every id below the number of experts (errors name the sequence and token)."""
+    each, every id below the number of experts (errors name the sequence and token). With
+    the aux loss, every token needs its routing (the last one included)."""
     if batch.routed_experts is None:
         return
+    if aux_loss:
+        for i, r in enumerate(batch.routed_experts):
+            if r.size and r[-1, 0, 0] < 0:
+                raise RoutingError(f"{batch.where(i)}: field 'routed_experts' has no routing "
+                                   "for the last token; the router aux loss counts every "
+                                   "token's experts: give one per token of input_ids")
     routers.require("routing replay (field 'routed_experts')")
     L, k, E = routers.layers, routers.top_k, routers.num_experts
     for i, r in enumerate(batch.routed_experts):
@@ -169,10 +179,12 @@ def check_shared_routing(batch, tree) -> None:
         if len(through) < 2:
             continue
         s, e = int(tree.start[u]), int(tree.end[u])
-        first = int(through[0])
+        first = int(_speaker(tree, u))
         ref = routed[first][s:e]
-        for j in through[1:]:
-            diff = np.flatnonzero((routed[int(j)][s:e] != ref).reshape(e - s, -1).any(axis=1))
+        for j in through:
+            other = routed[int(j)][s:e]
+            known = (other[:, :1, :1] >= 0) & (ref[:, :1, :1] >= 0)  # a last token may be unknown
+            diff = np.flatnonzero(((other != ref) & known).reshape(e - s, -1).any(axis=1))
             if len(diff):
                 t = s + int(diff[0])
                 layer = int(np.flatnonzero((routed[int(j)][t] != routed[first][t]).any(axis=1))[0])
@@ -183,9 +195,18 @@ def check_shared_routing(batch, tree) -> None:
                     f"{routed[int(j)][t, layer].tolist()}; a shared token has one routing")
 
 
+def _speaker(tree, u: int) -> int:
+    """The sequence whose routing a node's tokens take: one that goes on below the node
+    (every token of the node routed), else the first through it (all end in it, at the
+    same token: the last one, whose routing may be the model's own in every one of them)."""
+    through = tree.through(u)
+    ending = set(int(x) for x in tree.ending[u])
+    return next((int(x) for x in through if int(x) not in ending), int(through[0]))
+
+
 class NodeRouting:
-    """The replayed experts of a walked tree's nodes (the first sequence through a node
-    speaks for all: ``check_shared_routing`` made them agree)."""
+    """The replayed experts of a walked tree's nodes (one sequence speaks for all:
+    ``check_shared_routing`` made them agree)."""
 
     def __init__(self, batch, tree, device):
         self.routed, self.tree, self.device = batch.routed_experts, tree, device
@@ -195,7 +216,7 @@ class NodeRouting:
         if self.routed is None:
             return None
         t = self.tree
-        parts = [self.routed[int(t.order[t.lo[u]])][int(t.start[u]):int(t.end[u])]
+        parts = [self.routed[_speaker(t, int(u))][int(t.start[u]):int(t.end[u])]
                  for u in tree_nodes]
         return torch.as_tensor(np.concatenate(parts), device=self.device)
 

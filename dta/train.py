@@ -63,6 +63,7 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
     ``head_rows``, ``pack_cost``, ``native_gqa``; see :class:`dta.walk.Walker`).
     """
     validate_for_model(batch, model, loss)
+    check_routing(batch, MoERouters(model), aux_loss=router_aux_loss_coef > 0)
     tree = PrefixTree(batch.input_ids, min_shared=min_shared)
     check_shared_routing(batch, tree)  # one routing per shared token, before any forward
     if router_aux_loss_coef > 0 and isinstance(loss, SequenceLoss):
