@@ -129,3 +129,10 @@ class RouterAux:
         rows = self.packs.pop(i)
         probs = rows.graph if routed is None else layer_probs(routed)[1]
         return self._surrogate(rows, probs)
+
+
+def router_aux(coef: float, tree, objective, moe) -> RouterAux | NoRouterAux:
+    """The bookkeeping of one walk: ``RouterAux`` for coef > 0, else the no-op."""
+    if coef > 0:
+        return RouterAux(coef, tree, objective.sequence_weights, moe.layers)
+    return NoRouterAux()

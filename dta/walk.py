@@ -30,6 +30,12 @@ cut into a chain of pieces, each a node whose parent is the previous piece, and 
 longer than a block; the walk below runs on the cut tree unchanged (``plan.tree``), so no
 call -- and under *recompute* no graph -- is longer than one block.
 
+MoE (docs/moe.md): a record's replayed experts are forced in every router during a pack's
+forward (``dta/routing.py``, a model-interface fact: ``routes``); the router's load-balancing
+loss (``dta/router_aux.py``: ``aux``) reads each pack's routing at push, lets the sequences
+ending in it carry their per-token coefficients up the path, and adds each pack's surrogate
+to its backward at leaf() or pop(), like the K/V gradients.
+
 Memory policies: *retain* keeps each pack's graph along the current path, plus the leaf packs
 waiting for a head flush (at most ``head_rows`` tokens of them); *recompute* keeps only the
 detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's choice):
@@ -53,7 +59,7 @@ from dta.packmask import mask_support, pack_mask
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS, check_block_tokens, cut_blocks
 from dta.planning.index import PlanningError
 from dta.planning.packs import DEFAULT_CAP, PackCost, PackLayout, PackPlan, plan_packs
-from dta.router_aux import NoRouterAux, RouterAux
+from dta.router_aux import router_aux
 from dta.routing import NodeRouting, check_shared_routing
 from dta.tree import PrefixTree
 
@@ -241,8 +247,7 @@ class Walker:
         tree, res.plan = plan.tree, self._stats(plan, tree)
         rec = _Recorder(tree, self.device, self.dtype) if record else None
         routes = NodeRouting(objective.batch, tree, self.device)
-        aux = RouterAux(self.router_aux_loss_coef, tree, objective.sequence_weights,
-                        self.io.moe.layers) if self.router_aux_loss_coef > 0 else NoRouterAux()
+        aux = router_aux(self.router_aux_loss_coef, tree, objective, self.io.moe)
         need_ent = objective.loss.uses_entropy
         queue = HeadQueue()
         path: list[Frame] = []
