@@ -261,3 +261,14 @@ def test_config_key():
     assert load_config(overrides=["actor.router_aux_loss_coef=0.01"]).actor.router_aux_loss_coef == 0.01
     with pytest.raises(ConfigError, match="actor.router_aux_loss_coef"):
         load_config(overrides=["actor.router_aux_loss_coef=-1"])
+
+
+def test_runtime_batch_copies_keep_the_routing():
+    """The Ray worker's batch copies (read-only arrays made writable; recomputed log-probs)
+    keep ``routed_experts``: nothing is silently dropped on the way to the walk."""
+    from runtime.ray_runtime.worker import _writable
+
+    batch = Batch.from_records([{"input_ids": [5, 6, 7], "routed_experts": GOOD},
+                                {"input_ids": [5, 6, 8], "routed_experts": GOOD}])
+    for b in (_writable(batch), batch.subset([1])):
+        assert b.routed_experts is not None and np.array_equal(b.routed_experts[0], np.array(GOOD))
