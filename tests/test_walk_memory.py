@@ -47,9 +47,9 @@ def test_live_graphs_bounded_by_path(monkeypatch, policy, bound, leaves, packed)
 
     original = Walker._forward
 
-    def tagging_forward(self, tree, layout, path):
+    def tagging_forward(self, tree, layout, path, *rest):
         current[0] = int(layout.tree_nodes[0])
-        return original(self, tree, layout, path)
+        return original(self, tree, layout, path, *rest)
 
     monkeypatch.setattr(Walker, "_forward", tagging_forward)
     batch = Batch.from_records([{"input_ids": s} for s in seqs])
