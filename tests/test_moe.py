@@ -261,6 +261,13 @@ def test_config_key():
     assert load_config(overrides=["actor.router_aux_loss_coef=0.01"]).actor.router_aux_loss_coef == 0.01
     with pytest.raises(ConfigError, match="actor.router_aux_loss_coef"):
         load_config(overrides=["actor.router_aux_loss_coef=-1"])
+    from dta.config_keys import check_dta_train
+
+    check_dta_train(load_config(overrides=["actor.router_aux_loss_coef=0.01"]))
+    with pytest.raises(ConfigError, match="router_aux_loss_coef' > 0 is not implemented with "
+                                          "train.sharding=fsdp"):
+        check_dta_train(load_config(overrides=["actor.router_aux_loss_coef=0.01",
+                                               "train.sharding=fsdp"]))
 
 
 def test_runtime_batch_copies_keep_the_routing():
