@@ -60,6 +60,10 @@ def split_sequences(batched: Mapping[str, Any], *, model_type: str = "",
         if key not in batched:
             raise ValueError(f"the batch has no '{key}' (AReaL batches are dicts of right-padded "
                              "[B, S] tensors with input_ids and attention_mask)")
+    if "routed_experts" in batched:  # AReaL's rollout can export it (SGLang, R3)
+        raise NotImplementedError("DTATrainEngine does not replay MoE routing yet: the batch has "
+                                  "'routed_experts'; train those records with dta train (the "
+                                  "record field routed_experts, docs/moe.md) or drop the key")
     if any(str(k).startswith("multi_modal_input") for k in batched):
         raise NotImplementedError("DTATrainEngine trains text-only models; the batch has "
                                   "multi-modal inputs")
