@@ -116,6 +116,9 @@ def test_conflicting_routing_on_a_shared_token(olmoe):
     assert all(p.grad is None for p in olmoe.parameters())
     with pytest.raises(RoutingError, match="share token 7"):
         forward_logprobs(olmoe, batch)
+    batch = replay_batch(olmoe, seqs)  # the same experts in another order: no conflict
+    batch.routed_experts[2][7] = batch.routed_experts[2][7][:, ::-1]
+    forward_logprobs(olmoe, batch)
 
 
 def test_replay_and_aux_refused_without_known_routers():
