@@ -168,9 +168,9 @@ def check_routing(batch, routers: MoERouters, aux_loss: bool = False) -> None:
 
 def check_shared_routing(batch, tree) -> None:
     """A token the tree shares carries one routing: every sequence through a node must have
-    routed its tokens to the same experts (in any order) as the node's speaker did. Sequences that disagree are an
-    error naming both and the token, raised before anything is forwarded (DTA does not
-    split the tree there; see docs/moe.md)."""
+    routed its tokens to the same experts (in any order) as the node's speaker did.
+    Sequences that disagree are an error naming both and the token, raised before anything
+    is forwarded (DTA does not split the tree there; see docs/moe.md)."""
     if batch.routed_experts is None:
         return
     routed = [np.sort(r, axis=-1) for r in batch.routed_experts]  # the order of ids is free
