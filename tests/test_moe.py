@@ -178,7 +178,14 @@ def test_replay_and_aux_loss_exact(family, policy, packing, block):
     most 12 tokens (several packs, some masked, a path of frames), or node by node with
     nodes cut into blocks of at most 4 tokens."""
     model = moe_model(family)
-    batch = replay_batch(model, small_sequences())
+    seqs = small_sequences()
+    batch = replay_batch(model, seqs)
+    moe = MoERouters(model)
+    with torch.no_grad(), moe.scope(), moe.call(capture=True) as own:
+        model(input_ids=torch.as_tensor(seqs[3]).unsqueeze(0))
+    chosen = np.sort(np.stack([own.experts[i].numpy() for i in range(moe.layers)], 1), -1)
+    differs = (chosen != np.sort(batch.routed_experts[3], -1)).any(axis=(1, 2))
+    assert differs.mean() > 0.5  # most tokens replay experts the router would not pick
     report = verify(model, batch, LOSS, policy=policy, packing=packing, pack_tokens=12,
                     router_aux_loss_coef=COEF, **({"block_tokens": block} if block else {}))
     assert report.truly_float64 and 1 < report.packs <= report.nodes
