@@ -160,6 +160,11 @@ def _attention_cache_layer(states: list[tuple]) -> tuple:
     return tuple(torch.cat([s[j] for s in states], dim=2) for j in (0, 1))
 
 
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it when it is a view into a larger storage."""
+    return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
+
+
 def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
     if layer.keys.shape[2] != end:  # a sliding (or otherwise truncating) cache layer
         raise ModelInterfaceError(
@@ -290,10 +295,19 @@ class ModelInterface:
         return [tuple(bool(t.requires_grad) for t in layer) for layer in state]
 
     def state_leaves(self, state: NodeState) -> NodeState:
-        """The node's state as its descendants read it: detached, and an autograd leaf (its
-        ``.grad`` collects their gradient) only where it can depend on a trainable weight."""
-        return [tuple(x.detach().requires_grad_(need) for x, need in zip(layer, needs))
-                for layer, needs in zip(state, self.state_needs_grad())]
+        """The node's state as its descendants read it: detached, owning its memory (see
+        :meth:`detached`), and an autograd leaf (its ``.grad`` collects their gradient) only
+        where it can depend on a trainable weight."""
+        return [tuple(x.requires_grad_(need) for x, need in zip(layer, needs))
+                for layer, needs in zip(self.detached(state), self.state_needs_grad())]
+
+    @staticmethod
+    def detached(state: NodeState) -> NodeState:
+        """The node's state detached, each tensor owning its memory: a node's K/V are a slice
+        of the forward's cache, which holds the whole path's K/V (``PathLayer.update`` joins
+        them), so a frame that kept the slice would keep every ancestor's K/V once more --
+        quadratic in the path's length when a long node is walked in blocks."""
+        return [tuple(_own(x.detach()) for x in layer) for layer in state]
 
     # ------------------------------------------------------------------ forward --
     def embed(self, ids: torch.Tensor) -> dict:

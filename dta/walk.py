@@ -379,7 +379,7 @@ class Walker:
                 res.nodes += len(plan.packs[i].nodes)
                 res.tokens += layout.tokens
                 if plan.packs[i].children:
-                    path.append(Frame(i, layout, state, None))
+                    path.append(Frame(i, layout, self.io.detached(state), None))
                     res.max_path = max(res.max_path, len(path))
                 if progress is not None:
                     progress(layout.tokens)
