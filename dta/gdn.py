@@ -237,10 +237,11 @@ def tree_delta_rule(query, key, value, g, beta, init: torch.Tensor | None, plan,
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
 
-    def chunked(x):  # [T, ...] -> [N, H, C, ...] (pad rows zero)
+    def chunked(x):  # [T, ...] -> [N, H, C, ...] (pad rows zero), contiguous: each batched
+        # product would otherwise copy (and save for backward) its own contiguous operand
         x = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, ix["rows"])
         x = x.view(plan.chunks, C, *x.shape[1:])
-        return x.transpose(1, 2)
+        return x.transpose(1, 2).contiguous()
 
     query, key, k_beta, v_beta = (chunked(x) for x in (query, key, k_beta, v_beta))
     decay = chunked(g)  # [N, H, C]

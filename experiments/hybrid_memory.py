@@ -53,13 +53,16 @@ def tracker():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             label = None
+            made_before = {t.untyped_storage().data_ptr()  # views of inputs (parameters too)
+                           for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
             for t in torch.utils._pytree.tree_leaves(out):
                 if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                     continue
                 st = t.untyped_storage()
                 key = st.data_ptr()
                 n = st.nbytes()
-                if key in self.seen or n == 0:
+                if key in self.seen or key in made_before or n == 0:
                     continue
                 if label is None:
                     label = f"{_where()} {func.__name__.split('.')[0]}"
