@@ -43,7 +43,7 @@ DEFAULT_CAP = 512  # tokens per pack (a memory cap: activations and the [T, P+T]
 # an unpacked sequence's (the tree mask, padded GDN chunks, the path's K/V read): measured on
 # the tau2 "small" batch (qwen3_5 small, experiments/hybrid_memory.py), one 854-token pack's
 # step peaked above one-sequence-at-a-time training of the 854-token longest sequence (290 vs
-# ~250 MB live), a 512-token pack below it (215 MB). So the default cap under recompute is
+# 234 MB live), a 512-token pack below it (215 MB). So the default cap under recompute is
 # the longest sequence over RECOMPUTE_CAP_DIVISOR (never below DEFAULT_CAP).
 RECOMPUTE_CAP_DIVISOR = 2
 # Per-call fixed cost in tokens of linear work. Measured on the 2-core CPU with the "small"
