@@ -191,10 +191,23 @@ def tree_conv(x: torch.Tensor, init: torch.Tensor | None, weight: torch.Tensor, 
     first = init[0].transpose(0, 1) if init is not None else x.new_zeros(K, x.shape[1])
     src = torch.cat([first.to(x.dtype), x], dim=0)
     w = weight.to(x.dtype)
-    out = None
-    for j in range(K):
-        term = src.index_select(0, ix["conv"][j]) * w[:, j]
-        out = term if out is None else out + term
+
+    def taps(src, w):
+        out = None
+        for j in range(K):
+            term = src.index_select(0, ix["conv"][j]) * w[:, j]
+            out = term if out is None else out + term
+        return out
+
+    # the K gathered windows [T, D] would each be saved for w's gradient (K x the layer's
+    # widest activation, the largest GDN item at a retain walk's peak: experiments/
+    # hybrid_memory.py); backward re-gathers them from src instead (same ops: exact)
+    if torch.is_grad_enabled() and (src.requires_grad or w.requires_grad):
+        from torch.utils.checkpoint import checkpoint
+
+        out = checkpoint(taps, src, w, use_reentrant=False)
+    else:
+        out = taps(src, w)
     if bias is not None:
         out = out + bias
     n = len(plan.state_index)
@@ -224,10 +237,11 @@ def tree_delta_rule(query, key, value, g, beta, init: torch.Tensor | None, plan,
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
 
-    def chunked(x):  # [T, ...] -> [N, H, C, ...] (pad rows zero)
+    def chunked(x):  # [T, ...] -> [N, H, C, ...] (pad rows zero), contiguous: each batched
+        # product would otherwise copy (and save for backward) its own contiguous operand
         x = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, ix["rows"])
         x = x.view(plan.chunks, C, *x.shape[1:])
-        return x.transpose(1, 2)
+        return x.transpose(1, 2).contiguous()
 
     query, key, k_beta, v_beta = (chunked(x) for x in (query, key, k_beta, v_beta))
     decay = chunked(g)  # [N, H, C]

@@ -30,6 +30,20 @@ import torch
 
 from dta.modeling import LogitTransform
 
+# The logits workspace of one head chunk (bytes; see LMHead): experiments/hybrid_memory.py
+# measured the 1,024-row workspace as the largest live tensor at the peak of a walk step of
+# the 32K-vocabulary "small" models (125 MB of 370 MB live, recompute).
+LOGITS_BYTES = 32 * 2**20
+MIN_ROWS = 64
+
+
+def logits_rows(chunk: int, vocab: int, itemsize: int = 4) -> int:
+    """Rows of one head chunk: at most ``chunk``, and at most what keeps the chunk's logits
+    (float32 at least: half-precision logits are made float32) within LOGITS_BYTES, but at
+    least MIN_ROWS."""
+    per_row = max(int(vocab), 1) * max(int(itemsize), 4)
+    return int(min(int(chunk), max(MIN_ROWS, LOGITS_BYTES // per_row)))
+
 
 @dataclass
 class HeadOutput:
@@ -50,7 +64,12 @@ class LMHead:
             raise TypeError(f"the walker needs a linear LM head, got {type(head).__name__}")
         self.weight, self.bias = head.weight, head.bias
         self.transform = LogitTransform.from_model(model, temperature)
-        self.temperature, self.chunk = float(temperature), int(chunk)
+        self.temperature = float(temperature)
+        # rows per chunk: at most `chunk`, and at most what keeps one chunk's float32 logits
+        # within LOGITS_BYTES (at least MIN_ROWS rows): the [rows, vocab] logits are the
+        # biggest single tensor of a walk step (1,024 rows x 32K vocabulary = 125 MB, more than
+        # a 19.6M-parameter model's whole decoder graph for a 512-token pack)
+        self.chunk = logits_rows(chunk, int(self.weight.shape[0]), self.weight.element_size())
         self._pending_head: list = []  # (h, ∂L/∂z_raw) waiting to be added into W.grad
         self._pending_rows = 0
         # CPU: the logits of every chunk are written into one reused buffer (a fresh

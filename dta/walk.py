@@ -58,7 +58,7 @@ from dta.objective import NodeTerms, Objective
 from dta.packmask import mask_support, pack_mask
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS, check_block_tokens, cut_blocks
 from dta.planning.index import PlanningError
-from dta.planning.packs import DEFAULT_CAP, PackCost, PackLayout, PackPlan, plan_packs
+from dta.planning.packs import PackCost, PackLayout, PackPlan, default_cap, plan_packs
 from dta.router_aux import router_aux
 from dta.routing import NodeRouting, check_shared_routing
 from dta.tree import PrefixTree
@@ -108,7 +108,8 @@ class Walker:
     """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache.
 
     packing: a pack policy of :func:`dta.planning.packs.plan_packs` (``node`` walks node by
-    node, ``tree`` forwards the whole tree in one masked call); pack_tokens: the cap of a pack;
+    node, ``tree`` forwards the whole tree in one masked call); pack_tokens: the cap of a pack
+    (None: :func:`dta.planning.packs.default_cap`, by memory policy and the longest sequence);
     head_rows: queued head rows that force a flush (default ``logits_chunk``; 0: every pack's
     head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs);
     native_gqa: run ``sdpa`` models on ``dta_sdpa`` during the walk (``dta.attention``: SDPA's
@@ -127,7 +128,7 @@ class Walker:
     def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
                  temperature: float = 1.0, router_aux_loss: str = "refuse",
                  router_aux_loss_coef: float = 0.0,
-                 packing: str = "auto", pack_tokens: int = DEFAULT_CAP,
+                 packing: str = "auto", pack_tokens: int | None = None,
                  block_tokens: int | None = DEFAULT_BLOCK_TOKENS, head_rows: int | None = None,
                  pack_cost: PackCost | None = None, native_gqa: bool = True):
         if policy not in POLICIES:
@@ -151,7 +152,8 @@ class Walker:
         self.mask_support = mask_support(model)
         self.branches = self.mask_support[0] is not None
         self.block_tokens = check_block_tokens(block_tokens)
-        self.pack_tokens = min(int(pack_tokens), self.block_tokens or int(pack_tokens))
+        self.pack_tokens = None if pack_tokens is None else \
+            min(int(pack_tokens), self.block_tokens or int(pack_tokens))
         self.head_rows = int(logits_chunk if head_rows is None else head_rows)
         self.pack_cost = pack_cost or PackCost.from_config(model.config)
         self.native_gqa = native_gqa
@@ -159,7 +161,11 @@ class Walker:
     def plan(self, tree: PrefixTree, active: np.ndarray | None = None) -> PackPlan:
         """The pack plan of ``tree`` cut into blocks: ``plan.tree`` is the tree walked."""
         cut, origin = cut_blocks(tree, self.block_tokens)
-        plan = plan_packs(cut, self.packing, cap=self.pack_tokens, cost=self.pack_cost,
+        cap = self.pack_tokens
+        if cap is None:
+            cap = default_cap(tree, self.policy)
+            cap = min(cap, self.block_tokens or cap)
+        plan = plan_packs(cut, self.packing, cap=cap, cost=self.pack_cost,
                           active=None if active is None else active[origin],
                           branches=self.branches)
         longest = max((p.tokens for p in plan.packs), default=0)

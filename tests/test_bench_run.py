@@ -166,3 +166,28 @@ def test_chain_bench_tiny(tmp_path):
     assert all(0 < c["copy_share"] < 1 for c in d["copy"].values())
     assert d["disturbance"]["others_cores"] >= 0 and d["disturbance"]["steal_cores"] >= 0
     assert (out / "chain.png").exists() and "Disturbance" in (out / "results.md").read_text()
+
+
+def test_headline_names_the_fastest_dfs_mode_within_the_baselines_memory():
+    """The fastest DFS mode overall, and the fastest whose peak is within the baseline's, with
+    its decoder calls against the tree's nodes."""
+    from experiments.bench.report import table
+    from experiments.bench.run import BenchConfig, summarize
+
+    cfg = BenchConfig(modes=("microbatch", "dfs-retain", "dfs-recompute"), repeats=1)
+    info = dict(total_tokens=1000, sharing_ratio=4.0, ideal_speedup=3.0,
+                flops={m: 1e9 for m in cfg.modes})
+    calls = lambda fwd: dict(forward_calls=fwd, backward_calls=2, head_calls=1, packs=3, nodes=40)
+    runs = [dict(mode="microbatch", repeat=0, ok=True, step_s=3.0, peak_mem_mb=100.0, grad_rel_err=0.0),
+            dict(mode="dfs-retain", repeat=0, ok=True, step_s=1.0, peak_mem_mb=150.0,
+                 grad_rel_err=1e-7, calls=calls(3)),
+            dict(mode="dfs-recompute", repeat=0, ok=True, step_s=1.2, peak_mem_mb=80.0,
+                 grad_rel_err=1e-7, calls=calls(5))]
+    hl = summarize(cfg, runs, info)["headline"]
+    assert hl["best_dfs"] == "dfs-retain" and hl["best_within_memory"] == "dfs-recompute"
+    assert hl["within_memory_calls"] == 5 and hl["nodes"] == 40
+    assert abs(hl["within_memory_mem_ratio"] - 0.8) < 1e-12
+    md = table(dict(label="x", summary=summarize(cfg, runs, info),
+                    info=dict(info, sequences=3, unique_tokens=250, trainable_tokens=10,
+                              ideal_baseline="microbatch")))
+    assert "within the baseline's peak memory: **dfs-recompute**" in md and "5 decoder calls for 40" in md

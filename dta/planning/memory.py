@@ -168,7 +168,9 @@ def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, p
     else:
         graph_tokens, read = min(call, path) if path else call, path
     states = 2 * pieces * shape.gdn_layers * shape.gdn_state * 4  # leaf + gradient, fp32
-    head = 3 * min(logits_chunk, max(call, 1)) * shape.vocab * 4
+    from dta.head import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
+
+    head = 3 * min(logits_rows(logits_chunk, shape.vocab), max(call, 1)) * shape.vocab * 4
     return {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
             "head": int(head)}
 

@@ -39,6 +39,13 @@ from dta.tree import PrefixTree
 
 POLICIES = ("node", "siblings", "subtrees", "auto", "tree")
 DEFAULT_CAP = 512  # tokens per pack (a memory cap: activations and the [T, P+T] mask)
+# recompute keeps one pack's graph alive at a time; a pack's graph per token is heavier than
+# an unpacked sequence's (the tree mask, padded GDN chunks, the path's K/V read): measured on
+# the tau2 "small" batch (qwen3_5 small, experiments/hybrid_memory.py), one 854-token pack's
+# step peaked above one-sequence-at-a-time training of the 854-token longest sequence (290 vs
+# 234 MB live), a 512-token pack below it (215 MB). So the default cap under recompute is
+# the longest sequence over RECOMPUTE_CAP_DIVISOR (never below DEFAULT_CAP).
+RECOMPUTE_CAP_DIVISOR = 2
 # Per-call fixed cost in tokens of linear work. Measured on the 2-core CPU with the "small"
 # model: a decoder forward + backward call costs ~13 ms beyond its matmuls, ~50-60 tokens'
 # worth (GPU launch overhead on short nodes makes it larger).
@@ -228,6 +235,18 @@ class PackPlan:
 
 
 # ------------------------------------------------------------------------ planning --
+def default_cap(tree: PrefixTree, policy: str) -> int:
+    """The pack cap when none is given: a memory cap. *retain* keeps the graph of every pack
+    on the walk's path (they add up): :data:`DEFAULT_CAP`. *recompute* keeps one pack's graph
+    alive at a time, so its pack may grow with the batch's longest sequence (which unpacked
+    training holds in one graph anyway): longest // :data:`RECOMPUTE_CAP_DIVISOR`, at least
+    :data:`DEFAULT_CAP` -- fewer, longer packs on long-sequence batches (fewer decoder calls)."""
+    if policy != "recompute":
+        return DEFAULT_CAP
+    longest = int(np.max(tree.end)) if len(tree) else 0
+    return max(DEFAULT_CAP, longest // RECOMPUTE_CAP_DIVISOR)
+
+
 def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP,
                cost: PackCost | None = None, active: np.ndarray | None = None,
                branches: bool = True) -> PackPlan:

@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--packing", default="auto",
       help="pack policy of modes dfs-retain / dfs-recompute: node | siblings | subtrees | auto "
            "| tree (default: auto, the cost model's choice; dfs-node is always node by node)")
-    a("--pack-tokens", type=int, default=512, help="token cap of one DFS pack (default: 512)")
+    a("--pack-tokens", type=int, default=None,
+      help="token cap of one DFS pack (default: the walker's, dta.planning.packs.default_cap: "
+           "512 under retain; under recompute max(512, longest sequence // 2))")
     a("--head-rows", type=int, default=None,
       help="DFS: queued LM-head rows that force a flush (default: --logits-chunk)")
     a("--timeout", type=float, default=600.0,

@@ -31,7 +31,7 @@ class BenchConfig:
     tree_tokens: int = 32768
     logits_chunk: int = 1024
     packing: str = "auto"  # DFS modes dfs-retain / dfs-recompute (dfs-node: node by node)
-    pack_tokens: int = 512
+    pack_tokens: int | None = None  # None: dta.planning.packs.default_cap (by memory policy)
     head_rows: int | None = None  # DFS head flush cap (default: logits_chunk)
     timeout: float = 600.0
     grad_tol: float | None = None

@@ -166,9 +166,10 @@ def dfs_node_flops(batch, c, opts):
     return Flops(c.token * p["tokens"], c.attention * p["pairs"], c.head * p["head"])
 
 
-def _pack_plan(batch: Batch, c: Coefs, opts):
-    """The pack plan the walker makes (same tree, active nodes and cost model)."""
-    from dta.planning.packs import DEFAULT_CALL_TOKENS, PackCost, plan_packs
+def _pack_plan(batch: Batch, c: Coefs, opts, policy: str = "retain"):
+    """The pack plan the walker makes (same tree, active nodes, cost model and cap)."""
+    from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
+    from dta.planning.packs import DEFAULT_CALL_TOKENS, PackCost, default_cap, plan_packs
 
     tree = PrefixTree(batch.input_ids)
     active = np.zeros(len(tree), bool)
@@ -180,14 +181,15 @@ def _pack_plan(batch: Batch, c: Coefs, opts):
             active[tree.parent[u]] = True
     active[0] = False
     cost = PackCost(c.token, c.attention, DEFAULT_CALL_TOKENS * c.token)
-    return plan_packs(tree, opts.get("packing") or "auto", cap=int(opts.get("pack_tokens") or 512),
+    cap = opts.get("pack_tokens") or min(default_cap(tree, policy), DEFAULT_BLOCK_TOKENS)
+    return plan_packs(tree, opts.get("packing") or "auto", cap=int(cap),
                       cost=cost, active=active)
 
 
 def _packed_flops(batch, c, opts, recompute: bool):
     """Packs: a pack with branches runs a dense masked kernel (T x (P + T) pairs), a single
     path the causal part only; recompute adds a no-grad forward of every open pack."""
-    plan = _pack_plan(batch, c, opts)
+    plan = _pack_plan(batch, c, opts, "recompute" if recompute else "retain")
     p = _dfs_parts(batch)
     total = Flops(head=c.head * p["head"])
     for pk in plan.packs:

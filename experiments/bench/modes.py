@@ -394,7 +394,7 @@ def _dfs(policy: str, node_by_node: bool = False):
             kw = dict(packing="node", head_rows=0)
         else:
             kw = dict(packing=opts.get("packing") or "auto",
-                      pack_tokens=int(opts.get("pack_tokens") or 512),
+                      pack_tokens=opts.get("pack_tokens") or None,  # None: the walker's default
                       head_rows=opts.get("head_rows"))
         res = accumulate_gradients(model, batch, loss, reduction=opts.get("reduction", "token_mean"),
                                    totals=opts.get("totals"), policy=policy,

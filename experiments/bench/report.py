@@ -84,6 +84,13 @@ def table(point: dict) -> str:
                      f"(median over rounds); peak memory "
                      f"{_f(hl.get('mem_over_treemask'), '{:.2f}')}× the tree mask's"
                      if "over_treemask" in hl else "") + "."]
+        if hl.get("best_within_memory"):
+            lines += ["", f"Fastest DFS mode within the baseline's peak memory: "
+                          f"**{hl['best_within_memory']}**, "
+                          f"{_f(hl.get('within_memory_of_ideal'), '{:.2f}')}× the ideal speed-up at "
+                          f"{_f(hl.get('within_memory_mem_ratio'), '{:.2f}')}× the memory; "
+                          f"{_f(hl.get('within_memory_calls'), '{}')} decoder calls for "
+                          f"{_f(hl.get('nodes'), '{}')} tree nodes."]
     lines += _disturbance(point)
     pol = s.get("policy")
     if pol:

@@ -237,6 +237,15 @@ def headline(runs: list[dict], modes: dict) -> dict | None:
     best = min(dfs, key=lambda m: modes[m]["step_s"])
     out = dict(best_dfs=best, speedup=modes[best].get("speedup"),
                of_ideal=modes[best].get("speedup_vs_ideal"))
+    # the fastest DFS mode whose peak memory is within the best unpacked baseline's, with its
+    # decoder calls against the tree's nodes (the issue-25 targets: calls <= nodes / 4)
+    fits = [m for m in dfs if (modes[m].get("mem_ratio_baseline") or float("inf")) <= 1.0]
+    if fits:
+        lean = min(fits, key=lambda m: modes[m]["step_s"])
+        calls = modes[lean].get("calls") or {}
+        out.update(best_within_memory=lean, within_memory_of_ideal=modes[lean].get("speedup_vs_ideal"),
+                   within_memory_mem_ratio=modes[lean].get("mem_ratio_baseline"),
+                   within_memory_calls=calls.get("forward_calls"), nodes=calls.get("nodes"))
     tm = modes.get("treemask")
     if tm and tm["step_s"]:
         out["over_treemask"] = _round_ratio(runs, "treemask", best)
