@@ -142,15 +142,14 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
            **walk_kw) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed.
     With `progress`, a bar per side counts the tokens trained. packing / pack_tokens: the DFS
-    side's pack policy and cap (``dta.planning.packs``; default: the cost model's plan);
+    side's pack policy and cap (``dta.planning.packs``; default: the walker's, the cost
+    model's plan under ``default_cap``);
     walk_kw: the walker's other options (``block_tokens``, ...; :class:`dta.walk.Walker`),
     used by the training and the forward-only walks. router_aux_loss_coef: both sides add
     each sequence's router load-balancing loss (docs/moe.md); a batch's ``routed_experts``
     are replayed on both sides. Frozen parameters (a LoRA model's
     base) must end without a gradient on both sides."""
-    from dta.planning.packs import DEFAULT_CAP
-
-    walk_kw = dict(walk_kw, packing=packing, pack_tokens=int(pack_tokens or DEFAULT_CAP))
+    walk_kw = dict(walk_kw, packing=packing, pack_tokens=pack_tokens)
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     is_f64 = next(model.parameters()).dtype == torch.float64
@@ -213,7 +212,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         update_rel_err=upd_err,
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
         tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps,
-        logprobs_sequences=int(sum(walked)), packing=packing, pack_tokens=walk_kw["pack_tokens"],
+        logprobs_sequences=int(sum(walked)), packing=packing, pack_tokens=dfs.walk.plan["cap"],
         packs=dfs.walk.packs, nodes=dfs.walk.nodes,
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         frozen_with_grad=int(frozen_with_grad))

@@ -16,13 +16,14 @@ def add_arguments(p) -> None:
     p.add_argument("--loss", default="ppo", choices=["nll", "ppo", "ppo-decoupled"])
     p.add_argument("--reduction", default="token_mean", choices=["token_mean", "seq_mean", "sum"])
     p.add_argument("--policy", default="retain", choices=["retain", "recompute"])
-    from dta.planning.packs import DEFAULT_CAP, POLICIES
+    from dta.planning.packs import POLICIES
 
     p.add_argument("--packing", default="auto", choices=list(POLICIES),
                    help="the DFS side's pack policy (dta/planning/packs.py; default: auto, the "
                         "cost model's plan)")
-    p.add_argument("--pack-tokens", type=int, default=DEFAULT_CAP,
-                   help=f"the cap of a pack in tokens (default {DEFAULT_CAP})")
+    p.add_argument("--pack-tokens", type=int, default=None,
+                   help="the cap of a pack in tokens (default: the walker's, by memory policy: "
+                        "dta.planning.packs.default_cap)")
     p.add_argument("--max-sequences", type=int, default=None,
                    help="verify only the first N sequences (the unpacked side is slow)")
     p.add_argument("--tolerance", type=float, default=None,
@@ -103,7 +104,7 @@ def run(args) -> int:
                                              for o in batch.fields["old_logprobs"]]
         if "advantages" not in batch.fields:
             batch.fields["advantages"] = [np.ones(len(s)) for s in batch.input_ids]
-    if args.pack_tokens < 1:
+    if args.pack_tokens is not None and args.pack_tokens < 1:
         raise SystemExit(f"dta verify: --pack-tokens must be a positive number of tokens, got "
                          f"{args.pack_tokens}")
     report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
