@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -52,27 +53,27 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     if is_causal and key.shape[2] > q_len:  # an unmasked causal call is upper-left aligned
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask if forms is None else forms.additive,
+        query, key, value, attn_mask=attention_mask if forms is None else forms.additive(attention_mask),
         dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
 @dataclass
 class MaskForms:
-    mask: torch.Tensor  # the boolean mask these are forms of (kept: compared by identity)
     dtype: torch.dtype
     split: Split | None
     _additive: torch.Tensor | None = None
 
-    @property
-    def additive(self) -> torch.Tensor:
+    def additive(self, mask: torch.Tensor) -> torch.Tensor:
         """0 where visible, -inf elsewhere: what SDPA converts a boolean mask to (made once)."""
         if self._additive is None:
-            self._additive = additive_mask(self.mask, self.dtype)
+            self._additive = additive_mask(mask, self.dtype)
         return self._additive
 
 
-_forms: list[MaskForms] = []  # the current forward's masks (two: full and sliding layers)
+# the forms of the masks alive now, by the mask's id; an entry goes with its mask (a weakref
+# finalizer), so nothing derived from a forward's mask outlives that forward
+_forms: dict[int, list[MaskForms]] = {}
 
 
 def _mask_forms(mask, query) -> MaskForms | None:
@@ -80,12 +81,16 @@ def _mask_forms(mask, query) -> MaskForms | None:
     layer call: every layer of a forward passes the same mask tensor (per layer type)."""
     if mask is None or mask.dtype != torch.bool:
         return None
-    for f in _forms:
-        if f.mask is mask and f.dtype == query.dtype:
+    forms = _forms.get(id(mask))
+    if forms is None:
+        forms = _forms[id(mask)] = []
+        weakref.finalize(mask, _forms.pop, id(mask), None)
+    for f in forms:
+        if f.dtype == query.dtype:
             return f
     split = split_of(mask, query.dtype) if query.device.type == "cpu" else None
-    _forms[:] = [MaskForms(mask, query.dtype, split), *_forms[:1]]
-    return _forms[0]
+    forms.append(MaskForms(query.dtype, split))
+    return forms[-1]
 
 
 def register() -> str:

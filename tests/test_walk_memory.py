@@ -67,3 +67,31 @@ def test_live_graphs_bounded_by_path(monkeypatch, policy, bound, leaves, packed)
         assert res.walk.max_live_graphs <= limit + leaves
         assert res.walk.packs < res.walk.nodes or leaves == 1
     assert res.walk.max_path <= depth - 1
+
+
+def _own_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("policy", ["retain", "recompute"])
+def test_frames_hold_their_own_states_only(monkeypatch, family, policy):
+    """A frame's K/V (and recurrent states) are its own rows, not views into the forward's
+    cache -- which joins the whole path's K/V -- so a path of n blocks holds n blocks of K/V,
+    not 1 + 2 + ... + n; and no mask form of a forward outlives it."""
+    import dta.attention as attention
+    from dta.modeling import ModelInterface
+
+    model = build_model(family, "tiny")
+    ensure_self_check(model)
+    seqs = [np.random.default_rng(s).integers(3, 500, 70) for s in range(3)]
+    batch = Batch.from_records([{"input_ids": s, "loss_mask": np.ones(len(s))} for s in seqs])
+    states = []
+    real = ModelInterface.state_leaves
+    monkeypatch.setattr(ModelInterface, "state_leaves",
+                        lambda self, state: states.append(real(self, state)) or states[-1])
+    accumulate_gradients(model, batch, NLL(), policy=policy, block_tokens=8)
+    tensors = [x for s in states for layer in s for x in layer]
+    assert len(states) >= 8 and tensors  # 70 tokens in blocks of 8: a chain of frames
+    assert all(x.untyped_storage().nbytes() == _own_bytes(x) for x in tensors)
+    assert not attention._forms  # every mask form went with its forward's mask
