@@ -289,14 +289,3 @@ def test_runtime_batch_copies_keep_the_routing():
                                 {"input_ids": [5, 6, 8], "routed_experts": GOOD}])
     for b in (_writable(batch), batch.subset([1])):
         assert b.routed_experts is not None and np.array_equal(b.routed_experts[0], np.array(GOOD))
-
-
-def test_areal_adapter_refuses_routing_it_cannot_replay():
-    """AReaL's rollout can export routing (SGLang); the AReaL adapter does not replay it yet,
-    so a batch carrying it is refused, not trained with the routing ignored."""
-    from runtime.areal.convert import split_sequences
-
-    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
-             "routed_experts": torch.zeros(1, 3, 4, dtype=torch.long)}
-    with pytest.raises(NotImplementedError, match="does not replay MoE routing yet"):
-        split_sequences(batch)
