@@ -104,6 +104,14 @@ class WalkResult:
                     head_calls=self.head_calls)
 
 
+def _from_output(hidden, dhidden):
+    """A pack's backward starts at its output: the head's gradient, or zeros when only the
+    router aux loss reaches the pack (its surrogate enters the decoder at the routers; a
+    backward that does not pass the decoder's output is invisible to a wrapper of the
+    decoder, e.g. FSDP's lockstep, runtime/sharding/lockstep.py). Zeros add nothing."""
+    return dhidden if dhidden is not None else torch.zeros_like(hidden)
+
+
 class Walker:
     """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache.
 
@@ -282,7 +290,8 @@ class Walker:
 
         def leaf(done):
             """Backpropagate leaf packs (their own loss only) in one backward call."""
-            pairs = [(h, d) for h, d, _ in done if d is not None] + [p for *_, x in done for p in x]
+            pairs = [(h, _from_output(h, d)) for h, d, x in done if d is not None or x] + \
+                [p for *_, x in done for p in x]
             backward([o for o, _ in pairs], [g for _, g in pairs])
 
         def push(i):
@@ -327,8 +336,11 @@ class Walker:
                 res.max_graph_tokens = max(res.max_graph_tokens, frame.layout.tokens)
             else:
                 (hidden, state), routed = frame.graph, None
-            outs, grads = ([hidden], [frame.job.dhidden]) if frame.job.dhidden is not None else ([], [])
-            for out, grad in aux.popped(frame.pack, routed):  # the router's aux loss
+            aux_pairs = aux.popped(frame.pack, routed)  # the router's aux loss
+            dhidden = frame.job.dhidden
+            outs, grads = ([hidden], [_from_output(hidden, dhidden)]) \
+                if dhidden is not None or aux_pairs else ([], [])
+            for out, grad in aux_pairs:
                 outs.append(out)
                 grads.append(grad)
             for layer, layer_leaves in zip(state, frame.state):

@@ -31,7 +31,9 @@ One all-reduce of the per-event counts decides each round, by priority B < F < X
 - all DONE: the session ends.
 
 Every backward passes through the decoder's last hidden state (its K/V outputs are tied to
-it with a zero gradient), so every layer's FSDP hooks fire in every backward, real or dummy.
+it with a zero gradient; the walker starts a pack's backward at its hidden states, with zeros
+where only the router aux loss reaches the pack, whose surrogate enters at the routers), so
+every layer's FSDP hooks fire in every backward, real or dummy.
 One backward must cover one decoder call: the runtime asks the walker to flush its LM head
 per pack under retain (``head_rows=0``: a leaf pack is backpropagated alone, right after its
 forward), and a backward reaching a second call's tie is refused (:class:`LockstepError`),
