@@ -251,7 +251,7 @@ class Walker:
 
     def _train(self, tree, objective, record, progress) -> WalkResult:
         res = WalkResult()
-        plan = self.plan(tree, self._active(tree, objective))
+        plan = self.plan(tree, self._active(tree, objective, self.router_aux_loss_coef > 0))
         tree, res.plan = plan.tree, self._stats(plan, tree)
         rec = _Recorder(tree, self.device, self.dtype) if record else None
         routes = NodeRouting(objective.batch, tree, self.device)
@@ -405,12 +405,13 @@ class Walker:
                 "blocks_cut": len(plan.tree) - len(tree)}  # pieces added by the cut
 
     @staticmethod
-    def _active(tree: PrefixTree, objective: Objective) -> np.ndarray:
-        """Nodes whose subtree holds a loss term; the rest cannot affect the gradient."""
+    def _active(tree: PrefixTree, objective: Objective, aux: bool = False) -> np.ndarray:
+        """Nodes whose subtree holds a loss term (or, with the router aux loss, a weighted
+        sequence); the rest cannot affect the gradient."""
         active = np.zeros(len(tree), bool)
         leaf_of = tree.leaf_of()
         for i in range(len(tree.sequences)):
-            if objective.has_loss(i):
+            if objective.has_loss(i) or (aux and objective.sequence_weights[i] != 0):
                 active[leaf_of[i]] = True
         for u in range(len(tree) - 1, 0, -1):  # children before parents
             if active[u]:
