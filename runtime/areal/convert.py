@@ -178,8 +178,8 @@ def walk_batch(ids: list[np.ndarray], weights: Iterable[float] | None = None, *,
     ``routing`` (``take_routing``) is replayed; the wrap label gets no routing of its own
     (-1: the router's, or a longer sequence's where it shares that token): its hidden state
     predicts nothing the walk records and no token of its sequence attends to it, so its
-    routing cannot reach the loss (the router aux loss, which would count it, is refused with
-    AReaL's opaque loss)."""
+    routing cannot reach the loss (the router aux loss, which would count it, is not added
+    by the adapter, nor by AReaL's own engines)."""
     seqs, routed = [], None if routing is None else []
     for i, s in enumerate(ids):
         if labels is not None and (max_positions is None or len(s) < max_positions):
