@@ -199,9 +199,10 @@ def linearize(batch: Batch, loss: SequenceLoss, reduction: str, logprobs, entrop
     return obj, total
 
 
-def opaque_sequence_weights(batch: Batch, reduction: str, totals: Totals | None = None) -> np.ndarray:
-    """An opaque loss's per-sequence weights where they weigh more than its own value (the
-    router aux loss, docs/moe.md): the reduction's weight of a sequence with a trained token
-    (``loss_mask``), else 0 -- whatever gradient the opaque loss happens to have."""
+def opaque_sequence_weights(batch: Batch, reduction: str,
+                            totals: Totals | None = None) -> np.ndarray:
+    """Per sequence, the weight of its router aux loss (docs/moe.md) next to an opaque loss:
+    the reduction's weight of a sequence with a trained token (``loss_mask``), else 0 --
+    whatever gradient the opaque loss happens to have."""
     has_target = np.array([bool(batch.loss_mask(i).any()) for i in range(len(batch))])
     return np.where(has_target, sequence_weights(batch, reduction, totals), 0.0)
