@@ -22,6 +22,7 @@ entry). The walk never branches on any of this: a model without routers gets a n
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,7 +111,7 @@ class MoERouters:
 
     def _hook(self, module, args, output):
         call = self._call
-        if call is None:
+        if call is None or _SUSPENDED.get():
             return None
         layer = self._layer[id(module)]
         logits, weights, experts = output
@@ -127,6 +128,21 @@ class MoERouters:
         if call.capture:
             call.logits[layer], call.experts[layer] = logits, experts
         return output
+
+
+_SUSPENDED = contextvars.ContextVar("dta_routing_suspended", default=False)
+
+
+@contextlib.contextmanager
+def suspended():
+    """Model calls inside are neither forced nor read: a wrapper's own calls made in the
+    middle of a walk's call (FSDP's lockstep pads a rank with one-token dummy calls inside
+    the decoder call the replay is set for, runtime/sharding/lockstep.py)."""
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
 
 
 def forced_weights(router, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

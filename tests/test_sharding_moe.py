@@ -1,9 +1,11 @@
-"""The router's aux loss (docs/moe.md) under train.sharding=fsdp on 2 gloo ranks: its
-surrogate enters the decoder at the routers, and the walk starts every pack's backward at its
-output (zeros where only the aux loss reaches the pack), so FSDP's lockstep sees it. Parameters
-after 2 steps equal one process's (float64 <= 1e-12 relative L2), for both memory policies,
-on an MoE model (OLMoE, tiny) with the aux coefficient 0.01; a fully masked tail (a sequence's
-last node without trained tokens: a pack reached by the aux loss only) is in the batch."""
+"""MoE under train.sharding=fsdp on 2 gloo ranks (docs/moe.md): routing replay and the
+router's aux loss. The aux surrogate enters the decoder at the routers, and the walk starts
+every pack's backward at its output (zeros where only the aux loss reaches the pack), so
+FSDP's lockstep sees it; the lockstep's one-token dummy calls, made inside a walk's decoder
+call, are not replayed (``dta.routing.suspended``). Parameters after 2 steps equal one
+process's (float64 <= 1e-12 relative L2), both memory policies, OLMoE tiny, replayed routing
+on every sequence, aux coefficient 0.01; fully masked fork tails (packs reached by the aux
+loss only) are in the batch."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +35,8 @@ class MaskedTails:
 
     def batch(self, k):
         from dta.batch import Batch
+        from dta.models import build_config
+        from dta.routing import synthetic_routing
         from tests.cases import make_records
         from tests.test_moe import small_sequences
 
@@ -42,7 +46,13 @@ class MaskedTails:
             del r["prox_logprobs"]
             if i < 3:
                 r["loss_mask"][-2:] = 0
-        return Batch.from_records(list(self.source.records(k)) + recs)
+        records = list(self.source.records(k)) + recs
+        cfg = build_config("olmoe", "tiny")  # replayed routing: a function of the prefix
+        routed = synthetic_routing([r["input_ids"] for r in records], cfg.num_hidden_layers,
+                                   cfg.num_experts_per_tok, cfg.num_experts, seed=k)
+        for r, x in zip(records, routed):
+            r["routed_experts"] = x
+        return Batch.from_records(records)
 
 
 def step(w, cfg, k, rank, world):
@@ -73,7 +83,7 @@ def one_process(case, coef: float = 0.01):
         torch.set_num_threads(threads)
 
 
-def test_fsdp_with_the_router_aux_loss_matches_one_process():
+def test_fsdp_with_replay_and_the_router_aux_loss_matches_one_process():
     results = run_ranks(train_cases, 2, CASES)
     without, _ = one_process(CASES[0], coef=0.0)
     for i, case in enumerate(CASES):

@@ -45,6 +45,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dta import routing
+
 B, F, X, DONE = 0, 1, 2, 3
 KINDS = 4
 
@@ -104,7 +106,7 @@ class Lockstep:
         x = torch.zeros(1, 1, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device, requires_grad=grad)
         pos = torch.zeros(1, 1, dtype=torch.long, device=x.device)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), routing.suspended():  # not the walk's call: no replay
             h = self.decoder(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state
         if grad:
             torch.autograd.backward([h], [torch.zeros_like(h)])
