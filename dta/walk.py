@@ -302,10 +302,14 @@ class Walker:
             res.nodes += len(pack.nodes)
             res.tokens += layout.tokens
             res.forward_calls += 1
-            with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
+            terms = self._terms(tree, layout, objective, record)
+            # a leaf pack with nothing to backpropagate (no head row, no aux loss: e.g. only
+            # the AReaL adapter's wrap label of a strict prefix) keeps no graph
+            graph = not terms.empty or aux.capture if is_leaf else self.policy == "retain"
+            with torch.set_grad_enabled(graph or self.policy == "retain"):
                 hidden, state, routed = self._forward(tree, layout, path, routes, aux.capture)
             aux_pairs = aux.pushed(i, layout, path, routed, is_leaf)  # the router's aux loss
-            job = queue.add(hidden, self._terms(tree, layout, objective, record))
+            job = queue.add(hidden, terms)
             kept = [f.layout.tokens for f in path] + [w[2] for w in waiting] \
                 if self.policy == "retain" else []  # graphs alive besides this one
             res.max_live_graphs = max(res.max_live_graphs, len(kept) + 1)

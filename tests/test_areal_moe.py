@@ -171,3 +171,47 @@ def test_bad_r3_tensors_are_named():
     assert all((r[-1] == -1).all() and (r[:-1] >= 0).all() for r in taken)
     with pytest.raises(ValueError, match="take_routing\\(batched\\) takes AReaL's R3 keys out"):
         convert.split_sequences({**ta.ids_only(base), **good})
+
+
+# ----------------------------------------------- sharded engine ranks (fsdp, zero1) --
+def _sharded_step(rank, world, path, mode, r3_on):
+    """One train_batch on this rank's half of the batch (AReaL's R3 tensors included)."""
+    from tests.test_areal_sharding import _engine, _rank_setup
+
+    seqs = moe_sequences()
+    records = make_records(seqs, prompt=4)
+    batch = ta.make_train_batch(records, torch.full((len(records), 1), -3.0))
+    if r3_on:
+        cfg = build_model("qwen3_moe", "tiny").config
+        batch.update(areal_r3(seqs, synthetic_routing(seqs, cfg.num_hidden_layers,
+                                                      cfg.num_experts_per_tok, cfg.num_experts,
+                                                      seed=2), batch["input_ids"].shape[1]))
+    with _rank_setup():
+        eng = _engine(path, world, mode, "recompute", "float64")
+        eng.train_batch({k: v[rank::world] for k, v in batch.items()}, ta.grpo(),
+                        ta.loss_weight_fn)
+        state = {k: v.detach().clone() for k, v in ta.params_of(eng.model).items()}
+        eng.destroy()
+    return state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_sharded_engine_replays_areal_routing(moe_dir, mode):
+    """2 engine ranks (actor.dta.sharding=fsdp / zero1), each half of the sequences, replaying
+    AReaL's routing: the parameters after one step equal one process's (float64 <= 1e-12), and
+    differ from the step without replay. Rank 0's half holds a strict prefix whose wrap label
+    is a leaf node of its own (nothing to backpropagate: the walk keeps no graph for it; under
+    fsdp + recompute it used to fail the lockstep, replay or not)."""
+    from runtime.sharding.local import run_ranks
+    from tests.test_areal_sharding import rel_l2
+
+    two = run_ranks(_sharded_step, 2, moe_dir, mode, True)
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            mp.delenv(key, raising=False)
+        one = _sharded_step(0, 1, moe_dir, mode, True)
+        own = _sharded_step(0, 1, moe_dir, mode, False)
+    assert rel_l2(own, one) > 1e-8  # the replay changed the update
+    for rank in (0, 1):
+        assert rel_l2(two[rank], one) <= 1e-12, (mode, rank, rel_l2(two[rank], one))
