@@ -154,6 +154,8 @@ def test_bad_r3_tensors_are_named():
         (dict(routed_experts=routed.flatten(2)), "must be an integer tensor \\[B, S, MoE layers, "
                                                  "top_k\\] with \\[B, S\\] = \\[6, 14\\]"),
         (dict(routed_experts=routed[:, :-1]), "got Tensor \\[6, 13, 2, 2\\]"),
+        (dict(routed_experts=torch.cat([routed, routed])), "has 12 sequences, input_ids 6: "
+                                                           "AReaL 1.0.4's PPOActor"),
         (dict(routed_experts=routed.float()), "torch.float32"),
         (dict(r3_routing_valid=good["r3_routing_valid"]), "'r3_routing_valid' but no "
                                                            "'routed_experts'"),

@@ -124,6 +124,11 @@ def take_routing(batched: dict[str, Any]) -> list[np.ndarray] | None:
     ids = unpad(batched["input_ids"], batched["attention_mask"])
     B, S = batched["attention_mask"].shape
     shape = tuple(getattr(routed, "shape", ()))
+    if torch.is_tensor(routed) and routed.ndim == 4 and shape[0] != B:
+        raise ValueError(f"the batch's 'routed_experts' has {shape[0]} sequences, input_ids "
+                         f"{B}: AReaL 1.0.4's PPOActor hands every minibatch the whole R3 "
+                         "tensors (its split leaves [B, S, layers, k] unsplit): set "
+                         "ppo_n_minibatches=1, or pass them through the side channel")
     if not torch.is_tensor(routed) or routed.ndim != 4 or shape[:2] != (B, S) or \
             routed.dtype.is_floating_point or routed.dtype == torch.bool:
         got = f"{type(routed).__name__} {list(shape)}" + \
