@@ -125,11 +125,6 @@ def check_dta_train(cfg) -> None:
     elif changed("workload.sequences_per_step"):
         raise ConfigError("config key 'workload.sequences_per_step' needs workload.path (a "
                           "generated workload makes whole batches)")
-    if _get(cfg, "actor.router_aux_loss_coef") and _get(cfg, "train.sharding") in ("fsdp", "auto"):
-        raise ConfigError("config key 'actor.router_aux_loss_coef' > 0 is not implemented with "
-                          f"train.sharding={_get(cfg, 'train.sharding')} (FSDP's lockstep ties "
-                          "each backward to the decoder's output, the aux loss's surrogate "
-                          "reaches the routers only; docs/moe.md): use replicate or zero1")
     if _get(cfg, "actor.adv_norm") is None:
         for key in ("actor.group_size",):
             if changed(key):

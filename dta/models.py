@@ -85,9 +85,15 @@ def load_model(path: str, *, dtype="float32", attn_implementation: str = "sdpa")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a local directory "
                                 "(DTA never downloads weights)")
+    kw = {}
+    if resolve_dtype(dtype) == torch.float64:
+        cfg = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        if any((getattr(cfg, k, 0) or 0) > 1 for k in ("num_experts", "num_local_experts")):
+            kw["experts_implementation"] = "eager"  # torch's grouped_mm has no float64 kernel
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(dtype), local_files_only=True,
-        attn_implementation=attn_implementation)
+        attn_implementation=attn_implementation, **kw)
     return model.eval()
 
 

@@ -76,10 +76,14 @@ class Objective:
         self.weights = weights if weights is not None else token_weights(batch, reduction, totals)
         self.fields = fields if fields is not None else {k: batch.fields[k] for k in loss.fields}
         # per sequence: the weight of its loss in the reduction (its router aux loss's too:
-        # dta/router_aux.py); 0 for a sequence without a loss term
-        seq_w = sequence_weights if sequence_weights is not None else \
-            _sequence_weights(batch, reduction, totals)
-        self.sequence_weights = np.where([self.has_loss(i) for i in range(len(batch))], seq_w, 0.0)
+        # dta/router_aux.py); 0 for a sequence without a loss term. Given (``linearize``):
+        # taken as is -- an opaque loss's gradient may vanish where its weight does not
+        if sequence_weights is None:
+            seq_w = _sequence_weights(batch, reduction, totals)
+            self.sequence_weights = np.where([self.has_loss(i) for i in range(len(batch))],
+                                             seq_w, 0.0)
+        else:
+            self.sequence_weights = np.asarray(sequence_weights, dtype=np.float64)
 
     @classmethod
     def record_only(cls, batch: Batch) -> "Objective":
@@ -190,5 +194,15 @@ def linearize(batch: Batch, loss: SequenceLoss, reduction: str, logprobs, entrop
     uses_entropy = any(np.any(h) for h in h_all)
     weights = [((g != 0) | (h != 0)).astype(np.float64) for g, h in zip(g_all, h_all)]
     obj = Objective(batch, Linear(uses_entropy), "sum", weights=weights,
-                    fields={"dlogp": g_all, "dentropy": h_all}, sequence_weights=coef)
+                    fields={"dlogp": g_all, "dentropy": h_all},
+                    sequence_weights=opaque_sequence_weights(batch, reduction, totals))
     return obj, total
+
+
+def opaque_sequence_weights(batch: Batch, reduction: str,
+                            totals: Totals | None = None) -> np.ndarray:
+    """Per sequence, the weight of its router aux loss (docs/moe.md) next to an opaque loss:
+    the reduction's weight of a sequence with a trained token (``loss_mask``), else 0 --
+    whatever gradient the opaque loss happens to have."""
+    has_target = np.array([bool(batch.loss_mask(i).any()) for i in range(len(batch))])
+    return np.where(has_target, sequence_weights(batch, reduction, totals), 0.0)

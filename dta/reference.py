@@ -17,7 +17,7 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights
-from dta.objective import Objective
+from dta.objective import Objective, opaque_sequence_weights
 from dta.routing import MoERouters
 
 
@@ -64,11 +64,11 @@ def unpacked_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
     """Accumulate the batch's gradient into ``.grad``, one sequence per forward/backward."""
     if isinstance(loss, SequenceLoss):
         coef = sequence_weights(batch, reduction, totals)
+        omegas = opaque_sequence_weights(batch, reduction, totals)  # the aux loss's weights
         objective = None
     else:
         objective = Objective(batch, loss, reduction, totals)
-    if router_aux_loss_coef > 0 and objective is None:
-        raise ValueError("router_aux_loss_coef > 0 with a sequence-level loss is not implemented")
+        omegas = objective.sequence_weights
     moe = MoERouters(model)
     device = next(model.parameters()).device
     total, lps, ents = 0.0, [], []
@@ -80,14 +80,14 @@ def unpacked_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
             logp, ent = sequence_logprobs(model, ids, temperature)
             if objective is not None:
                 value = objective.sequence_loss(i, logp, ent)
-                omega = float(objective.sequence_weights[i])
-                if router_aux_loss_coef > 0 and omega != 0:
-                    value = value + router_aux_loss_coef * omega * \
-                        sequence_aux_loss(routed, moe.num_experts).to(value.dtype)
             else:
                 fields = {k: torch.as_tensor(batch.fields[k][i], dtype=logp.dtype, device=logp.device)
                           for k in loss.fields}
                 value = loss.fn(logp, ent, fields) * float(coef[i])
+            omega = float(omegas[i])
+            if router_aux_loss_coef > 0 and omega != 0:
+                value = value + router_aux_loss_coef * omega * \
+                    sequence_aux_loss(routed, moe.num_experts).to(value.dtype)
         if backward and value.requires_grad:
             value.backward()
         total += float(value.detach())

@@ -22,6 +22,7 @@ entry). The walk never branches on any of this: a model without routers gets a n
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,7 +111,7 @@ class MoERouters:
 
     def _hook(self, module, args, output):
         call = self._call
-        if call is None:
+        if call is None or _SUSPENDED.get():
             return None
         layer = self._layer[id(module)]
         logits, weights, experts = output
@@ -127,6 +128,21 @@ class MoERouters:
         if call.capture:
             call.logits[layer], call.experts[layer] = logits, experts
         return output
+
+
+_SUSPENDED = contextvars.ContextVar("dta_routing_suspended", default=False)
+
+
+@contextlib.contextmanager
+def suspended():
+    """Model calls inside are neither forced nor read: a wrapper's own calls made in the
+    middle of a walk's call (FSDP's lockstep pads a rank with one-token dummy calls inside
+    the decoder call the replay is set for, runtime/sharding/lockstep.py)."""
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
 
 
 def forced_weights(router, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -168,7 +184,7 @@ def check_routing(batch, routers: MoERouters, aux_loss: bool = False) -> None:
 
 def check_shared_routing(batch, tree) -> None:
     """A token the tree shares carries one routing: every sequence through a node must have
-    routed its tokens to the same experts (in any order) as the node's speaker did.
+    routed its tokens to the same experts (in any order) as the others that routed them.
     Sequences that disagree are an error naming both and the token, raised before anything
     is forwarded (DTA does not split the tree there; see docs/moe.md)."""
     if batch.routed_experts is None:
@@ -179,14 +195,13 @@ def check_shared_routing(batch, tree) -> None:
         if len(through) < 2:
             continue
         s, e = int(tree.start[u]), int(tree.end[u])
-        first = int(_speaker(tree, u))
-        ref = routed[first][s:e]
+        ref, source = _node_rows(routed, tree, u)
         for j in through:
             other = routed[int(j)][s:e]
             known = (other[:, :1, :1] >= 0) & (ref[:, :1, :1] >= 0)  # a last token may be unknown
             diff = np.flatnonzero(((other != ref) & known).reshape(e - s, -1).any(axis=1))
             if len(diff):
-                t = s + int(diff[0])
+                t, first = s + int(diff[0]), int(source[int(diff[0])])
                 layer = int(np.flatnonzero((routed[int(j)][t] != routed[first][t]).any(axis=1))[0])
                 raise RoutingError(
                     f"{batch.where(first)} and {batch.where(int(j))} share token {t} (the same "
@@ -195,18 +210,32 @@ def check_shared_routing(batch, tree) -> None:
                     f"{routed[int(j)][t, layer].tolist()}; a shared token has one routing")
 
 
-def _speaker(tree, u: int) -> int:
-    """The sequence whose routing a node's tokens take: one that goes on below the node
-    (every token of the node routed), else the first through it (all end in it, at the
-    same token: the last one, whose routing may be the model's own in every one of them)."""
-    through = tree.through(u)
-    ending = set(int(x) for x in tree.ending[u])
-    return next((int(x) for x in through if int(x) not in ending), int(through[0]))
+def _node_rows(routed, tree, u: int) -> tuple[np.ndarray, np.ndarray]:
+    """A node's replayed rows [tokens, layers, k] and, per token, the sequence they come
+    from: the first sequence through the node that has the token's routing (a sequence may
+    lack it for its last token -- SGLang's export -- or for the AReaL adapter's wrap label;
+    then a longer sequence through the same token speaks for it; -1 rows: nobody has it,
+    the router routes the token itself)."""
+    through = [int(x) for x in tree.through(u)]
+    s, e = int(tree.start[u]), int(tree.end[u])
+    rows = routed[through[0]][s:e]
+    source = np.full(e - s, through[0])
+    unknown = rows[:, 0, 0] < 0
+    if unknown.any():
+        rows = rows.copy()
+        for j in through[1:]:
+            other = routed[j][s:e]
+            fill = unknown & (other[:, 0, 0] >= 0)
+            rows[fill], source[fill] = other[fill], j
+            unknown &= ~fill
+            if not unknown.any():
+                break
+    return rows, source
 
 
 class NodeRouting:
-    """The replayed experts of a walked tree's nodes (one sequence speaks for all:
-    ``check_shared_routing`` made them agree)."""
+    """The replayed experts of a walked tree's nodes (the sequences through a node agree on
+    them: ``check_shared_routing``)."""
 
     def __init__(self, batch, tree, device):
         self.routed, self.tree, self.device = batch.routed_experts, tree, device
@@ -215,9 +244,7 @@ class NodeRouting:
         """[T, layers, k] for the rows of these nodes, in order (None: no replay)."""
         if self.routed is None:
             return None
-        t = self.tree
-        parts = [self.routed[_speaker(t, int(u))][int(t.start[u]):int(t.end[u])]
-                 for u in tree_nodes]
+        parts = [_node_rows(self.routed, self.tree, int(u))[0] for u in tree_nodes]
         return torch.as_tensor(np.concatenate(parts), device=self.device)
 
 

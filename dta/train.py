@@ -66,9 +66,6 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
     check_routing(batch, MoERouters(model), aux_loss=router_aux_loss_coef > 0)
     tree = PrefixTree(batch.input_ids, min_shared=min_shared)
     check_shared_routing(batch, tree)  # one routing per shared token, before any forward
-    if router_aux_loss_coef > 0 and isinstance(loss, SequenceLoss):
-        raise ValueError("router_aux_loss_coef > 0 with a sequence-level loss is not "
-                         "implemented (docs/moe.md); use a token loss or set it to 0")
     walker = checked_walker(model, self_check, policy=policy, logits_chunk=logits_chunk,
                             temperature=temperature, router_aux_loss=router_aux_loss,
                             router_aux_loss_coef=router_aux_loss_coef,
@@ -77,7 +74,7 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
         fwd = walker.forward(tree, batch)
         objective, value = linearize(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals)
         res = walker.train(tree, objective, record=record, progress=progress)
-        res.loss = value
+        res.loss = value + res.aux_loss  # the opaque loss, and the router aux loss (docs/moe.md)
     else:
         res = walker.train(tree, Objective(batch, loss, reduction, totals), record=record,
                            progress=progress)

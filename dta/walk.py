@@ -104,6 +104,14 @@ class WalkResult:
                     head_calls=self.head_calls)
 
 
+def _from_output(hidden, dhidden):
+    """A pack's backward starts at its output: the head's gradient, or zeros when only the
+    router aux loss reaches the pack (its surrogate enters the decoder at the routers; a
+    backward that does not pass the decoder's output is invisible to a wrapper of the
+    decoder, e.g. FSDP's lockstep, runtime/sharding/lockstep.py). Zeros add nothing."""
+    return dhidden if dhidden is not None else torch.zeros_like(hidden)
+
+
 class Walker:
     """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache.
 
@@ -249,7 +257,7 @@ class Walker:
 
     def _train(self, tree, objective, record, progress) -> WalkResult:
         res = WalkResult()
-        plan = self.plan(tree, self._active(tree, objective))
+        plan = self.plan(tree, self._active(tree, objective, self.router_aux_loss_coef > 0))
         tree, res.plan = plan.tree, self._stats(plan, tree)
         rec = _Recorder(tree, self.device, self.dtype) if record else None
         routes = NodeRouting(objective.batch, tree, self.device)
@@ -288,7 +296,8 @@ class Walker:
 
         def leaf(done):
             """Backpropagate leaf packs (their own loss only) in one backward call."""
-            pairs = [(h, d) for h, d, _ in done if d is not None] + [p for *_, x in done for p in x]
+            pairs = [(h, _from_output(h, d)) for h, d, x in done if d is not None or x] + \
+                [p for *_, x in done for p in x]
             backward([o for o, _ in pairs], [g for _, g in pairs])
 
         def push(i):
@@ -299,10 +308,14 @@ class Walker:
             res.nodes += len(pack.nodes)
             res.tokens += layout.tokens
             res.forward_calls += 1
-            with torch.set_grad_enabled(is_leaf or self.policy == "retain"):
+            terms = self._terms(tree, layout, objective, record)
+            # a leaf pack with nothing to backpropagate (no head row, no aux loss: e.g. only
+            # the AReaL adapter's wrap label of a strict prefix) keeps no graph
+            graph = not terms.empty or aux.capture if is_leaf else self.policy == "retain"
+            with torch.set_grad_enabled(graph or self.policy == "retain"):
                 hidden, state, routed = self._forward(tree, layout, path, routes, aux.capture)
             aux_pairs = aux.pushed(i, layout, path, routed, is_leaf)  # the router's aux loss
-            job = queue.add(hidden, self._terms(tree, layout, objective, record))
+            job = queue.add(hidden, terms)
             kept = [f.layout.tokens for f in path] + [w[2] for w in waiting] \
                 if self.policy == "retain" else []  # graphs alive besides this one
             res.max_live_graphs = max(res.max_live_graphs, len(kept) + 1)
@@ -333,8 +346,11 @@ class Walker:
                 res.max_graph_tokens = max(res.max_graph_tokens, frame.layout.tokens)
             else:
                 (hidden, state), routed = frame.graph, None
-            outs, grads = ([hidden], [frame.job.dhidden]) if frame.job.dhidden is not None else ([], [])
-            for out, grad in aux.popped(frame.pack, routed):  # the router's aux loss
+            aux_pairs = aux.popped(frame.pack, routed)  # the router's aux loss
+            dhidden = frame.job.dhidden
+            outs, grads = ([hidden], [_from_output(hidden, dhidden)]) \
+                if dhidden is not None or aux_pairs else ([], [])
+            for out, grad in aux_pairs:
                 outs.append(out)
                 grads.append(grad)
             for layer, layer_leaves in zip(state, frame.state):
@@ -399,12 +415,13 @@ class Walker:
                 "blocks_cut": len(plan.tree) - len(tree)}  # pieces added by the cut
 
     @staticmethod
-    def _active(tree: PrefixTree, objective: Objective) -> np.ndarray:
-        """Nodes whose subtree holds a loss term; the rest cannot affect the gradient."""
+    def _active(tree: PrefixTree, objective: Objective, aux: bool = False) -> np.ndarray:
+        """Nodes whose subtree holds a loss term (or, with the router aux loss, a weighted
+        sequence); the rest cannot affect the gradient."""
         active = np.zeros(len(tree), bool)
         leaf_of = tree.leaf_of()
         for i in range(len(tree.sequences)):
-            if objective.has_loss(i):
+            if objective.has_loss(i) or (aux and objective.sequence_weights[i] != 0):
                 active[leaf_of[i]] = True
         for u in range(len(tree) - 1, 0, -1):  # children before parents
             if active[u]:

@@ -30,11 +30,14 @@ from areal.utils.data import (DEFAULT_MAX_TOKENS_PER_MB, N_TOKENS_PER_PAGE, amen
                               split_batch, unpack_sequence)
 
 from dta.batch import Batch
+from dta.records import validate_record
 from dta.tree import unpad
 
-__all__ = ["normalize_input", "split_sequences", "wrap_label", "walk_batch", "areal_view",
-           "pad_outputs", "split_batch", "to_dta_batch", "from_records", "SEQ_INDEX"]
+__all__ = ["normalize_input", "split_sequences", "take_routing", "wrap_label", "walk_batch",
+           "areal_view", "pad_outputs", "split_batch", "to_dta_batch", "from_records",
+           "SEQ_INDEX", "ROUTING_KEYS"]
 
+ROUTING_KEYS = ("routed_experts", "r3_routing_valid")  # AReaL's R3 trajectory tensors
 SEQ_INDEX = "seq_index"  # the per-token field that tells an opaque loss which sequence it sees
 _ROLLED = ("loss_mask", "logprobs", "prox_logp", "advantages")
 
@@ -60,10 +63,10 @@ def split_sequences(batched: Mapping[str, Any], *, model_type: str = "",
         if key not in batched:
             raise ValueError(f"the batch has no '{key}' (AReaL batches are dicts of right-padded "
                              "[B, S] tensors with input_ids and attention_mask)")
-    if "routed_experts" in batched:  # AReaL's rollout can export it (SGLang, R3)
-        raise NotImplementedError("DTATrainEngine does not replay MoE routing yet: the batch has "
-                                  "'routed_experts'; train those records with dta train (the "
-                                  "record field routed_experts, docs/moe.md) or drop the key")
+    if any(k in batched for k in ROUTING_KEYS):  # take_routing pops them first
+        raise ValueError(f"split_sequences: the batch still has "
+                         f"{[k for k in ROUTING_KEYS if k in batched]}; take_routing(batched) "
+                         "takes AReaL's R3 keys out first")
     if any(str(k).startswith("multi_modal_input") for k in batched):
         raise NotImplementedError("DTATrainEngine trains text-only models; the batch has "
                                   "multi-modal inputs")
@@ -96,6 +99,66 @@ def split_sequences(batched: Mapping[str, Any], *, model_type: str = "",
     return ids, mbs
 
 
+def take_routing(batched: dict[str, Any]) -> list[np.ndarray] | None:
+    """Pop AReaL's R3 keys from ``batched`` and return each sequence's replayed routing as
+    the record field ``routed_experts`` (``dta.records``): ``[n, MoE layers, k]`` int64, the
+    last token's row -1 (routed by the model itself), or None when the batch has no routing.
+
+    AReaL's layout (``areal/engine/r3/preprocess.py``, what its RLVR / OpenAI workflows put in
+    a trajectory when SGLang returns routing): ``routed_experts`` int32 ``[B, S, MoE layers,
+    top_k]`` right-padded with zeros, and ``r3_routing_valid`` bool ``[B]``. Rows ``0..n-2``
+    of a sequence of ``n`` tokens are SGLang's (it exports ``n - 1``: the last generated token
+    was never forwarded); row ``n - 1`` is AReaL's fill (a copy of the nearest earlier row),
+    not a routing any rollout computed, so it is not replayed: the last token is routed as
+    the record field's ``n - 1`` form says (docs/moe.md). A sequence AReaL marked invalid
+    (holes in its routing) is an error: DTA replays every sequence's routing or none."""
+    routed = batched.pop("routed_experts", None)
+    valid = batched.pop("r3_routing_valid", None)
+    if routed is None:
+        if valid is not None:
+            raise ValueError("the batch has 'r3_routing_valid' but no 'routed_experts' (AReaL's "
+                             "R3 keys come in pairs)")
+        return None
+    if "input_ids" not in batched or "attention_mask" not in batched:
+        raise ValueError("the batch has 'routed_experts' but no 'input_ids' / 'attention_mask'")
+    ids = unpad(batched["input_ids"], batched["attention_mask"])
+    B, S = batched["attention_mask"].shape
+    shape = tuple(getattr(routed, "shape", ()))
+    if torch.is_tensor(routed) and routed.ndim == 4 and shape[0] != B:
+        raise ValueError(f"the batch's 'routed_experts' has {shape[0]} sequences, input_ids "
+                         f"{B}: AReaL 1.0.4's PPOActor hands every minibatch the whole R3 "
+                         "tensors (its split leaves [B, S, layers, k] unsplit): set "
+                         "ppo_n_minibatches=1, or pass them through the side channel")
+    if not torch.is_tensor(routed) or routed.ndim != 4 or shape[:2] != (B, S) or \
+            routed.dtype.is_floating_point or routed.dtype == torch.bool:
+        got = f"{type(routed).__name__} {list(shape)}" + \
+            (f" {routed.dtype}" if torch.is_tensor(routed) else "")
+        raise ValueError(f"the batch's 'routed_experts' must be an integer tensor [B, S, MoE "
+                         f"layers, top_k] with [B, S] = [{B}, {S}] (AReaL's R3 layout, "
+                         f"areal/engine/r3/preprocess.py), got {got}")
+    if valid is not None:
+        valid = torch.as_tensor(valid)
+        if tuple(valid.shape) != (B,):
+            raise ValueError(f"the batch's 'r3_routing_valid' must be [B] = [{B}], got "
+                             f"{list(valid.shape)}")
+        bad = torch.nonzero(~valid.bool().cpu()).flatten()
+        if len(bad):
+            raise ValueError(f"sequence {int(bad[0])}: 'r3_routing_valid' is False (AReaL found "
+                             "tokens without a rollout routing); DTATrainEngine replays every "
+                             "sequence's routing or none: drop that sequence or the R3 keys")
+    rows = routed.detach().cpu().numpy()
+    out = []
+    for i, s in enumerate(ids):
+        n = len(s)
+        if n < 2:
+            raise ValueError(f"sequence {i}: 'routed_experts' of a 1-token sequence (SGLang "
+                             "exports none); drop the sequence or the R3 keys")
+        rec = validate_record({"input_ids": s, "routed_experts": rows[i, :n - 1]},
+                              f"sequence {i}")
+        out.append(rec["routed_experts"])
+    return out
+
+
 def wrap_label(ids: np.ndarray, *, pad_to_maximum: bool = False,
                max_tokens_per_mb: int | None = None) -> int:
     """The label AReaL's ``roll(input_ids, -1)`` gives a sequence's last token when the
@@ -111,18 +174,29 @@ def wrap_label(ids: np.ndarray, *, pad_to_maximum: bool = False,
 
 
 def walk_batch(ids: list[np.ndarray], weights: Iterable[float] | None = None, *,
-               labels: list[int] | None = None, max_positions: int | None = None) -> Batch:
+               labels: list[int] | None = None, max_positions: int | None = None,
+               routing: list[np.ndarray] | None = None) -> Batch:
     """The DTA batch the engine walks: each sequence with its wrap label appended (when the
     model has a position for it) and a ``seq_index`` field, so that an opaque
-    :class:`dta.losses.SequenceLoss` knows which AReaL micro-batch it is evaluating."""
-    seqs = []
+    :class:`dta.losses.SequenceLoss` knows which AReaL micro-batch it is evaluating.
+
+    ``routing`` (``take_routing``) is replayed; the wrap label gets no routing of its own
+    (-1: the router's, or a longer sequence's where it shares that token): its hidden state
+    predicts nothing the walk records and no token of its sequence attends to it, so its
+    routing cannot reach the loss (the router aux loss, which would count it, is not added
+    by the adapter, nor by AReaL's own engines)."""
+    seqs, routed = [], None if routing is None else []
     for i, s in enumerate(ids):
         if labels is not None and (max_positions is None or len(s) < max_positions):
             s = np.append(s, np.int64(labels[i]))
         seqs.append(np.asarray(s, dtype=np.int64))
+        if routing is not None:
+            r = routing[i]
+            extra = np.full((len(s) - len(r), *r.shape[1:]), -1, dtype=r.dtype)
+            routed.append(np.concatenate([r, extra]))
     fields = {SEQ_INDEX: [np.full(len(s), float(i)) for i, s in enumerate(seqs)]}
     w = None if weights is None else np.asarray(list(weights), dtype=np.float64)
-    return Batch(seqs, fields, w)
+    return Batch(seqs, fields, w, routed_experts=routed)
 
 
 def areal_view(x: torch.Tensor, n: int) -> torch.Tensor:

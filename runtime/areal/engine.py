@@ -318,11 +318,11 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self._require_optimizer()
         self._ensure_ready()
         self.optimizer_zero_grad()
-        ids, mbs = self._sequences(input_)
+        ids, mbs, routing, _ = self._sequences(input_, self.device)
         # replicas average the ranks' gradients (× DP size, as FSDPEngine); shards sum them
         multiplier = self.world_size if self.layout is None else 1
         scales = self._loss_scales(mbs, loss_weight_fn, multiplier=multiplier)
-        self._walk(ids, mbs, loss_fn, scales, train=True)
+        self._walk(ids, mbs, loss_fn, scales, train=True, routing=routing)
         stats = self.optimizer_step()
         stats["num_micro_batches"] = len(mbs)
         return stats
@@ -334,10 +334,10 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         all-reduced over data-parallel ranks (FSDPEngine.eval_batch)."""
         self._require_model()
         self._ensure_ready()
-        ids, mbs = self._sequences(input_)
+        ids, mbs, routing, _ = self._sequences(input_, self.device)
         scales = self._loss_scales(mbs, loss_weight_fn, multiplier=1)
         with self._walk_session():
-            losses = self._walk(ids, mbs, loss_fn, scales, train=False)
+            losses = self._walk(ids, mbs, loss_fn, scales, train=False, routing=routing)
         return self.parallel.all_reduce(torch.stack(losses).sum(dtype=torch.float32))
 
     @torch.no_grad()
@@ -349,8 +349,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         ``[B, max L_i]`` tensor, list input a list of per-trajectory tensors."""
         self._require_model()
         self._ensure_ready()
-        batched, meta = convert.normalize_input(input_)
-        ids, _ = convert.split_sequences(batched, model_type=self._model_type())
+        ids, _, routing, meta = self._sequences(input_)
         lengths = [len(s) for s in ids]
         if meta is not None:
             inferred = [d["attention_mask"].shape[-1] for d in input_]
@@ -360,7 +359,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             output_seqlens = inferred if len(inferred) == len(ids) else lengths
         if output_seqlens is None:
             output_seqlens = lengths
-        batch = self._walk_batch(ids)
+        batch = self._walk_batch(ids, routing=routing)
         tree = PrefixTree(batch.input_ids, min_shared=self.dta.min_shared)
         with self._walk_session():
             res = self._walker().forward(tree, batch)

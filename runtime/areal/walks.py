@@ -15,6 +15,7 @@ import torch
 
 from dta.losses import SequenceLoss
 from dta.objective import linearize
+from dta.routing import MoERouters, check_routing
 from dta.train import checked_walker
 from dta.tree import PrefixTree
 from dta.walk import Walker
@@ -28,9 +29,26 @@ class WalksMixin:
     """The walks (needs ``model``, ``config``, ``dta``, ``policy``, ``device``,
     ``parallel``)."""
 
-    def _sequences(self, input_):
-        batched, _ = convert.normalize_input(input_)
-        return convert.split_sequences(batched, model_type=self._model_type(), device=self.device)
+    # AReaL (after 1.0.4) hands R3 routing to an engine with ``_r3_enabled`` through these
+    # attributes (areal/engine/r3/transport.py: PPOActor pops the keys from the batch and sets
+    # them around each forward / train_batch call); 1.0.4 leaves the keys in the batch.
+    _r3_enabled = True
+    _r3_pending_routed_experts = None
+    _r3_pending_valid = None
+
+    def _sequences(self, input_, device=None):
+        """(token ids, one-sequence micro-batches, replayed routing or None, split metadata)."""
+        batched, meta = convert.normalize_input(input_)
+        if self._r3_pending_routed_experts is not None or self._r3_pending_valid is not None:
+            if any(k in batched for k in convert.ROUTING_KEYS):
+                raise ValueError("R3 routing given twice: in the batch ('routed_experts') and "
+                                 "through AReaL's side channel (_r3_pending_routed_experts)")
+            batched["routed_experts"] = self._r3_pending_routed_experts
+            if self._r3_pending_valid is not None:
+                batched["r3_routing_valid"] = self._r3_pending_valid
+        routing = convert.take_routing(batched)
+        ids, mbs = convert.split_sequences(batched, model_type=self._model_type(), device=device)
+        return ids, mbs, routing, meta
 
     def _loss_scales(self, mbs, loss_weight_fn, multiplier: int) -> list[float]:
         """``loss_weight_fn(mb) / Σ_all loss_weight_fn × multiplier`` per sequence, computed
@@ -44,19 +62,21 @@ class WalksMixin:
                              "positive (does any sequence have a trainable token?)")
         return [0.0 if w == 0 else float(w / total * multiplier) for w in weights]
 
-    def _walk_batch(self, ids, scales=None):
+    def _walk_batch(self, ids, scales=None, routing=None):
         cfg = self.config
         labels = [convert.wrap_label(s, pad_to_maximum=cfg.pad_to_maximum,
                                      max_tokens_per_mb=cfg.mb_spec.max_tokens_per_mb) for s in ids]
-        batch = convert.walk_batch(ids, scales, labels=labels, max_positions=self._max_positions())
+        batch = convert.walk_batch(ids, scales, labels=labels, max_positions=self._max_positions(),
+                                   routing=routing)
         batch.validate(vocab_size=self.model.config.vocab_size,
                        max_positions=self._max_positions(), required=(convert.SEQ_INDEX,))
+        check_routing(batch, MoERouters(self.model))  # the model's MoE layers, k, experts
         return batch
 
-    def _walk(self, ids, mbs, loss_fn, scales, *, train: bool) -> list[torch.Tensor]:
+    def _walk(self, ids, mbs, loss_fn, scales, *, train: bool, routing=None) -> list[torch.Tensor]:
         """Evaluate ``loss_fn`` once per sequence (scaled) on the forward walk's tensors; with
         ``train``, accumulate the exact gradient of the scaled sum by a training walk."""
-        batch = self._walk_batch(ids, scales)
+        batch = self._walk_batch(ids, scales, routing)
         walker = self._walker()
         tree = PrefixTree(batch.input_ids, min_shared=self.dta.min_shared)
         fwd = walker.forward(tree, batch, minmax=True)

@@ -31,7 +31,9 @@ One all-reduce of the per-event counts decides each round, by priority B < F < X
 - all DONE: the session ends.
 
 Every backward passes through the decoder's last hidden state (its K/V outputs are tied to
-it with a zero gradient), so every layer's FSDP hooks fire in every backward, real or dummy.
+it with a zero gradient; the walker starts a pack's backward at its hidden states, with zeros
+where only the router aux loss reaches the pack, whose surrogate enters at the routers), so
+every layer's FSDP hooks fire in every backward, real or dummy.
 One backward must cover one decoder call: the runtime asks the walker to flush its LM head
 per pack under retain (``head_rows=0``: a leaf pack is backpropagated alone, right after its
 forward), and a backward reaching a second call's tie is refused (:class:`LockstepError`),
@@ -42,6 +44,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from dta import routing
 
 B, F, X, DONE = 0, 1, 2, 3
 KINDS = 4
@@ -102,7 +106,7 @@ class Lockstep:
         x = torch.zeros(1, 1, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device, requires_grad=grad)
         pos = torch.zeros(1, 1, dtype=torch.long, device=x.device)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), routing.suspended():  # not the walk's call: no replay
             h = self.decoder(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state
         if grad:
             torch.autograd.backward([h], [torch.zeros_like(h)])
