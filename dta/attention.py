@@ -42,7 +42,8 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     forms = _mask_forms(attention_mask, query)
     if forms is not None and forms.split is not None and not (dropout and module.training):
-        out = split_attention(query, key, value, forms.split, scaling)
+        out = split_attention(query, key, value, forms.split, scaling,
+                              _pieces.get(id(key)), _pieces.get(id(value)))
         return out.transpose(1, 2).contiguous(), None
     if groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -129,6 +130,17 @@ def native_gqa(model, enabled: bool = True):
         _set_impl(model, "sdpa")
 
 
+# the pieces a joined K/V tensor was made of, by the joined tensor's id, while it lives (a
+# weakref finalizer): the split attention saves the pieces for its backward -- the frames'
+# K/V, alive anyway -- instead of the joined copy of the whole path's K/V
+_pieces: dict[int, tuple] = {}
+
+
+def _remember_pieces(joined: torch.Tensor, pieces: tuple) -> None:
+    _pieces[id(joined)] = pieces
+    weakref.finalize(joined, _pieces.pop, id(joined), None)
+
+
 class PathLayer(DynamicLayer):
     """One layer's cache: the path's K/V pieces, joined with the new K/V in one ``cat``."""
 
@@ -139,8 +151,11 @@ class PathLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.parts:
-            self.keys = torch.cat([*(k for k, _ in self.parts), key_states], dim=-2)
-            self.values = torch.cat([*(v for _, v in self.parts), value_states], dim=-2)
+            ks = (*(k for k, _ in self.parts), key_states)
+            vs = (*(v for _, v in self.parts), value_states)
+            self.keys, self.values = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+            _remember_pieces(self.keys, ks)
+            _remember_pieces(self.values, vs)
         else:
             self.keys, self.values = key_states, value_states
         self.parts, self.is_initialized = [], True

@@ -69,7 +69,7 @@ def _fold(x: torch.Tensor, kv: int) -> torch.Tensor:
 
 class SplitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, past: int, inner, scale):
+    def forward(ctx, q, k, v, past: int, inner, scale, k_pieces=None, v_pieces=None):
         B, H, T, D = q.shape
         kv = k.shape[1]
         o1, l1 = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -79,14 +79,17 @@ class SplitAttention(torch.autograd.Function):
             q, k[:, :, past:], v[:, :, past:], is_causal=inner is None, attn_mask=inner, scale=scale)[:2]
         lse = torch.logaddexp(l1, l2)
         out = o1.mul_((l1 - lse).exp_().unsqueeze(-1)).add_(o2.mul_((l2 - lse).exp_().unsqueeze(-1)))
-        ctx.save_for_backward(q, k, v, out, lse, inner)
-        ctx.past, ctx.scale = past, scale
+        if k_pieces is None or v_pieces is None:
+            k_pieces, v_pieces = (k,), (v,)
+        ctx.save_for_backward(q, out, lse, inner, *k_pieces, *v_pieces)
+        ctx.past, ctx.scale, ctx.pieces = past, scale, len(k_pieces)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, inner = ctx.saved_tensors
-        past, scale = ctx.past, ctx.scale
+        q, out, lse, inner, *kv_pieces = ctx.saved_tensors
+        past, scale, n = ctx.past, ctx.scale, ctx.pieces
+        k, v = _joined(kv_pieces[:n]), _joined(kv_pieces[n:])  # the path's K/V, again
         kv = k.shape[1]
         dout = dout.contiguous()
         dq1, dk1, dv1 = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -96,9 +99,29 @@ class SplitAttention(torch.autograd.Function):
             dout, q, k[:, :, past:], v[:, :, past:], out, lse, 0.0, inner is None,
             attn_mask=inner, scale=scale)
         return (dq2.add_(dq1.reshape(q.shape)), torch.cat([dk1, dk2], dim=2),
-                torch.cat([dv1, dv2], dim=2), None, None, None)
+                torch.cat([dv1, dv2], dim=2), None, None, None, None, None)
 
 
-def split_attention(query, key, value, split: Split, scale: float | None) -> torch.Tensor:
-    """``softmax(q Kᵀ·scale + mask) V`` for ``split``'s mask, [B, H, T, D]."""
-    return SplitAttention.apply(query, key, value, split.past, split.inner, scale)
+def _joined(pieces) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+
+def _pieces_of(joined: torch.Tensor, pieces) -> tuple | None:
+    """``pieces`` if they are what ``joined`` was concatenated from (shapes along dim 2)."""
+    if not pieces or sum(p.shape[2] for p in pieces) != joined.shape[2] or any(
+            p.shape[:2] != joined.shape[:2] or p.shape[3:] != joined.shape[3:] or
+            p.dtype != joined.dtype or p.device != joined.device for p in pieces):
+        return None
+    return tuple(pieces)
+
+
+def split_attention(query, key, value, split: Split, scale: float | None,
+                    key_pieces=None, value_pieces=None) -> torch.Tensor:
+    """``softmax(q Kᵀ·scale + mask) V`` for ``split``'s mask, [B, H, T, D]. ``key_pieces`` /
+    ``value_pieces``: the tensors ``key`` / ``value`` were concatenated from (along the
+    positions); when given, the backward keeps those instead of ``key`` and ``value`` and joins
+    them again -- the joined copy of the path's K/V is then freed after the forward."""
+    kp, vp = _pieces_of(key, key_pieces), _pieces_of(value, value_pieces)
+    if kp is None or vp is None:
+        kp = vp = None
+    return SplitAttention.apply(query, key, value, split.past, split.inner, scale, kp, vp)

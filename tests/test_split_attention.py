@@ -61,3 +61,64 @@ def test_masks_that_do_not_split():
     for m in (window, no_self, no_past, batched):
         assert split_of(m, torch.float32) is None
     assert split_of(ok, torch.bfloat16) is None  # only float32 and float64 are split
+
+
+def test_pieces_are_saved_instead_of_the_joined_kv():
+    """Given the pieces a joined K/V was concatenated from, the split attention saves those
+    (the frames' K/V, alive anyway) instead of the joined copy, which is then freed after the
+    forward: the same outputs and gradients, bitwise, as saving the joined tensors."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    T, P, D, heads, kv = 6, 13, 8, 4, 2
+    q = torch.randn(1, T, heads, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    kp = [torch.randn(1, kv, n, D, dtype=torch.float64, requires_grad=True) for n in (5, 8, T)]
+    vp = [torch.randn(1, kv, n, D, dtype=torch.float64, requires_grad=True) for n in (5, 8, T)]
+    split = split_of(mask_of(T, P, torch.ones(T, T, dtype=torch.bool).tril()), torch.float64)
+    g = torch.randn(1, heads, T, D, dtype=torch.float64)
+    results = []
+    for with_pieces in (False, True):
+        for t in (q, *kp, *vp):
+            t.grad = None
+        k, v = torch.cat(kp, dim=2), torch.cat(vp, dim=2)
+        joined = weakref.ref(k)
+        o = split_attention(q, k, v, split, 0.3, *((kp, vp) if with_pieces else (None, None)))
+        del k, v
+        gc.collect()
+        assert (joined() is None) == with_pieces  # the graph holds the joined K only without
+        o.backward(g)
+        results.append([o.detach(), q.grad, *(t.grad for t in kp + vp)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    # pieces that do not make up the joined tensor are not used
+    k, v = torch.cat(kp, dim=2), torch.cat(vp, dim=2)
+    joined = weakref.ref(k)
+    o = split_attention(q, k, v, split, 0.3, kp[:2], vp)
+    del k, v
+    gc.collect()
+    assert joined() is not None
+
+
+def test_walk_frees_each_forwards_joined_kv():
+    """In a walk every forward over cached keys joins the path's K/V and registers its pieces
+    for the split attention; each registration goes with its joined tensor."""
+    import numpy as np
+
+    import dta.attention as attention
+    from dta.batch import Batch
+    from dta.losses import NLL
+    from dta.models import build_model
+    from dta.train import accumulate_gradients
+
+    model = build_model("qwen3", "tiny", dtype="float32", seed=0)
+    seqs = [np.random.default_rng(s).integers(3, 500, 60) for s in range(2)]
+    batch = Batch.from_records([{"input_ids": s, "loss_mask": np.ones(len(s))} for s in seqs])
+    made = []
+    real = attention._remember_pieces
+    attention._remember_pieces = lambda j, p: made.append(1) or real(j, p)
+    try:
+        accumulate_gradients(model, batch, NLL(), policy="recompute", block_tokens=16)
+    finally:
+        attention._remember_pieces = real
+    assert made and not attention._pieces
