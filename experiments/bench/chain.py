@@ -58,11 +58,13 @@ def _hf_cache_walker():
         """Node by node through the model interface's own cache (``DynamicCache`` built from
         the concatenated path): the copies the walk made before ``dta.attention.path_cache``."""
 
-        def _forward(self, tree, layout, path):
+        def _forward(self, tree, layout, path, routes, capture=False):
             if len(layout.tree_nodes) != 1:
                 raise ValueError("HFCacheWalker walks node by node (packing='node')")
+            if routes.routed is not None or capture:
+                raise ValueError("HFCacheWalker neither replays routing nor reads routers")
             ids = torch.as_tensor(tree.tokens(int(layout.tree_nodes[0])), device=self.device)
-            return self.io.forward(ids, layout.prefix, [f.state for f in path])
+            return (*self.io.forward(ids, layout.prefix, [f.state for f in path]), None)
 
     return HFCacheWalker
 
