@@ -206,3 +206,25 @@ def opaque_sequence_weights(batch: Batch, reduction: str,
     whatever gradient the opaque loss happens to have."""
     has_target = np.array([bool(batch.loss_mask(i).any()) for i in range(len(batch))])
     return np.where(has_target, sequence_weights(batch, reduction, totals), 0.0)
+
+
+class Recorder:
+    """Scatters a walk's per-pair results (log-probs, entropies, ...) into per-sequence,
+    per-token arrays, through the terms' record indices."""
+
+    def __init__(self, tree, device, dtype, minmax: bool = False):
+        self.lengths = tree.lengths
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
+        n = int(self.lengths.sum())
+        self.buffers = [torch.zeros(n, device=device, dtype=torch.float64 if dtype == torch.float64
+                                    else torch.float32) for _ in range(4 if minmax else 2)]
+
+    def add(self, terms: NodeTerms, *per_pair):
+        idx = torch.as_tensor(self.offsets[terms.rec_seq] + terms.rec_pos, device=self.buffers[0].device)
+        pair = torch.as_tensor(terms.rec_pair, device=self.buffers[0].device)
+        for buf, values in zip(self.buffers, per_pair):
+            buf[idx] = values.detach()[pair].to(buf.dtype)
+
+    def split(self):
+        sizes = [int(n) for n in self.lengths]
+        return [list(torch.split(buf, sizes)) for buf in self.buffers]

@@ -54,7 +54,7 @@ from dta.attention import native_gqa
 from dta.head import HeadQueue, LMHead
 from dta.lora import check_peft_model
 from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
-from dta.objective import NodeTerms, Objective
+from dta.objective import NodeTerms, Objective, Recorder
 from dta.packmask import mask_support, pack_mask
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS, check_block_tokens, cut_blocks
 from dta.planning.index import PlanningError
@@ -259,7 +259,7 @@ class Walker:
         res = WalkResult()
         plan = self.plan(tree, self._active(tree, objective, self.router_aux_loss_coef > 0))
         tree, res.plan = plan.tree, self._stats(plan, tree)
-        rec = _Recorder(tree, self.device, self.dtype) if record else None
+        rec = Recorder(tree, self.device, self.dtype) if record else None
         routes = NodeRouting(objective.batch, tree, self.device)
         aux = router_aux(self.router_aux_loss_coef, tree, objective, self.io.moe)
         need_ent = objective.loss.uses_entropy
@@ -375,7 +375,7 @@ class Walker:
     def forward(self, tree: PrefixTree, batch, *, minmax: bool = False, progress=None) -> WalkResult:
         """Forward-only walk: per-sequence, per-token log-probs and entropy, K/V reused."""
         objective = Objective.record_only(batch)
-        rec = _Recorder(tree, self.device, self.dtype, minmax=minmax)
+        rec = Recorder(tree, self.device, self.dtype, minmax=minmax)
         res = WalkResult()
         plan = self.plan(tree)
         tree, res.plan = plan.tree, self._stats(plan, tree)
@@ -429,23 +429,3 @@ class Walker:
         active[0] = False
         return active
 
-
-class _Recorder:
-    """Scatters per-pair results into per-sequence, per-token arrays."""
-
-    def __init__(self, tree: PrefixTree, device, dtype, minmax: bool = False):
-        self.lengths = tree.lengths
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
-        n = int(self.lengths.sum())
-        self.buffers = [torch.zeros(n, device=device, dtype=torch.float64 if dtype == torch.float64
-                                    else torch.float32) for _ in range(4 if minmax else 2)]
-
-    def add(self, terms: NodeTerms, *per_pair):
-        idx = torch.as_tensor(self.offsets[terms.rec_seq] + terms.rec_pos, device=self.buffers[0].device)
-        pair = torch.as_tensor(terms.rec_pair, device=self.buffers[0].device)
-        for buf, values in zip(self.buffers, per_pair):
-            buf[idx] = values.detach()[pair].to(buf.dtype)
-
-    def split(self):
-        sizes = [int(n) for n in self.lengths]
-        return [list(torch.split(buf, sizes)) for buf in self.buffers]
