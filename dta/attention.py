@@ -142,27 +142,33 @@ def _remember_pieces(joined: torch.Tensor, pieces: tuple) -> None:
 
 
 class PathLayer(DynamicLayer):
-    """One layer's cache: the path's K/V pieces, joined with the new K/V in one ``cat``."""
+    """One layer's cache: the path's K/V pieces, joined with the new K/V in one ``cat``.
+
+    After the forward the layer holds only the new K/V (``keys``/``values``: positions
+    ``offset``.. of the path), as computed -- not a slice of the joined tensor: a node state
+    read as a view of the join would keep the whole path's K/V alive with it (the attention
+    keeps the pieces, not the join), and its gradient would come back as a path-long
+    zero-padded ``slice_backward``."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
         self.parts = parts
-        self.past = sum(k.shape[-2] for k, _ in parts)
+        self.offset = sum(k.shape[-2] for k, _ in parts)
 
     def update(self, key_states, value_states, *args, **kwargs):
+        joined = key_states, value_states
         if self.parts:
             ks = (*(k for k, _ in self.parts), key_states)
             vs = (*(v for _, v in self.parts), value_states)
-            self.keys, self.values = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
-            _remember_pieces(self.keys, ks)
-            _remember_pieces(self.values, vs)
-        else:
-            self.keys, self.values = key_states, value_states
+            joined = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+            _remember_pieces(joined[0], ks)
+            _remember_pieces(joined[1], vs)
+        self.keys, self.values = key_states, value_states
         self.parts, self.is_initialized = [], True
-        return self.keys, self.values
+        return joined
 
     def get_seq_length(self) -> int:
-        return self.keys.shape[-2] if self.is_initialized else self.past
+        return self.offset + (self.keys.shape[-2] if self.is_initialized else 0)
 
 
 def path_cache(pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] | None, n_layers: int) -> Cache:

@@ -166,12 +166,15 @@ def _own(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
-    if layer.keys.shape[2] != end:  # a sliding (or otherwise truncating) cache layer
+    offset = getattr(layer, "offset", 0)  # a PathLayer holds positions offset.. only
+    if offset + layer.keys.shape[2] != end or start < offset:  # e.g. a sliding cache layer
         raise ModelInterfaceError(
-            f"{where}: the cache layer {type(layer).__name__} holds {layer.keys.shape[2]} "
-            f"positions after a forward of positions 0..{end - 1}; the walker needs every "
-            "position's keys and values (a full cache layer)")
-    return layer.keys[:, :, start:], layer.values[:, :, start:]
+            f"{where}: the cache layer {type(layer).__name__} holds positions {offset}.."
+            f"{offset + layer.keys.shape[2] - 1} after a forward of positions {start}..{end - 1}; "
+            "the walker needs every position's keys and values (a full cache layer)")
+    if start == offset:
+        return layer.keys, layer.values
+    return layer.keys[:, :, start - offset:], layer.values[:, :, start - offset:]
 
 
 def _attention_through(state: tuple, layout, local: int, rows: np.ndarray) -> tuple:
@@ -303,10 +306,11 @@ class ModelInterface:
 
     @staticmethod
     def detached(state: NodeState) -> NodeState:
-        """The node's state detached, each tensor owning its memory: a node's K/V are a slice
-        of the forward's cache, which holds the whole path's K/V (``PathLayer.update`` joins
-        them), so a frame that kept the slice would keep every ancestor's K/V once more --
-        quadratic in the path's length when a long node is walked in blocks."""
+        """The node's state detached, each tensor owning its memory: where a node's K/V are
+        a slice of a cache that holds the whole path's K/V (a ``DynamicCache``; a
+        ``PathLayer`` keeps the node's own K/V apart), a frame that kept the slice would keep
+        every ancestor's K/V once more -- quadratic in the path's length when a long node is
+        walked in blocks."""
         return [tuple(_own(x.detach()) for x in layer) for layer in state]
 
     # ------------------------------------------------------------------ forward --
