@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from dta.split_attention import Split, additive_mask, split_attention, split_of
+from dta.split_attention import Split, Tape, additive_mask, split_attention, split_of
 
 GQA_NAME = "dta_sdpa"
 
@@ -43,7 +43,7 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     forms = _mask_forms(attention_mask, query)
     if forms is not None and forms.split is not None and not (dropout and module.training):
         out = split_attention(query, key, value, forms.split, scaling,
-                              _pieces.get(id(key)), _pieces.get(id(value)))
+                              _pieces.get(id(key)), _pieces.get(id(value)), _tape)
         return out.transpose(1, 2).contiguous(), None
     if groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -128,6 +128,32 @@ def native_gqa(model, enabled: bool = True):
         yield
     finally:
         _set_impl(model, "sdpa")
+
+
+# the tape of the forward running now (:func:`taped`), or None
+_tape: Tape | None = None
+
+
+@contextlib.contextmanager
+def taped(tape: Tape | None):
+    """A forward whose split attention calls keep their results on ``tape`` -- or, once the
+    tape has kept them (``tape.replay()``), take them back: a pack's re-forward (recompute)
+    skips the attention over its path (``dta.split_attention.Tape``)."""
+    global _tape
+    if tape is None:
+        yield
+        return
+    replay = tape.recorded
+    if replay:
+        tape.replay()
+    _tape = tape
+    try:
+        yield
+        if replay:
+            tape.check_done()
+        tape.recorded = True
+    finally:
+        _tape = None
 
 
 # the pieces a joined K/V tensor was made of, by the joined tensor's id, while it lives (a

@@ -273,6 +273,9 @@ class HeadQueue:
         terms = NodeTerms.concat([(j.terms, int(o)) for j, o in zip(jobs, offsets[:-1])])
         dhidden = evaluate(hidden, terms)
         for j, a, b in zip(jobs, offsets[:-1], offsets[1:]):
-            j.dhidden = None if dhidden is None else dhidden[a:b]
+            # each job owns its rows: a slice would keep every queued pack's rows alive
+            # until the last of them is popped (the root's, at the end of the walk)
+            j.dhidden = None if dhidden is None else \
+                dhidden if len(jobs) == 1 else dhidden[a:b].clone()
             j.done, j.hidden = True, None
         return True

@@ -40,7 +40,10 @@ Memory policies: *retain* keeps each pack's graph along the current path, plus t
 waiting for a head flush (at most ``head_rows`` tokens of them); *recompute* keeps only the
 detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's choice):
 one graph alive at a time (its leaf packs are flushed at once; the detached head rows of the
-open packs are still batched).
+open packs are still batched). Where the attention over the path is split at the cache
+boundary (CPU), the pack's first forward also keeps each layer's attention output on a tape
+(``dta.split_attention.Tape``, about the size of its K/V), and the re-forward takes it back
+instead of attending over the whole path again.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dta.attention import native_gqa
+from dta.attention import native_gqa, taped
 from dta.head import HeadQueue, LMHead
 from dta.lora import check_peft_model
 from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
@@ -61,6 +64,7 @@ from dta.planning.index import PlanningError
 from dta.planning.packs import PackCost, PackLayout, PackPlan, default_cap, plan_packs
 from dta.router_aux import router_aux
 from dta.routing import NodeRouting, check_shared_routing
+from dta.split_attention import Tape
 from dta.tree import PrefixTree
 
 POLICIES = ("retain", "recompute")
@@ -73,6 +77,7 @@ class Frame:
     state: NodeState  # the pack's own per-layer state (K/V): detached leaves its descendants read
     job: object  # its head rows (∂L/∂hidden once flushed)
     graph: tuple | None = None  # retain: (hidden, K/V) still attached to the pack's graph
+    tape: Tape | None = None  # recompute: the attention results its re-forward takes back
     pieces: tuple | None = None  # (tree node, per-layer (k, v) rows on the path through it)
 
 
@@ -185,15 +190,16 @@ class Walker:
 
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame], routes: NodeRouting,
-                 capture: bool = False):
+                 capture: bool = False, tape: Tape | None = None):
         """The pack's last hidden states [T, H], its own new per-layer state, and its routing
-        (``dta.routing.RouterCall``: the replayed experts forced, the routers read)."""
+        (``dta.routing.RouterCall``: the replayed experts forced, the routers read). ``tape``:
+        the attention over the path kept (first forward) or taken back (re-forward)."""
         ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])
         ids = torch.as_tensor(ids, device=self.device)
         pos = torch.as_tensor(layout.positions, device=self.device).unsqueeze(0)
         cache = self.io.pack_cache(self._path_pieces(tree, layout, path), layout)
         mask = pack_mask(layout, self.model, self.device, self.dtype, self.mask_support)
-        with self.io.moe.call(routes.rows(layout.tree_nodes), capture) as routed:
+        with self.io.moe.call(routes.rows(layout.tree_nodes), capture) as routed, taped(tape):
             out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
                                   **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
         P = layout.prefix
@@ -312,8 +318,9 @@ class Walker:
             # a leaf pack with nothing to backpropagate (no head row, no aux loss: e.g. only
             # the AReaL adapter's wrap label of a strict prefix) keeps no graph
             graph = not terms.empty or aux.capture if is_leaf else self.policy == "retain"
+            tape = Tape() if self.policy == "recompute" and not is_leaf else None
             with torch.set_grad_enabled(graph or self.policy == "retain"):
-                hidden, state, routed = self._forward(tree, layout, path, routes, aux.capture)
+                hidden, state, routed = self._forward(tree, layout, path, routes, aux.capture, tape)
             aux_pairs = aux.pushed(i, layout, path, routed, is_leaf)  # the router's aux loss
             job = queue.add(hidden, terms)
             kept = [f.layout.tokens for f in path] + [w[2] for w in waiting] \
@@ -330,7 +337,7 @@ class Walker:
                 return
             leaves = self.io.state_leaves(state)  # leaves where a gradient can flow
             graph = (hidden, state) if self.policy == "retain" else None
-            path.append(Frame(i, layout, leaves, job, graph))
+            path.append(Frame(i, layout, leaves, job, graph, tape))
             res.max_path = max(res.max_path, len(path))
             if self.head_rows <= 0:
                 flush()
@@ -338,8 +345,10 @@ class Walker:
         def pop(i):
             flush()  # the pack's own head rows, and its leaf packs' backward passes
             frame = path.pop()
-            if self.policy == "recompute":  # re-forward with grad; the head is not re-run
-                hidden, state, routed = self._forward(tree, frame.layout, path, routes, aux.capture)
+            if self.policy == "recompute":  # re-forward with grad; the head is not re-run,
+                # the attention over the path is taken back from the tape
+                hidden, state, routed = self._forward(tree, frame.layout, path, routes,
+                                                      aux.capture, frame.tape)
                 res.recomputed_tokens += frame.layout.tokens
                 res.forward_calls += 1
                 res.max_live_graphs = max(res.max_live_graphs, 1)
