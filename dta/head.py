@@ -32,8 +32,11 @@ from dta.modeling import LogitTransform
 
 # The logits workspace of one head chunk (bytes; see LMHead): experiments/hybrid_memory.py
 # measured the 1,024-row workspace as the largest live tensor at the peak of a walk step of
-# the 32K-vocabulary "small" models (125 MB of 370 MB live, recompute).
-LOGITS_BYTES = 32 * 2**20
+# the 32K-vocabulary "small" models (125 MB of 370 MB live, recompute); at 32 MiB it was
+# still on the peak of a block walk (a leaf block's head call, its graph alive:
+# docs/memory.md). 16 MiB is 131 rows of a 32K vocabulary; a 150K vocabulary in half
+# precision stays at MIN_ROWS either way.
+LOGITS_BYTES = 16 * 2**20
 MIN_ROWS = 64
 
 
@@ -72,9 +75,10 @@ class LMHead:
         self.chunk = logits_rows(chunk, int(self.weight.shape[0]), self.weight.element_size())
         self._pending_head: list = []  # (h, ∂L/∂z_raw) waiting to be added into W.grad
         self._pending_rows = 0
-        # CPU: the logits of every chunk are written into one reused buffer (a fresh
-        # [rows, vocab] tensor is page-faulted in at each chunk: ~35 ms per 1,024 x 32K rows on
-        # the 2-core CPU); CUDA's caching allocator already reuses the block
+        # CPU: the logits of every chunk of one evaluation are written into one reused buffer
+        # (a fresh [rows, vocab] tensor is page-faulted in at each chunk: ~35 ms per 1,024 x
+        # 32K rows on the 2-core CPU), dropped when the evaluation returns; CUDA's caching
+        # allocator already reuses the block
         self._reuse = self.weight.device.type == "cpu"
         self._workspace: torch.Tensor | None = None
 
@@ -161,6 +165,7 @@ class LMHead:
                 if in_ws:  # g lives in the workspace, which the next chunk overwrites
                     self._flush_head()
         self._flush_head()
+        self._workspace = None  # idle between evaluations, it would sit on every later peak
         if outs:
             logp, ent, vmin, vmax = (torch.cat(x) if x[0] is not None else None for x in zip(*outs))
         else:

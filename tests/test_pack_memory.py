@@ -19,7 +19,7 @@ from tests.test_hybrid import hybrid_model
 
 
 def test_logits_rows_budget():
-    assert logits_rows(1024, 32000) == LOGITS_BYTES // (32000 * 4)  # 262 rows, 32 MiB
+    assert logits_rows(1024, 32000) == LOGITS_BYTES // (32000 * 4)  # 131 rows, 16 MiB
     assert logits_rows(7, 32000) == 7  # a smaller chunk is kept
     assert logits_rows(1024, 151936, 2) == MIN_ROWS  # half precision: float32 logits, floor
     assert logits_rows(1024, 512, 8) == 1024  # a small vocabulary: the chunk itself

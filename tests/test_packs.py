@@ -365,10 +365,11 @@ def test_mask_forms_made_once_per_forward_and_split_is_exact(monkeypatch):
 
 
 def test_head_workspace_reused_then_released():
-    """On CPU the head writes every chunk's logits into one reused buffer: the same gradients
-    as fresh logits per chunk (float32 round-off: ∂L/∂W is then added chunk by chunk), and the
-    buffer is dropped when the walk ends. (Float64 exactness: the tests above, which run
-    with the workspace.)"""
+    """On CPU the head writes every chunk's logits of one evaluation into one reused buffer:
+    the same gradients as fresh logits per chunk (float32 round-off: ∂L/∂W is then added
+    chunk by chunk), and the buffer is dropped when each evaluation returns (idle, it would
+    sit on the peaks of the forwards and backwards between head calls). (Float64 exactness:
+    the tests above, which run with the workspace.)"""
     from dta.objective import Objective
     from dta.walk import Walker
 
@@ -388,8 +389,16 @@ def test_head_workspace_reused_then_released():
             return out, in_ws
 
         walker.head._logits = logits
+        evaluate, idle = walker.head.evaluate, []
+
+        def evaluate_then_check(*a, **k):
+            out = evaluate(*a, **k)
+            idle.append(walker.head._workspace is None)
+            return out
+
+        walker.head.evaluate = evaluate_then_check
         walker.train(tree, Objective(batch, NLL(), "token_mean"))
-        assert walker.head._workspace is None  # released at the end of the walk
+        assert idle and all(idle)  # released after every evaluation
         return [p.grad.clone() for p in model.parameters()], storages
 
     g_ws, used = run(True)
