@@ -58,7 +58,8 @@ def _hf_cache_walker():
         """Node by node through the model interface's own cache (``DynamicCache`` built from
         the concatenated path): the copies the walk made before ``dta.attention.path_cache``."""
 
-        def _forward(self, tree, layout, path, routes, capture=False):
+        def _forward(self, tree, layout, path, routes, capture=False, tape=None):
+            # no tape: a re-forward attends over the path again, as the walk did then
             if len(layout.tree_nodes) != 1:
                 raise ValueError("HFCacheWalker walks node by node (packing='node')")
             if routes.routed is not None or capture:
