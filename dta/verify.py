@@ -73,6 +73,8 @@ class VerifyReport:
     pack_tokens: int = 0
     packs: int = 0  # packs (decoder calls) of the training walk
     nodes: int = 0  # tree nodes walked
+    block_tokens: int | None = None  # the DFS side's block (None: no cut)
+    blocks_cut: int = 0  # pieces the cut added to the tree
     trainable_parameters: int = 0  # LoRA: the adapters' (every parameter without)
     frozen_with_grad: int = 0  # frozen tensors that got a gradient on either side (must be 0)
 
@@ -213,7 +215,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
         tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps,
         logprobs_sequences=int(sum(walked)), packing=packing, pack_tokens=dfs.walk.plan["cap"],
-        packs=dfs.walk.packs, nodes=dfs.walk.nodes,
+        packs=dfs.walk.packs, nodes=dfs.walk.nodes, block_tokens=dfs.walk.plan["block_tokens"],
+        blocks_cut=dfs.walk.plan["blocks_cut"],
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         frozen_with_grad=int(frozen_with_grad))
 

@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pack-tokens", type=int, default=None,
                    help="the cap of a pack in tokens (default: the walker's, by memory policy: "
                         "dta.planning.packs.default_cap)")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help="the longest piece of a node the DFS side forwards in one call "
+                        "(dta/planning/blocks.py; default: the walker's, 2,048; 0: no cut)")
     p.add_argument("--max-sequences", type=int, default=None,
                    help="verify only the first N sequences (the unpacked side is slow)")
     p.add_argument("--tolerance", type=float, default=None,
@@ -107,16 +110,21 @@ def run(args) -> int:
     if args.pack_tokens is not None and args.pack_tokens < 1:
         raise SystemExit(f"dta verify: --pack-tokens must be a positive number of tokens, got "
                          f"{args.pack_tokens}")
+    if args.block_tokens is not None and args.block_tokens < 0:
+        raise SystemExit(f"dta verify: --block-tokens must be 0 (no cut) or a positive number of "
+                         f"tokens, got {args.block_tokens}")
+    blocks = {} if args.block_tokens is None else {"block_tokens": args.block_tokens or None}
     report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
                     progress=True, packing=args.packing, pack_tokens=args.pack_tokens,
-                    router_aux_loss_coef=args.router_aux_loss)
+                    router_aux_loss_coef=args.router_aux_loss, **blocks)
     tol = args.tolerance or (1e-10 if report.dtype == "float64" else 1e-4)
     ok = report.passed(tol)  # NaN/inf anywhere: a failure
     d = report.as_dict()
     print(f"model {args.model_path or args.family + '/' + args.size} ({report.parameters:,} params, "
           f"{report.dtype}{', norms kept in float64' if report.truly_float64 else ''}), "
           f"policy {report.policy}, loss {args.loss}, reduction {report.reduction}, packing "
-          f"{report.packing} (cap {report.pack_tokens}: {report.packs} packs for {report.nodes} nodes)")
+          f"{report.packing} (cap {report.pack_tokens}: {report.packs} packs for {report.nodes} nodes), "
+          f"blocks {report.block_tokens or 'none'} ({report.blocks_cut} pieces added)")
     if not args.model_path and args.matrix:
         from dta.families import FAMILIES
 

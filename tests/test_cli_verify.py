@@ -44,3 +44,15 @@ def test_verify_family_tested_configuration(capsys):
     assert code == 0 and report["passed"] and report["family"] == "mistral" and report["matrix"]
     assert any("window: all layers" in line for line in out)
     assert report["max_rel_err"] <= 1e-10
+
+
+def test_verify_takes_blocks(capsys):
+    """`dta verify --block-tokens 5`: blocks of 5 tokens (inside a window of 8) on the DFS
+    side, float64-exact; a negative block is refused in one line."""
+    code = main(["verify", "--family", "mistral", "--dtype", "float64", "--max-sequences", "4",
+                 "--policy", "recompute", "--block-tokens", "5", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["passed"] and report["max_rel_err"] <= 1e-10
+    assert report["block_tokens"] == 5 and report["blocks_cut"] > 0
+    with pytest.raises(SystemExit, match="--block-tokens must be 0"):
+        main(["verify", "--family", "qwen3", "--block-tokens", "-1"])
