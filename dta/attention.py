@@ -137,21 +137,16 @@ _tape: Tape | None = None
 @contextlib.contextmanager
 def taped(tape: Tape | None):
     """A forward whose split attention calls keep their results on ``tape`` -- or, once the
-    tape has kept them (``tape.replay()``), take them back: a pack's re-forward (recompute)
-    skips the attention over its path (``dta.split_attention.Tape``)."""
+    tape has recorded them, take them back: a pack's re-forward (recompute) skips the
+    attention over its path (``dta.split_attention.Tape``)."""
     global _tape
     if tape is None:
         yield
         return
-    replay = tape.recorded
-    if replay:
-        tape.replay()
     _tape = tape
     try:
         yield
-        if replay:
-            tape.check_done()
-        tape.recorded = True
+        tape.finish()
     finally:
         _tape = None
 

@@ -15,9 +15,10 @@ and the backward runs the flash backward of each part with the *merged* ``o`` an
 (P = exp(s − ℓ) and D = rowsum(dO ∘ O) are those of the whole row), so dq = dq₁ + dq₂ and
 dK = [dK₁; dK₂] exactly. The same holds for any split of the keys, so the backward runs once
 per K/V *piece* the cache joined (each frame's K/V on the path, the pack's own) and returns
-each piece its gradient: the path's K/V and dK/dV are never joined in the backward. Folding: head h reads K/V head h // G, so the rows of q's G heads
-that share a K/V head are stacked into one query block of G·T rows (no K/V copy; the prefix
-part has no mask to repeat).
+each piece its gradient: the path's K/V and dK/dV are never joined in the backward.
+Folding: head h reads K/V head h // G, so the rows of q's G heads that share a K/V head are
+stacked into one query block of G·T rows (no K/V copy; the prefix part has no mask to
+repeat).
 
 :func:`split_of` decides from the mask alone (once per forward, cached by the caller):
 split when every cached column is visible to every row and every row sees its own key (so
@@ -78,10 +79,12 @@ class SplitAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, past: int, inner, scale, tape, joined, n: int, *pieces):
-        kept = tape.take(q, past) if tape is not None and tape.replaying else None
-        out, lse = kept if kept is not None else _attend(q, *joined, past, inner, scale)
-        if tape is not None and not tape.replaying:
-            tape.keep(out, lse, past)
+        if tape is not None and tape.recorded:
+            out, lse = tape.take(q, past)
+        else:
+            out, lse = _attend(q, *joined, past, inner, scale)
+            if tape is not None:
+                tape.keep(out, lse, past)
         ctx.save_for_backward(q, out, lse, inner, *pieces)
         ctx.past, ctx.scale, ctx.n = past, scale, n
         return out
@@ -142,8 +145,8 @@ class Tape:
 
     def __init__(self):
         self._kept: list[tuple[torch.Tensor, torch.Tensor, int] | None] = []
-        self.replaying, self._next = False, 0
-        self.recorded = False  # a forward has kept its results (possibly none)
+        self._next = 0
+        self.recorded = False  # a forward has kept its results (possibly none): replay them
 
     def keep(self, out: torch.Tensor, lse: torch.Tensor, past: int) -> None:
         self._kept.append((out.detach(), lse.detach(), past))
@@ -162,13 +165,13 @@ class Tape:
         self._next += 1
         return out, lse
 
-    def replay(self) -> "Tape":
-        """Switch to taking the kept results back (once)."""
-        self.replaying, self._next = True, 0
-        return self
-
-    def check_done(self) -> None:
-        if self.replaying and self._next != len(self._kept):
+    def finish(self) -> None:
+        """The end of a forward: a recording becomes replayable; a replay must have taken
+        back every result."""
+        if not self.recorded:
+            self.recorded = True
+            return
+        if self._next != len(self._kept):
             raise RuntimeError(f"attention tape: the re-forward made {self._next} split attention "
                                f"calls, the forward {len(self._kept)}")
         self._kept = []
@@ -193,8 +196,8 @@ def split_attention(query, key, value, split: Split, scale: float | None,
     ``value_pieces``: the tensors ``key`` / ``value`` were concatenated from (along the
     positions); when given, the backward keeps those instead of ``key`` and ``value`` and
     hands each its own gradient -- the joined copy of the path's K/V is then freed after the
-    forward. ``tape``:
-    keep the result (a forward without grad), or take it back (after ``tape.replay()``)."""
+    forward. ``tape``: keep the result (a forward without grad), or take it back (once the
+    tape has ``recorded``)."""
     kp, vp = _pieces_of(key, key_pieces), _pieces_of(value, value_pieces)
     if kp is None or vp is None:
         kp, vp = (key,), (value,)

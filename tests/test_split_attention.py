@@ -169,15 +169,14 @@ def test_a_tape_refuses_a_re_forward_that_differs():
 
     tape = Tape()
     tape.keep(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3), 5)
-    tape.replay()
+    tape.finish()  # the recording forward ends: the re-forward takes back
     with pytest.raises(RuntimeError, match="over 6 cached keys"):
         tape.take(q, 6)
-    tape.replay()
     tape.take(q, 5)
     with pytest.raises(RuntimeError, match="more split attention calls"):
         tape.take(q, 5)
     tape = type(tape)()
     tape.keep(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3), 5)
-    tape.replay()
+    tape.finish()
     with pytest.raises(RuntimeError, match="made 0 split attention calls, the forward 1"):
-        tape.check_done()
+        tape.finish()
