@@ -34,6 +34,7 @@ from dta.models import build_model, load_model
 from dta.models import resolve_dtype
 from dta.planning.blocks import block_tokens_of
 from dta.train import accumulate_gradients, forward_logprobs
+from runtime.ray_runtime.host import interface_of, node_id, node_ip, peak_memory, reset_peak_memory
 from runtime.sharding import make_strategy, master_dtype_for
 from runtime.sharding.common import optimizer_factory
 
@@ -94,33 +95,6 @@ def fill_recomputed(model, batch: Batch, names, cfg) -> Batch:
         fields[n] = lps
     return Batch(batch.input_ids, fields, batch.weight, batch.group_id,
                  routed_experts=batch.routed_experts)
-
-
-# --------------------------------------------------------------------- memory --
-def reset_peak_memory(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: "5" resets the peak RSS (VmHWM) of this process
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_memory(device) -> dict:
-    if device.type == "cuda":
-        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)), "kind": "cuda"}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return {"peak_bytes": int(line.split()[1]) * 1024, "kind": "rss"}
-    except OSError:
-        pass
-    import resource
-    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "kind": "rss"}
 
 
 def parse_fault(spec: str | dict | None) -> dict | None:
@@ -188,7 +162,7 @@ class DFSWorker:
 
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "ip": _node_ip(), "node_id": _node_id(), "device": str(self.device),
+                "ip": node_ip(), "node_id": node_id(), "device": str(self.device),
                 "build_s": self.build_s,
                 "threads": torch.get_num_threads(),
                 "params": int(sum(p.numel() for p in self.model.parameters()))}
@@ -199,7 +173,7 @@ class DFSWorker:
         bind, no port race); returns (address, port) for the other ranks."""
         from torch.distributed import TCPStore
 
-        ip = _node_ip()
+        ip = node_ip()
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.bind((ip, 0))
@@ -222,7 +196,7 @@ class DFSWorker:
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
             os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
-        elif (own := _interface_of(_node_ip())) is not None:
+        elif (own := interface_of(node_ip())) is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", own)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", own)
         timeout = datetime.timedelta(seconds=float(timeout_s))
@@ -420,34 +394,3 @@ def _to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
-
-
-def _node_id() -> str | None:
-    """The Ray node id of this process's node (None outside Ray)."""
-    try:
-        import ray
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except Exception:
-        pass
-    return None
-
-
-def _interface_of(ip: str) -> str | None:
-    """The network interface holding ``ip`` (None when no interface has it)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == ip for a in addrs):
-            return name
-    return None
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return "127.0.0.1"
