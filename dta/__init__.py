@@ -2,7 +2,7 @@
 root-to-leaf path of activations at a time. The library never imports ray, areal or runtime.
 
 Names are imported lazily, so metadata-only modules (``dta.tree``, ``dta.planning``,
-``dta.jsonl``) do not pay for importing torch and transformers.
+``dta.records.jsonl``) do not pay for importing torch and transformers.
 """
 import importlib
 
@@ -11,7 +11,7 @@ _EXPORTS = {
     "NLL": "dta.losses", "PPO": "dta.losses", "SequenceLoss": "dta.losses",
     "TokenLoss": "dta.losses", "Totals": "dta.losses", "batch_totals": "dta.losses",
     "make_loss": "dta.losses",
-    "build_model": "dta.models", "load_model": "dta.models", "make_truly_float64": "dta.models",
+    "build_model": "dta.model.models", "load_model": "dta.model.models", "make_truly_float64": "dta.model.models",
     "DFSTrainer": "dta.train", "StepResult": "dta.train", "accumulate_gradients": "dta.train",
     "clip_and_step": "dta.train", "forward_logprobs": "dta.train",
     "PrefixTree": "dta.tree", "Segment": "dta.tree", "TreeStats": "dta.tree",

@@ -5,7 +5,7 @@ Per-token fields are aligned with ``input_ids``: the value at index j belongs to
 and is never a target: its ``loss_mask`` flag is ignored (set to 0), so an all-ones mask (SFT
 data, Hugging Face's shifted-labels convention) trains every token that can be predicted.
 Per-sequence fields (``weight``) are one number per sequence. The record fields and their
-rules are those of :mod:`dta.records`; :meth:`Batch.from_records` checks every record and
+rules are those of :mod:`dta.records.fields`; :meth:`Batch.from_records` checks every record and
 :meth:`Batch.validate` checks the assembled batch against the model.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dta.records import ALIASES, LOGPROB_FIELDS, BatchError, validate_record
+from dta.records.fields import ALIASES, LOGPROB_FIELDS, BatchError, validate_record
 
 TOKEN_FIELDS = ("loss_mask", "advantages", "old_logprobs", "prox_logprobs")
 SEQUENCE_FIELDS = ("weight",)
@@ -30,7 +30,7 @@ class Batch:
     weight: np.ndarray | None = None  # per-sequence multiplier of every loss term
     group_id: list | None = None
     sources: list[str] | None = None  # per sequence: where it came from ("f.jsonl line 3")
-    # MoE routing replay: per sequence [tokens, MoE layers, k] expert ids (dta/routing.py)
+    # MoE routing replay: per sequence [tokens, MoE layers, k] expert ids (dta/model/routing.py)
     routed_experts: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
@@ -50,7 +50,7 @@ class Batch:
     @classmethod
     def from_records(cls, records: Iterable[Mapping], *, sources: Sequence[str] | None = None,
                      vocab_size: int | None = None) -> "Batch":
-        """From dicts with ``input_ids`` and optional fields (see :mod:`dta.records`; a
+        """From dicts with ``input_ids`` and optional fields (see :mod:`dta.records.fields`; a
         scalar ``advantages`` is broadcast to every token). Every record is checked first;
         errors name ``sources[i]`` (e.g. ``data.jsonl line 7``) or ``sequence i``."""
         records = list(records)

@@ -76,7 +76,7 @@ class Objective:
         self.weights = weights if weights is not None else token_weights(batch, reduction, totals)
         self.fields = fields if fields is not None else {k: batch.fields[k] for k in loss.fields}
         # per sequence: the weight of its loss in the reduction (its router aux loss's too:
-        # dta/router_aux.py); 0 for a sequence without a loss term. Given (``linearize``):
+        # dta/model/router_aux.py); 0 for a sequence without a loss term. Given (``linearize``):
         # taken as is -- an opaque loss's gradient may vanish where its weight does not
         if sequence_weights is None:
             seq_w = _sequence_weights(batch, reduction, totals)

@@ -3,7 +3,7 @@
 This is what DFS must equal. It shares nothing with the walker but the loss formulas: the
 logits come from ``model(input_ids).logits`` over the whole sequence, no cache, no tree.
 MoE: a sequence's ``routed_experts`` are forced in its forward (the replay is the model
-fact of ``dta/routing.py``), and with ``router_aux_loss_coef > 0`` the sequence's own
+fact of ``dta/model/routing.py``), and with ``router_aux_loss_coef > 0`` the sequence's own
 load-balancing loss (:func:`sequence_aux_loss`, Hugging Face's formula over that sequence's
 router logits of every MoE layer) is added, times the coefficient and the sequence's weight,
 and differentiated by autograd.
@@ -18,7 +18,7 @@ import torch
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights
 from dta.objective import Objective, opaque_sequence_weights
-from dta.routing import MoERouters
+from dta.model.routing import MoERouters
 
 
 def sequence_aux_loss(routed, num_experts: int) -> torch.Tensor:

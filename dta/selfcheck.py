@@ -1,6 +1,6 @@
 """The self-check a walker runs before it trains a model: DTA's path against the model's own.
 
-The walker re-implements three things the model does (``dta/modeling.py``): the per-node
+The walker re-implements three things the model does (``dta/model/modeling.py``): the per-node
 cache and positions, the embedding leaf and its gradient, and the LM head with its logit
 transform and hand-derived gradient. On a small probe built from the model's vocabulary
 (a shared prefix longer than the model's sliding window when that window is short, and two
@@ -20,7 +20,7 @@ the dtype's tolerance. Nothing of the model is changed: parameters are only read
 parameter's ``.grad`` is set aside and put back (the very same tensor object, or None), and
 the train/eval mode is restored. The result is cached per model object, so a walker built
 every step probes once. A model class outside the tested matrix
-(``dta.families.TESTED_MODEL_CLASSES``) is probed and, when it passes, warned about: the
+(``dta.model.families.TESTED_MODEL_CLASSES``) is probed and, when it passes, warned about: the
 probe is evidence, not a proof (data-dependent behaviour, windows longer than the probe).
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dta.lora import base_model_class, is_peft_model
-from dta.modeling import ModelInterface, ModelInterfaceError
+from dta.model.lora import base_model_class, is_peft_model
+from dta.model.modeling import ModelInterface, ModelInterfaceError
 
 # Relative error allowed per part, by dtype. Loose enough for rounding (float64 models whose
 # norms upcast to float32 agree to ~1e-7; bf16 paths to ~1e-2), tight enough for any
@@ -77,7 +77,7 @@ def ensure_self_check(model) -> SelfCheckReport:
 
 
 def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
-    from dta.families import TESTED_MODEL_CLASSES
+    from dta.model.families import TESTED_MODEL_CLASSES
 
     t0 = time.perf_counter()
     p0 = next(model.parameters())
@@ -105,7 +105,7 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
     report.seconds = time.perf_counter() - t0
     if report.passed and not report.tested_class:
         warnings.warn(f"{report.model_class} is not in DTA's tested model matrix "
-                      f"(dta.families); its self-check passed on a {report.probe_tokens}-token "
+                      f"(dta.model.families); its self-check passed on a {report.probe_tokens}-token "
                       "probe, which cannot cover data-dependent behaviour or windows longer "
                       "than the probe", stacklevel=3)
     if raise_on_failure and not report.passed:
@@ -142,7 +142,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 def _compare(model, seqs, report: SelfCheckReport) -> None:
     from dta.batch import Batch
-    from dta.head import LMHead
+    from dta.model.head import LMHead
     from dta.losses import TokenLoss
     from dta.objective import Objective
     from dta.reference import unpacked_gradients
@@ -154,7 +154,7 @@ def _compare(model, seqs, report: SelfCheckReport) -> None:
     device = next(model.parameters()).device
     full = torch.as_tensor(seqs[0], device=device)
     prefix = int(np.argmax(seqs[0][: len(seqs[1])] != seqs[1]))
-    from dta.modeling import LogitTransform
+    from dta.model.modeling import LogitTransform
 
     with torch.no_grad():
         # head: the walker's transform on the model's own hidden states vs the model's logits

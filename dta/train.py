@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from dta.batch import Batch
-from dta.lora import check_peft_model
+from dta.model.lora import check_peft_model
 from dta.losses import SequenceLoss, TokenLoss, Totals
 from dta.objective import Objective, linearize
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
-from dta.routing import MoERouters, check_routing, check_shared_routing
+from dta.model.routing import MoERouters, check_routing, check_shared_routing
 from dta.selfcheck import ensure_self_check
 from dta.tree import PrefixTree, TreeStats
 from dta.walk import Walker, WalkResult
@@ -95,7 +95,7 @@ def forward_logprobs(model, batch: Batch, *, temperature: float = 1.0, logits_ch
 def checked_walker(model, self_check: bool = True, **walker_kw) -> Walker:
     """A :class:`Walker` for ``model``, after the self-check (``dta.selfcheck``: once per model
     object, cached) refused a model the walker would train wrong; ``self_check=False`` skips
-    the probe. A PEFT model other than dropout-free LoRA is refused first (``dta.lora``)."""
+    the probe. A PEFT model other than dropout-free LoRA is refused first (``dta.model.lora``)."""
     check_peft_model(model)
     if self_check:
         ensure_self_check(model)

@@ -29,7 +29,7 @@ term needs them (sequences with no trained token are not walked, or only along a
 share), so it is compared on the sequences it walks whole; a forward-only walk of every
 sequence is compared at every position as well.
 A float64 check runs a *truly* float64 model (norms patched to stay in float64; see
-``dta.models.make_truly_float64``); otherwise HF's float32 RMSNorm caps agreement near 1e-7.
+``dta.model.models.make_truly_float64``); otherwise HF's float32 RMSNorm caps agreement near 1e-7.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, token_weights
-from dta.models import make_truly_float64
+from dta.model.models import make_truly_float64
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients, forward_logprobs, validate_for_model
 

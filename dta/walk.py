@@ -16,14 +16,14 @@ d(loss)/dθ = Σ_P [∂ own_loss_P/∂θ + (∂ K/V_P/∂θ)ᵀ · Σ_desc ∂ l
 sum is what accumulates in the leaves' ``.grad`` (descendants' backward passes add into it,
 through the rows of P that lie on their path).
 
-The LM head (``dta/head.py``) evaluates the queued rows of several packs in one call --
+The LM head (``dta/model/head.py``) evaluates the queued rows of several packs in one call --
 flushed before a pop needs them, or at ``head_rows`` -- and keeps only ∂L/∂hidden, so no
 [tokens, vocab] graph ever waits on the path. Everything the walk assumes about the model
-(embedding leaves, per-layer states, the logit transform) lives in ``dta/modeling.py``; a
-pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/attention.py`` and
-``dta/packmask.py``. A model with recurrent layers (Gated DeltaNet) is packed the same way:
+(embedding leaves, per-layer states, the logit transform) lives in ``dta/model/modeling.py``; a
+pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/model/attention.py`` and
+``dta/model/packmask.py``. A model with recurrent layers (Gated DeltaNet) is packed the same way:
 its recurrent layers follow the pack's local tree through the model interface
-(``dta/gdn.py``: every row starts from its parent's final state).
+(``dta/model/gdn.py``: every row starts from its parent's final state).
 
 Blocks (``dta/planning/blocks.py``): before packing, a node longer than ``block_tokens`` is
 cut into a chain of pieces, each a node whose parent is the previous piece, and no pack is
@@ -31,8 +31,8 @@ longer than a block; the walk below runs on the cut tree unchanged (``plan.tree`
 call -- and under *recompute* no graph -- is longer than one block.
 
 MoE (docs/moe.md): a record's replayed experts are forced in every router during a pack's
-forward (``dta/routing.py``, a model-interface fact: ``routes``); the router's load-balancing
-loss (``dta/router_aux.py``: ``aux``) reads each pack's routing at push, lets the sequences
+forward (``dta/model/routing.py``, a model-interface fact: ``routes``); the router's load-balancing
+loss (``dta/model/router_aux.py``: ``aux``) reads each pack's routing at push, lets the sequences
 ending in it carry their per-token coefficients up the path, and adds each pack's surrogate
 to its backward at leaf() or pop(), like the K/V gradients.
 
@@ -42,7 +42,7 @@ detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (ARe
 one graph alive at a time (its leaf packs are flushed at once; the detached head rows of the
 open packs are still batched). Where the attention over the path is split at the cache
 boundary (CPU), the pack's first forward also keeps each layer's attention output on a tape
-(``dta.split_attention.Tape``, about the size of its K/V), and the re-forward takes it back
+(``dta.model.split_attention.Tape``, about the size of its K/V), and the re-forward takes it back
 instead of attending over the whole path again.
 """
 from __future__ import annotations
@@ -53,18 +53,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dta.attention import native_gqa, taped
-from dta.head import HeadQueue, LMHead
-from dta.lora import check_peft_model
-from dta.modeling import ModelInterface, NodeState, check_router_aux_loss
+from dta.model.attention import native_gqa, taped
+from dta.model.head import HeadQueue, LMHead
+from dta.model.lora import check_peft_model
+from dta.model.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective, Recorder
-from dta.packmask import mask_support, pack_mask
+from dta.model.packmask import mask_support, pack_mask
 from dta.planning.blocks import DEFAULT_BLOCK_TOKENS, check_block_tokens, cut_blocks
 from dta.planning.index import PlanningError
 from dta.planning.packs import PackCost, PackLayout, PackPlan, default_cap, plan_packs
-from dta.router_aux import router_aux
-from dta.routing import NodeRouting, check_shared_routing
-from dta.split_attention import Tape
+from dta.model.router_aux import router_aux
+from dta.model.routing import NodeRouting, check_shared_routing
+from dta.model.split_attention import Tape
 from dta.tree import PrefixTree
 
 POLICIES = ("retain", "recompute")
@@ -125,16 +125,16 @@ class Walker:
     (None: :func:`dta.planning.packs.default_cap`, by memory policy and the longest sequence);
     head_rows: queued head rows that force a flush (default ``logits_chunk``; 0: every pack's
     head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs);
-    native_gqa: run ``sdpa`` models on ``dta_sdpa`` during the walk (``dta.attention``: SDPA's
+    native_gqa: run ``sdpa`` models on ``dta_sdpa`` during the walk (``dta.model.attention``: SDPA's
         grouped-query path, and forwards over cached keys split at the cache boundary).
     block_tokens: the longest piece of a node forwarded in one call (``dta.planning.blocks``;
     default 2,048; None or 0: nodes are never cut); packs are capped at it too.
     router_aux_loss_coef: > 0 adds the router's load-balancing loss of every sequence, as
-    per-sequence training does (``dta/router_aux.py``, docs/moe.md); 0 (default): off.
+    per-sequence training does (``dta/model/router_aux.py``, docs/moe.md); 0 (default): off.
     router_aux_loss: with the coefficient 0, "refuse" (default) raises at ``train`` when a MoE
     config asks for the load-balancing loss; "exclude" trains the policy loss without it (see
-    ``dta.modeling.check_router_aux_loss``). A record's ``routed_experts`` are replayed in
-    every MoE layer (``dta/routing.py``). The walker does not probe the model: the
+    ``dta.model.modeling.check_router_aux_loss``). A record's ``routed_experts`` are replayed in
+    every MoE layer (``dta/model/routing.py``). The walker does not probe the model: the
     trainer's entry points (``dta.train``) run ``dta.selfcheck`` before they build one.
     """
 
@@ -151,7 +151,7 @@ class Walker:
         check_router_aux_loss(model, "exclude")  # validates the option's value only
         if not router_aux_loss_coef >= 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0, got {router_aux_loss_coef}")
-        check_peft_model(model)  # LoRA only, no dropout (dta/lora.py)
+        check_peft_model(model)  # LoRA only, no dropout (dta/model/lora.py)
         self.model, self.policy, self.router_aux_loss = model, policy, router_aux_loss
         self.io = ModelInterface(model)
         self.router_aux_loss_coef = float(router_aux_loss_coef)
@@ -192,7 +192,7 @@ class Walker:
     def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame], routes: NodeRouting,
                  capture: bool = False, tape: Tape | None = None):
         """The pack's last hidden states [T, H], its own new per-layer state, and its routing
-        (``dta.routing.RouterCall``: the replayed experts forced, the routers read). ``tape``:
+        (``dta.model.routing.RouterCall``: the replayed experts forced, the routers read). ``tape``:
         the attention over the path kept (first forward) or taken back (re-forward)."""
         ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])
         ids = torch.as_tensor(ids, device=self.device)

@@ -39,7 +39,7 @@ class BatchSource:
 
     def _file(self) -> tuple[list[dict], list[str]]:
         if self._records is None:
-            from dta.jsonl import read_jsonl
+            from dta.records.jsonl import read_jsonl
 
             w = self.cfg.workload
             path = str(w.path)
@@ -82,7 +82,7 @@ class BatchSource:
 
     # ------------------------------------------------------------------ advantages --
     def _with_advantages(self, records, sources, generated: bool) -> list[dict]:
-        from dta.config import default_config
+        from dta.config.schema import default_config
 
         a = self.cfg.actor
         where = (lambda i: sources[i]) if sources else (lambda i: f"sequence {i}")

@@ -7,7 +7,7 @@ import sys
 
 
 def add_model_arguments(p) -> None:
-    from dta.families import FAMILIES  # metadata only: no torch import
+    from dta.model.families import FAMILIES  # metadata only: no torch import
 
     g = p.add_argument_group("model")
     g.add_argument("--family", default="qwen3", choices=sorted(FAMILIES), metavar="FAMILY",
@@ -29,7 +29,7 @@ def add_workload_arguments(p, default: str = "tau2-airline", scale: str = "tiny"
 
 
 def make_model(args):
-    from dta.models import build_model, load_model
+    from dta.model.models import build_model, load_model
 
     if args.model_path:
         return load_model(args.model_path, dtype=args.dtype)
@@ -40,7 +40,7 @@ def make_model(args):
 def load_records(args, vocab_size: int) -> list[dict]:
     """Records from --input or from the named generator, with ids inside the vocabulary."""
     if args.input:
-        from dta.jsonl import read_jsonl
+        from dta.records.jsonl import read_jsonl
 
         return read_jsonl(args.input)
     from experiments.workloads import make_workload
@@ -116,7 +116,7 @@ def _is_input_error(exc: BaseException) -> bool:
 def load_run_config(args, command: str):
     """The run config from --config and key=value overrides, or None after printing the
     error (which names the key) for `command`."""
-    from dta.config import ConfigError, load_config
+    from dta.config.schema import ConfigError, load_config
 
     try:
         return load_config(args.config, args.overrides)

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dta.importing import ImportError_, import_file, load_tokenizer
-    from dta.jsonl import write_jsonl
+    from dta.records.jsonl import write_jsonl
     from dta.planning.sharing import format_breakdown, sharing_breakdown
 
     try:

@@ -96,7 +96,7 @@ def ship_paths(cfg, cwd: str | None = None):
     cluster a relative path would land in Ray's package cache) and check it here, before the
     job is shipped; returns ``cfg``. The cluster must see the same paths (a shared or local
     filesystem)."""
-    from dta.config import ConfigError
+    from dta.config.schema import ConfigError
 
     cwd = cwd or os.getcwd()
 
@@ -116,7 +116,7 @@ def ship_paths(cfg, cwd: str | None = None):
     if data is not None:
         if not os.path.isfile(data):
             raise ConfigError(f"config key 'workload.path': {data!r} does not exist")
-        from dta.jsonl import read_jsonl
+        from dta.records.jsonl import read_jsonl
 
         read_jsonl(data)  # bad records fail here (file, line, field), not on the cluster
     ckpt_dir = absolute("train.checkpoint_dir")
@@ -124,7 +124,7 @@ def ship_paths(cfg, cwd: str | None = None):
         if cfg.train.resume and not os.path.isdir(ckpt_dir):
             raise ConfigError(f"train.resume=true but train.checkpoint_dir {ckpt_dir!r} does "
                               "not exist")
-        from runtime.ray_runtime.folders import foreign_folder  # no torch, no Ray
+        from runtime.checkpoints.folders import foreign_folder  # no torch, no Ray
 
         refused = foreign_folder(ckpt_dir)
         if refused:
@@ -143,7 +143,7 @@ def ship_paths(cfg, cwd: str | None = None):
 
 
 def _check_parent(key: str, path: str) -> None:
-    from dta.config import ConfigError
+    from dta.config.schema import ConfigError
 
     parent = path
     while not os.path.exists(parent):
@@ -154,8 +154,8 @@ def _check_parent(key: str, path: str) -> None:
 
 
 def run_submit(args) -> int:
-    from dta.config import to_yaml
-    from dta.config_keys import check_dta_train
+    from dta.config.schema import to_yaml
+    from dta.config.keys import check_dta_train
     from dta_cli.common import load_run_config
 
     cfg = load_run_config(args, "submit")

@@ -3,7 +3,7 @@
 
 Input is a generated workload (``--workload NAME --scale S --seed N``, from
 ``experiments.workloads``) or a JSONL batch (``--input FILE.jsonl``, the format of
-``dta.jsonl``). ``--json`` prints one JSON object as the last line: ``bins`` (count),
+``dta.records.jsonl``). ``--json`` prints one JSON object as the last line: ``bins`` (count),
 ``bin_tokens``, ``lower_bound``, ``gap``, ``plan_ms`` (all planning after the tree build),
 ``sharing`` (where the sharing comes from: :mod:`dta.planning.sharing`), ``flop_ratio`` (the
 tree's ideal FLOP saving for ``--model``),
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=None, metavar="W",
                         help="balance the batch over W workers")
     parser.add_argument("--model", default="qwen3-1.7b",
-                        help="cost model for --workers (and --memory): a size of dta.models (e.g. "
+                        help="cost model for --workers (and --memory): a size of dta.model.models (e.g. "
                              "qwen3-0.6b), a Qwen3 shape (qwen3-8b, qwen3-14b, qwen3-32b), "
                              "a Hugging Face config.json path, or 'tokens' (default: qwen3-1.7b)")
     parser.add_argument("--art-sharing", action="store_true",
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _records(args):
     if args.input:
-        from dta.jsonl import read_jsonl
+        from dta.records.jsonl import read_jsonl
         return read_jsonl(args.input), args.input
     from experiments.workloads import make_workload
     name = args.workload or "tau2-airline"
@@ -92,7 +92,7 @@ def _cost_model(name: str):
     if name.endswith(".json"):
         with open(name, encoding="utf-8") as f:
             return CostModel.from_config(json.load(f), name=name)
-    from dta.models import SIZES
+    from dta.model.models import SIZES
     from dta.planning.memory import SHAPES
     if name in SHAPES:
         return CostModel.from_config(SHAPES[name], name=name)
@@ -104,14 +104,14 @@ def _cost_model(name: str):
 
 def _memory_config(name: str):
     """A model config for the memory model: a Qwen3 shape of dta.planning.memory (qwen3-8b,
-    qwen3-14b, qwen3-32b), a size of dta.models, or a config.json."""
+    qwen3-14b, qwen3-32b), a size of dta.model.models, or a config.json."""
     from dta.planning.memory import SHAPES
     if name in SHAPES:
         return SHAPES[name]
     if name.endswith(".json"):
         with open(name, encoding="utf-8") as f:
             return json.load(f)
-    from dta.models import SIZES, build_config
+    from dta.model.models import SIZES, build_config
     if name not in SIZES:
         raise ValueError(f"unknown model {name!r} for --memory; choose from "
                          f"{', '.join(list(SHAPES) + list(SIZES))} or a config.json")

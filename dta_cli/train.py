@@ -80,7 +80,7 @@ def _size(n: int) -> str:
 
 
 def run(args) -> int:
-    from dta.config import to_yaml
+    from dta.config.schema import to_yaml
     from dta_cli.common import load_run_config
 
     cfg = load_run_config(args, "train")

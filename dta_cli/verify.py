@@ -9,7 +9,7 @@ def add_arguments(p) -> None:
 
     add_model_arguments(p)
     p.add_argument("--matrix", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --family: the family's tested configuration (dta/families.py: a "
+                   help="with --family: the family's tested configuration (dta/model/families.py: a "
                         "sliding window of 8 where the family has one, logit scaling, "
                         "soft-capping, experts ...); --no-matrix: the family's plain config")
     add_workload_arguments(p)
@@ -63,7 +63,7 @@ def run(args) -> int:
 
     model = make_model(args)
     if args.lora:
-        from dta.lora import apply_lora
+        from dta.model.lora import apply_lora
 
         targets = args.lora_targets if args.lora_targets == "all-linear" else \
             [t.strip() for t in args.lora_targets.split(",") if t.strip()]
@@ -73,7 +73,7 @@ def run(args) -> int:
             # the check runs truly float64 anyway (dta.verify); the self-check of the behaviour
             # log-probs below would otherwise see HF's float32 norms against small adapter
             # gradients (1e-6 on Gemma 2 / Qwen3-Next, 1e-14 once truly float64)
-            from dta.models import make_truly_float64
+            from dta.model.models import make_truly_float64
 
             make_truly_float64(model)
     records = load_records(args, model.config.vocab_size)
@@ -83,7 +83,7 @@ def run(args) -> int:
     if args.router_aux_loss < 0:
         raise SystemExit(f"dta verify: --router-aux-loss must be >= 0, got {args.router_aux_loss}")
     if args.replay and batch.routed_experts is None:
-        from dta.routing import MoERouters, RoutingError, synthetic_routing
+        from dta.model.routing import MoERouters, RoutingError, synthetic_routing
 
         routers = MoERouters(model)
         try:
@@ -126,10 +126,10 @@ def run(args) -> int:
           f"{report.packing} (cap {report.pack_tokens}: {report.packs} packs for {report.nodes} nodes), "
           f"blocks {report.block_tokens or 'none'} ({report.blocks_cut} pieces added)")
     if not args.model_path and args.matrix:
-        from dta.families import FAMILIES
+        from dta.model.families import FAMILIES
 
         feats = ", ".join(FAMILIES[args.family].features) or "plain"
-        print(f"tested configuration of {args.family}: {feats} (dta/families.py)")
+        print(f"tested configuration of {args.family}: {feats} (dta/model/families.py)")
     print(f"batch: {report.sequences} sequences, {report.total_tokens:,} tokens, "
           f"{report.unique_tokens:,} unique (sharing {report.sharing_ratio:.2f}x), tree depth {report.tree_depth}")
     if args.replay or args.router_aux_loss or batch.routed_experts is not None:

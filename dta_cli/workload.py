@@ -1,5 +1,5 @@
 """`dta workload`: generate a τ²-shaped (or GRPO) batch, print its sharing statistics, and
-optionally write it as JSONL (the format of ``dta.jsonl``)."""
+optionally write it as JSONL (the format of ``dta.records.jsonl``)."""
 from __future__ import annotations
 
 import argparse

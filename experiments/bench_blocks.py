@@ -45,7 +45,7 @@ def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device
 
     from dta.batch import Batch
     from dta.losses import NLL
-    from dta.models import build_model
+    from dta.model.models import build_model
     from dta.train import accumulate_gradients
     from experiments.bench_path_memory import shared_prefix_batch
     from experiments.peak_memory import PeakSampler

@@ -1,6 +1,6 @@
 """The GDN pack path's chunk size, measured: one DFS step (auto packs) of a hybrid model on a
 τ²-shaped batch with the delta rule's chunk fixed at 16 / 32 / 64 / 128 and with the adaptive
-rule (``dta.gdn``: a pack's chunk is the smallest power of two >= its longest segment, 16..64),
+rule (``dta.model.gdn``: a pack's chunk is the smallest power of two >= its longest segment, 16..64),
 rounds interleaved, side by side in one run. Prints step times (median), their ratio to the
 adaptive rule, and the scan's chunk steps and chunks per step; ``--json``: one JSON line.
 
@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from dta import gdn
+    from dta.model import gdn
     from dta.losses import PPO
-    from dta.models import build_model
+    from dta.model.models import build_model
     from dta.train import accumulate_gradients
     from experiments.bench.worker import load_batch
 

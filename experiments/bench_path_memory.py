@@ -26,7 +26,7 @@ DEFAULT_OUT = os.path.join("bench-out", "path-memory")
 def padded_estimate_mb(leaves: int, prefix: int, leaf_len: int, size: str) -> float:
     """A generous estimate of the padded step's peak (float32): logits, their log-softmax and
     gradient ([B, S, V] x 3) plus ~24 activations of [B, S, hidden] per layer."""
-    from dta.models import build_config
+    from dta.model.models import build_config
 
     cfg = build_config("qwen3", size)
     tokens = leaves * (prefix + leaf_len)
@@ -56,7 +56,7 @@ def child(mode: str, leaves: int, prefix: int, leaf_len: int, size: str, device:
     import torch
 
     from dta.losses import NLL
-    from dta.models import build_model
+    from dta.model.models import build_model
     from dta.train import accumulate_gradients
 
     torch.set_num_threads(2)

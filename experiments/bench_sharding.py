@@ -36,7 +36,7 @@ def _batch(vocab: int):
 def one_rank(rank, world, mode):
     import torch
 
-    from dta.config import as_dict, load_config
+    from dta.config.schema import as_dict, load_config
     from dta.losses import batch_totals
     from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree
@@ -47,7 +47,7 @@ def one_rank(rank, world, mode):
     original = worker_mod.build_replica
 
     def build(cfg_, device="cpu", dtype=None):  # the benchmark's model shape
-        from dta.models import build_model
+        from dta.model.models import build_model
         return build_model("qwen3", SHAPE, dtype=dtype or "float32", seed=0).to(device)
 
     worker_mod.build_replica = build

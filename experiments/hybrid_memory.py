@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     import torch
 
     from dta.losses import PPO
-    from dta.models import build_model
+    from dta.model.models import build_model
     from experiments.bench.modes import run_mode
     from experiments.bench.worker import PeakSampler, load_batch, rss_bytes, warmup_batch
 

@@ -25,7 +25,7 @@ def census(block: int, scale: float = 1.0, stack: bool = False, threads: int = 2
 
     from dta.batch import Batch
     from dta.losses import NLL
-    from dta.models import build_model
+    from dta.model.models import build_model
     from dta.train import accumulate_gradients
     from experiments.bench_path_memory import shared_prefix_batch
 

@@ -64,7 +64,7 @@ def _scale(value: str):
 
 
 def simulate(args) -> dict:
-    from dta.models import build_config
+    from dta.model.models import build_config
     from dta.planning.cost import CostModel, flops, flops_unpacked
     from dta.tree import PrefixTree
     from experiments.workloads import make_workload

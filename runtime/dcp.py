@@ -16,7 +16,7 @@ logical shape allows) or to objects with ``state_dict()`` / ``load_state_dict()`
 ``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json;
 it refuses a checkpoint written at another world size unless ``allow_reshard``.
 
-Trusted like every other checkpoint (``runtime.ray_runtime.checkpoint``): rank 0 writes the
+Trusted like every other checkpoint (``runtime.checkpoints.checkpoint``): rank 0 writes the
 folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, and
 ``load_sharded`` verifies it before DCP reads anything (DCP's ``.metadata`` is a pickle), so
 a tampered or truncated shard is refused naming the file, and the Ray runtime's
@@ -40,9 +40,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.ray_runtime.checkpoint import (latest_checkpoint, publish, verify_manifest,
+from runtime.checkpoints.checkpoint import (latest_checkpoint, publish, verify_manifest,
                                             write_manifest)
-from runtime.ray_runtime.files import _fsync_dir
+from runtime.checkpoints.files import _fsync_dir
 
 LATEST = "latest"
 META = "meta.json"

@@ -14,9 +14,9 @@ import os
 import subprocess
 import sys
 
-from dta.config import load_config
+from dta.config.schema import load_config
 from dta_cli.train import main
-from runtime.ray_runtime import checkpoint as ckpt
+from runtime.checkpoints import checkpoint as ckpt
 from runtime.ray_runtime.cluster import start_or_join
 
 TINY = ["workload.scale=tiny", "ray.num_workers=1", "ray.object_store_memory=104857600",

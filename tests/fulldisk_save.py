@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from runtime.ray_runtime import checkpoint as ckpt
+from runtime.checkpoints import checkpoint as ckpt
 
 
 def mount(path: str, size: str) -> None:

@@ -47,7 +47,7 @@ from areal.utils.data import (Normalization, amend_position_ids, pack_tensor_dic
                               pad_mb_list, split_padded_tensor_dict_into_mb_list,
                               unsqueeze_mb_list)
 
-from dta.models import build_model, load_model, make_truly_float64  # noqa: E402
+from dta.model.models import build_model, load_model, make_truly_float64  # noqa: E402
 from dta.tree import PrefixTree  # noqa: E402
 from experiments.workloads import make_workload  # noqa: E402
 from runtime.areal import (DTAOptions, DTAPPOActor, DTATrainEngine,  # noqa: E402
@@ -151,7 +151,7 @@ def make_train_batch(records, current_logp: torch.Tensor, seed: int = 0):
     mask = batch["loss_mask"].bool()
     prox = current_logp.float() + 0.3 * torch.randn(mask.shape, generator=g)
     delta = -0.8 + 3.0 * torch.rand(mask.shape, generator=g)  # log weight in [-0.8, 2.2]
-    prox = prox.clamp_max(0.0)  # log-probs are <= 0 (dta.records rejects positive ones)
+    prox = prox.clamp_max(0.0)  # log-probs are <= 0 (dta.records.fields rejects positive ones)
     batch["prox_logp"] = torch.where(mask, prox, 0.0)
     batch["logprobs"] = torch.where(mask, (prox - delta).clamp_max(0.0), 0.0)
     batch["versions"] = torch.where(mask, 0, -1).to(torch.int32)
@@ -598,7 +598,7 @@ def test_ppo_actor_updates_through_the_engine(model_dir, records, eager_areal):
 def test_dta_run_config_drives_the_actor(model_dir, eager_areal):
     """configs/tau2-airline-grpo.yaml + `actor.eps_clip=0.3` as AReaL's PPOActorConfig: the
     override and the tau2 settings arrive (behav_imp_weight_cap 5 -> rejection sampling)."""
-    from dta.config import ConfigError, load_config
+    from dta.config.schema import ConfigError, load_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     preset = os.path.join(root, "configs", "tau2-airline-grpo.yaml")

@@ -72,7 +72,7 @@ def test_lora_train_batch_matches_fsdp_engine(model_dir, records, gloo_world1, t
         assert {"adapter_model.safetensors", "adapter_config.json", "config.json"} <= files
         assert "tokenizer.json" not in files
         from peft import PeftModel
-        from dta.models import load_model
+        from dta.model.models import load_model
 
         loaded = PeftModel.from_pretrained(load_model(model_dir, dtype="float32"), path)
         got = {k: v for k, v in params_of(loaded).items() if "lora_" in k}
@@ -120,7 +120,7 @@ def test_ppo_trainer_with_lora_serves_the_adapters(tmp_path):
     trained = {n: p for n, p in out["trained"].items() if "lora_" in n}
     assert trained and all(torch.equal(out["served"][n], p) for n, p in trained.items())
     base = {n: p for n, p in out["trained"].items() if "lora_" not in n}
-    from dta.models import load_model
+    from dta.model.models import load_model
     fresh = dict(load_model(model, dtype="float32").named_parameters())
     for n, p in base.items():
         key = n.replace("base_model.model.", "").replace(".base_layer", "")
@@ -129,7 +129,7 @@ def test_ppo_trainer_with_lora_serves_the_adapters(tmp_path):
 
 
 def test_dta_config_maps_lora_onto_the_actor():
-    from dta.config import load_config
+    from dta.config.schema import load_config
     from runtime.areal.config import actor_config_from_dta
 
     cfg, _ = actor_config_from_dta(load_config(None, [

@@ -282,7 +282,7 @@ def test_single_controller_members(model_dir, single):
 def test_dcp_checkpoint_is_verified_before_it_is_read(model_dir, single, tmp_path):
     """A DCP checkpoint carries a manifest (trust's checkpoint rules): a flipped byte is
     refused, naming the file, before anything is loaded."""
-    from runtime.ray_runtime.checkpoint import CheckpointError
+    from runtime.checkpoints.checkpoint import CheckpointError
 
     engine = new_engine(model_dir)
     path = tmp_path / "dcp"

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("areal")
 
-from dta.models import build_model, load_model, make_truly_float64  # noqa: E402
-from dta.routing import MoERouters, synthetic_routing  # noqa: E402
+from dta.model.models import build_model, load_model, make_truly_float64  # noqa: E402
+from dta.model.routing import MoERouters, synthetic_routing  # noqa: E402
 from runtime.areal import DTAOptions  # noqa: E402
 from runtime.areal import convert  # noqa: E402
 from tests import test_areal as ta  # noqa: E402

@@ -52,7 +52,7 @@ def _rank_setup():
     from areal.utils import stats_tracker
 
     import runtime.areal.engine as engine_module
-    from dta.models import make_truly_float64
+    from dta.model.models import make_truly_float64
 
     stat, load = stats_tracker.stat, engine_module.load_model
 

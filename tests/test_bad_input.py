@@ -6,7 +6,7 @@ import torch
 
 from dta.batch import Batch, BatchError
 from dta.losses import NLL, PPO
-from dta.models import build_model
+from dta.model.models import build_model
 from dta.train import DFSTrainer
 
 

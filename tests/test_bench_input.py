@@ -113,7 +113,7 @@ def test_bench_on_imported_conversations(tmp_path, capsys):
     import torch
     import transformers
 
-    from dta.models import build_config
+    from dta.model.models import build_config
 
     with torch.device("meta"):
         want = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
@@ -131,7 +131,7 @@ def test_bench_on_imported_conversations(tmp_path, capsys):
 def test_load_input_refusals(tmp_path):
     """Before any run: ids outside the vocabulary, a sequence beyond the model's positions,
     --loss ppo without advantages / logprobs; the loss follows the records' fields."""
-    from dta.jsonl import write_jsonl
+    from dta.records.jsonl import write_jsonl
     from experiments.bench.inputs import load_input
 
     path = tmp_path / "b.jsonl"

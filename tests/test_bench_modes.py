@@ -110,7 +110,7 @@ def test_packed_flops_and_calls(model64, batch):
     """The packed DFS modes make fewer calls than the walk node by node; their FLOPs count
     the masked-away pairs of packs with branches, so they sit between the exact tree's and
     the dense tree mask's."""
-    from dta.models import build_config
+    from dta.model.models import build_config
     from experiments.bench.flops import summary
 
     loss = make_loss("nll")

@@ -32,7 +32,7 @@ def test_compare_gives_baseline_over_mode_per_kind():
 
 
 def test_flop_parts_add_up_to_each_modes_total():
-    from dta.models import build_config
+    from dta.model.models import build_config
     from experiments.bench.worker import load_batch
 
     cfg = build_config("qwen3", "small")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from dta.families import WINDOW
-from dta.models import build_model, make_truly_float64
+from dta.model.families import WINDOW
+from dta.model.models import build_model, make_truly_float64
 from dta.planning.blocks import check_block_tokens, cut_blocks
 from dta.planning.index import PlanningError
 from dta.reference import unpacked_gradients

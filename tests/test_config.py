@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from dta.config import ConfigError, as_dict, from_dict, load_config, loss_kwargs
+from dta.config.schema import ConfigError, as_dict, from_dict, load_config, loss_kwargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml"))
@@ -117,15 +117,15 @@ def test_config_module_imports_neither_ray_nor_torch():
     import subprocess
     import sys
 
-    code = ("import sys, dta.config; dta.config.load_config(); "
+    code = ("import sys, dta.config.schema; dta.config.schema.load_config(); "
             "sys.exit(1 if {'ray', 'torch'} & set(sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
 def test_choices_match_the_library_registries():
-    from dta.config import CHOICES
+    from dta.config.schema import CHOICES
     from dta.losses import LOSSES, REDUCTIONS
-    from dta.models import DTYPES, FAMILIES, SIZES
+    from dta.model.models import DTYPES, FAMILIES, SIZES
     from dta.walk import POLICIES
 
     assert set(CHOICES["model.family"]) == set(FAMILIES)

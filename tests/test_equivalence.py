@@ -6,7 +6,7 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import NLL, PPO
-from dta.models import build_model, make_truly_float64
+from dta.model.models import build_model, make_truly_float64
 from dta.tree import PrefixTree
 from dta.verify import verify
 from tests.cases import SEQUENCE_LOSS, hard_batch, hard_sequences

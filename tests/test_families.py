@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dta.batch import Batch
-from dta.families import FAMILIES, WINDOW
+from dta.model.families import FAMILIES, WINDOW
 from dta.losses import PPO
-from dta.models import build_model, make_truly_float64
+from dta.model.models import build_model, make_truly_float64
 from dta.reference import sequence_logprobs
 from dta.train import accumulate_gradients, forward_logprobs
 from dta.tree import PrefixTree
@@ -166,7 +166,7 @@ def test_truly_float64_norms(family):
             want = want + norm.bias.detach()
     else:
         want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-    from dta.models import keep_float64
+    from dta.model.models import keep_float64
 
     with torch.no_grad():
         plain = norm(x)

@@ -7,7 +7,7 @@ follows the pack's tree) run the same matrix in tests/test_hybrid_packs.py.)"""
 import pytest
 import torch
 
-from dta.models import build_model, make_truly_float64
+from dta.model.models import build_model, make_truly_float64
 from dta.planning.packs import POLICIES
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients

@@ -10,7 +10,7 @@ import torch
 from dta import selfcheck
 from dta.batch import Batch
 from dta.losses import NLL
-from dta.models import build_model, make_truly_float64
+from dta.model.models import build_model, make_truly_float64
 from dta.train import accumulate_gradients
 from dta.verify import verify
 from tests.cases import hard_batch
@@ -116,7 +116,7 @@ def test_unknown_embedding_falls_back_to_autograd():
     emb.weight = old.weight  # still tied to the head
     model.set_input_embeddings(emb)
     make_truly_float64(model)
-    from dta.modeling import EmbeddingInput
+    from dta.model.modeling import EmbeddingInput
 
     assert not EmbeddingInput(model).as_leaf
     report = verify(model, hard_batch(model), NLL())

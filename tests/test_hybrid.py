@@ -2,7 +2,7 @@
 DeltaNet layer's (conv, recurrent) state as it forks K/V, exactly.
 
 Random-init hybrid models draw the GDN decay rate A from [0.01, 1] (HF: [0.01, 16]); see
-``dta.recurrent.init_decay`` and ``test_strong_decay_conditioning`` for why.
+``dta.model.recurrent.init_decay`` and ``test_strong_decay_conditioning`` for why.
 """
 import numpy as np
 import pytest
@@ -10,9 +10,9 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import PPO
-from dta.models import build_model, make_truly_float64
+from dta.model.models import build_model, make_truly_float64
 from dta.planning.cost import CostModel
-from dta.recurrent import (GDN, RECURRENT, build_cache, init_decay, is_hybrid, layer_kinds,
+from dta.model.recurrent import (GDN, RECURRENT, build_cache, init_decay, is_hybrid, layer_kinds,
                            node_state)
 from dta.tree import PrefixTree
 from dta.verify import verify
@@ -28,7 +28,7 @@ def _hf_decay(model, seed: int = 0):
 
 
 def hybrid_model(family, dtype="float64", seed=0, hf_decay=False):
-    # the tested matrix: 4 layers, GDN / attention / GDN / GDN (dta/families.py)
+    # the tested matrix: 4 layers, GDN / attention / GDN / GDN (dta/model/families.py)
     model = build_model(family, "tiny", dtype=dtype, seed=seed, matrix=True)
     if hf_decay:
         _hf_decay(model, seed)

@@ -1,7 +1,7 @@
 """Hybrid models (Gated DeltaNet + attention) in packs: every pack policy x both memory policies
 equals one-sequence-at-a-time training in float64 (log-probs, loss, every gradient, one AdamW
 update), and the GDN
-pack plan (dta/gdn.py) agrees with a token-by-token reading of the pack's tree.
+pack plan (dta/model/gdn.py) agrees with a token-by-token reading of the pack's tree.
 
 Default suite: qwen3_5 on a small batch that has every structural case; the MoE and Qwen3-Next
 families run the same matrix under ``-m slow`` (and through ``verify``, AdamW update included,
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dta.batch import Batch
-from dta.gdn import open_nodes, plan_recurrence
+from dta.model.gdn import open_nodes, plan_recurrence
 from dta.losses import PPO
 from dta.planning.packs import POLICIES, PackCost, plan_packs
 from dta.reference import unpacked_gradients

@@ -70,7 +70,7 @@ def test_openai_round_trip(tok, tok_dir, tmp_path, capsys):
     """Conversations written from known token sequences import back to them: every record's
     ids are the ChatML frame around the known content ids, the mask is exactly the assistant
     message's ids and its end-of-turn token, and each call is a prefix of the next."""
-    from dta.jsonl import read_jsonl
+    from dta.records.jsonl import read_jsonl
 
     words = _word_ids(tok)
     assert len(words) >= 20
@@ -151,7 +151,7 @@ def test_tau2_records(tok, tok_dir, tmp_path, capsys):
     """One record per generated agent message (the greeting is context): τ²'s system prompt
     with the policy and the airline tools, calls chained as prefixes, every record trained,
     the reward and task on every record; `dta plan --input` reports the sharing breakdown."""
-    from dta.jsonl import read_jsonl
+    from dta.records.jsonl import read_jsonl
 
     sims = [_sim(0, "7", 1.0, _tau2_msgs("u1")), _sim(1, "7", 0.0, _tau2_msgs("u2")),
             _sim(2, "9", 1.0, _tau2_msgs("u3")[:2] + [{"role": "assistant", "content": "ok"}])]

@@ -1,4 +1,4 @@
-"""LoRA under the walk (dta/lora.py): a peft LoRA model trained by DFS equals the same PEFT
+"""LoRA under the walk (dta/model/lora.py): a peft LoRA model trained by DFS equals the same PEFT
 model trained one sequence at a time -- float64 <= 1e-10 on log-probs, loss, every adapter
 gradient and one AdamW update (dta.verify) -- with no gradient into a frozen base weight,
 on a deep tree of 1-4-token segments (the tree that crashed the walk before per-layer states
@@ -12,10 +12,10 @@ import torch
 peft = pytest.importorskip("peft", reason="the optional lora extra: pip install -e '.[lora]'")
 
 from dta.batch import Batch  # noqa: E402
-from dta.lora import LoraError, check_peft_model  # noqa: E402
+from dta.model.lora import LoraError, check_peft_model  # noqa: E402
 from dta.losses import PPO  # noqa: E402
-from dta.modeling import ModelInterface  # noqa: E402
-from dta.models import build_model, make_truly_float64  # noqa: E402
+from dta.model.modeling import ModelInterface  # noqa: E402
+from dta.model.models import build_model, make_truly_float64  # noqa: E402
 from dta.selfcheck import self_check  # noqa: E402
 from dta.train import accumulate_gradients  # noqa: E402
 from dta.verify import verify  # noqa: E402

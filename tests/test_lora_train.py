@@ -13,8 +13,8 @@ import torch
 peft = pytest.importorskip("peft", reason="the optional lora extra: pip install -e '.[lora]'")
 
 from dta.batch import Batch  # noqa: E402
-from dta.config import ConfigError, as_dict, load_config  # noqa: E402
-from dta.config_keys import check_dta_train  # noqa: E402
+from dta.config.schema import ConfigError, as_dict, load_config  # noqa: E402
+from dta.config.keys import check_dta_train  # noqa: E402
 from dta.reference import sequence_logprobs  # noqa: E402
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
@@ -77,7 +77,7 @@ def test_state_bytes_count_the_adapters(trained):
 
 
 def test_checkpoint_holds_the_adapters_and_resumes(trained):
-    from runtime.ray_runtime.checkpoint import load_tensors
+    from runtime.checkpoints.checkpoint import load_tensors
     from runtime.ray_runtime.worker import DFSWorker
 
     w = trained["worker"]
@@ -139,7 +139,7 @@ def test_lora_keys_need_a_rank():
 
 
 def test_unknown_target_named():
-    from dta.lora import LoraError
+    from dta.model.lora import LoraError
     from runtime.ray_runtime.worker import build_replica
 
     with pytest.raises(LoraError, match="model.lora.target_modules=\\['nope_proj'\\]"):
@@ -182,8 +182,8 @@ def test_zero1_lora_equals_one_process():
 def test_memory_model_prices_the_adapters():
     """dta.planning.memory.lora_params counts what peft adds; with_lora keeps the frozen base
     as params and prices grads/optimizer for the adapters only."""
-    from dta.lora import apply_lora
-    from dta.models import build_model
+    from dta.model.lora import apply_lora
+    from dta.model.models import build_model
     from dta.planning.memory import estimate, lora_params, with_lora
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

@@ -52,7 +52,7 @@ def test_dta_plan_prints_memory_and_the_fitting_mode(capsys):
 
 
 def test_auto_sharding_is_resolved_on_the_driver_before_workers_start():
-    from dta.config import load_config
+    from dta.config.schema import load_config
     from dta_cli.batches import BatchSource
     from runtime.ray_runtime import Trainer, TrainingError
 
@@ -137,7 +137,7 @@ def test_dta_plan_full_scale_qwen3_14b_on_8x80_chooses_a_block_that_fits(capsys)
 
 
 def test_block_tokens_config_key():
-    from dta.config import ConfigError, load_config
+    from dta.config.schema import ConfigError, load_config
     from runtime.sharding.auto import resolve
 
     assert load_config(None, []).walker.block_tokens == "auto"
@@ -166,7 +166,7 @@ def test_block_tokens_config_key():
 
 def test_hybrid_shape_prices_gdn_states_instead_of_their_kv():
     from dta.planning.memory import activation_split
-    from dta.models import build_config
+    from dta.model.models import build_config
 
     cfg = build_config("qwen3_5", "tiny").to_dict()
     hybrid = ModelShape.of(cfg)

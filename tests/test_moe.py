@@ -14,9 +14,9 @@ import torch
 
 from dta.batch import Batch, BatchError
 from dta.losses import NLL, PPO
-from dta.models import build_model, make_truly_float64
+from dta.model.models import build_model, make_truly_float64
 from dta.reference import sequence_aux_loss
-from dta.routing import MoERouters, RoutingError, synthetic_routing
+from dta.model.routing import MoERouters, RoutingError, synthetic_routing
 from dta.train import accumulate_gradients, forward_logprobs
 from dta.verify import verify
 from dta.walk import Walker
@@ -281,12 +281,12 @@ def test_cli_verify_replay_and_aux(capsys):
 
 
 def test_config_key():
-    from dta.config import ConfigError, load_config
+    from dta.config.schema import ConfigError, load_config
 
     assert load_config(overrides=["actor.router_aux_loss_coef=0.01"]).actor.router_aux_loss_coef == 0.01
     with pytest.raises(ConfigError, match="actor.router_aux_loss_coef"):
         load_config(overrides=["actor.router_aux_loss_coef=-1"])
-    from dta.config_keys import check_dta_train
+    from dta.config.keys import check_dta_train
 
     for sharding in ("auto", "fsdp", "zero1", "replicate"):  # fsdp: tests/test_sharding_moe.py
         check_dta_train(load_config(overrides=["actor.router_aux_loss_coef=0.01",

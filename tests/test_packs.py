@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dta.attention import native_gqa
+from dta.model.attention import native_gqa
 from dta.losses import NLL, PPO
-from dta.models import build_model, make_truly_float64
-from dta.packmask import dense_mask, pack_mask
+from dta.model.models import build_model, make_truly_float64
+from dta.model.packmask import dense_mask, pack_mask
 from dta.planning.index import PlanningError
 from dta.planning.packs import POLICIES, PackCost, plan_packs
 from dta.reference import unpacked_gradients
@@ -208,7 +208,7 @@ def test_sliding_window_model_exact_float64():
 
 
 def test_head_skips_the_entropy_pass():
-    from dta.head import LMHead
+    from dta.model.head import LMHead
     from dta.objective import Objective
     from dta.batch import Batch
 
@@ -227,7 +227,7 @@ def test_head_skips_the_entropy_pass():
 
 def test_flex_mask_rule_equals_dense(tree):
     """The FlexAttention mask_mod (the GPU path) gives the dense mask, windows included."""
-    from dta.packmask import flex_mask_mod
+    from dta.model.packmask import flex_mask_mod
 
     plan = plan_packs(tree, "subtrees", cap=CAP)
     for i, p in enumerate(plan.packs):
@@ -243,7 +243,7 @@ def test_flex_mask_rule_equals_dense(tree):
 def test_flex_pack_forward_matches_sdpa_cpu(tree):
     """A masked pack over a cached prefix through HF's flex_attention (forward only: no
     FlexAttention backward on CPU; compiles, minutes on a loaded 2-core machine)."""
-    from dta.attention import path_cache
+    from dta.model.attention import path_cache
     from experiments.bench.modes import attention
 
     model = build_model("qwen3", "tiny", seed=0)
@@ -269,8 +269,8 @@ def test_flex_pack_forward_matches_sdpa_cpu(tree):
 def test_mask_support_and_single_path_packs(tree):
     """Which models take a tree mask, read from config and decoder; without one the plan has
     single-path packs only (no mask needed), and the walk stays exact."""
-    from dta.models import build_model as build
-    from dta.packmask import mask_support
+    from dta.model.models import build_model as build
+    from dta.model.packmask import mask_support
 
     assert mask_support(build("qwen3", "tiny")) == ({"full_attention": None}, "single")
     win = build("qwen3", "tiny", layer_types=["sliding_attention", "full_attention"],
@@ -340,8 +340,8 @@ def test_mask_forms_made_once_per_forward_and_split_is_exact(monkeypatch):
     """dta_sdpa analyses a pack's boolean mask once per forward (not once per layer), and
     every forward over cached keys is split at the cache boundary: on an MHA and a GQA
     model the packed walk then trains to float64 round-off of the unsplit walk."""
-    import dta.attention as attention
-    import dta.split_attention as sa
+    import dta.model.attention as attention
+    import dta.model.split_attention as sa
 
     for kv in (4, 2):  # the tiny model has 4 heads: MHA, then grouped-query
         model = build_model("qwen3", "tiny", dtype="float64", seed=0, num_key_value_heads=kv)

@@ -277,7 +277,7 @@ def test_bad_input_errors():
 
 # ----------------------------------------------------------------------------- CLI --
 def test_cli_plan_json(tmp_path, capsys):
-    from dta.jsonl import write_jsonl
+    from dta.records.jsonl import write_jsonl
     from dta_cli.main import main
 
     seqs, masks, groups = tau2_batch(2, 5)

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from dta.config import ConfigError, load_config
-from runtime.ray_runtime.errors import TrainingError
+from dta.config.schema import ConfigError, load_config
+from runtime.errors import TrainingError
 from runtime.ray_runtime.placement import bundle_for, check_fits, fits_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

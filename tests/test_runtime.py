@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from dta.batch import Batch, BatchError
-from dta.config import load_config
+from dta.config.schema import load_config
 from runtime.ray_runtime import (StepFailed, StreamingBatcher, Trainer, check_loopback,
                                  listening_addresses, start_or_join)
 from runtime.ray_runtime.cluster import ClusterError
@@ -190,7 +190,7 @@ def test_two_workers_match_one_worker_and_unpacked(ray_local):
     from dta.train import clip_and_step
     from runtime.ray_runtime.worker import (DFSWorker, build_replica, make_optimizer,
                                             make_training_loss)
-    from dta.config import as_dict
+    from dta.config.schema import as_dict
 
     # walker.block_tokens=5: the workers walk every longer node in pieces of <= 5 tokens
     cfg = tiny_cfg("optimizer.lr=1e-3", "optimizer.max_grad_norm=null", "walker.block_tokens=5")

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from dta.config import ConfigError, as_dict, load_config
+from dta.config.schema import ConfigError, as_dict, load_config
 from runtime.sharding.local import run_ranks
 
 CASES = [("zero1", "float64", "retain"), ("zero1", "float32", "recompute"),
@@ -26,7 +26,7 @@ def overrides(mode, dtype, policy):
 
 
 def _worker(cfg, rank, world):
-    from dta.models import make_truly_float64
+    from dta.model.models import make_truly_float64
     from runtime.ray_runtime.worker import DFSWorker
 
     w = DFSWorker(rank, world, as_dict(cfg))
@@ -237,7 +237,7 @@ def test_dcp_checkpoint_is_checksummed_and_found_for_resume(tmp_path):
     runtime's resume finds it, and a flipped byte in a shard is refused naming the file
     before DCP reads anything."""
     from runtime.dcp import load_sharded, save_sharded
-    from runtime.ray_runtime.checkpoint import CheckpointError, latest_checkpoint, read_meta
+    from runtime.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_meta
 
     state = {"w": torch.arange(64, dtype=torch.float64)}
     path = save_sharded(str(tmp_path), 3, state, meta={"run_id": "r1"})

@@ -2,7 +2,7 @@
 router's aux loss. The aux surrogate enters the decoder at the routers, and the walk starts
 every pack's backward at its output (zeros where only the aux loss reaches the pack), so
 FSDP's lockstep sees it; the lockstep's one-token dummy calls, made inside a walk's decoder
-call, are not replayed (``dta.routing.suspended``). Parameters after 2 steps equal one
+call, are not replayed (``dta.model.routing.suspended``). Parameters after 2 steps equal one
 process's (float64 <= 1e-12 relative L2), both memory policies, OLMoE tiny, replayed routing
 on every sequence, aux coefficient 0.01; fully masked fork tails (packs reached by the aux
 loss only) are in the batch."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dta.config import load_config
+from dta.config.schema import load_config
 from runtime.sharding.local import run_ranks
 from tests.test_sharding import TOL, _step, _worker, rel_l2
 
@@ -35,8 +35,8 @@ class MaskedTails:
 
     def batch(self, k):
         from dta.batch import Batch
-        from dta.models import build_config
-        from dta.routing import synthetic_routing
+        from dta.model.models import build_config
+        from dta.model.routing import synthetic_routing
         from tests.cases import make_records
         from tests.test_moe import small_sequences
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from dta.config import load_config
+from dta.config.schema import load_config
 from runtime.sharding.local import run_ranks
 from tests.test_sharding import _step, _worker, overrides, rel_l2
 

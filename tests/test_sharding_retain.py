@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from dta.config import load_config
+from dta.config.schema import load_config
 from runtime.sharding.local import run_ranks
 from tests.test_sharding import TOL, _one_process, _step, _worker, rel_l2
 
@@ -47,7 +47,7 @@ def one_process(case, export=None):
 
 def walk_orders(case):
     """Each rank's walk (push/pop sequence of packs) for both steps' batches."""
-    from dta.models import build_model
+    from dta.model.models import build_model
     from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree
     from dta.walk import Walker
@@ -104,7 +104,7 @@ def multi_graph_backward(rank, world):
     ``head_rows=0`` the runtime passes): a head flush backpropagates several leaf packs in
     one backward, which the lockstep refuses."""
     from dta.losses import batch_totals
-    from dta.models import build_model
+    from dta.model.models import build_model
     from dta.train import accumulate_gradients
     from dta_cli.batches import BatchSource
     from runtime.ray_runtime.worker import make_training_loss

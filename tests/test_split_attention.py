@@ -1,11 +1,11 @@
-"""Attention over cached keys split at the cache boundary (dta.split_attention): which masks
+"""Attention over cached keys split at the cache boundary (dta.model.split_attention): which masks
 split, and the split's output and gradients against one masked SDPA call."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dta.split_attention import split_attention, split_of
+from dta.model.split_attention import split_attention, split_of
 
 F = torch.nn.functional
 
@@ -106,10 +106,10 @@ def test_walk_frees_each_forwards_joined_kv():
     for the split attention; each registration goes with its joined tensor."""
     import numpy as np
 
-    import dta.attention as attention
+    import dta.model.attention as attention
     from dta.batch import Batch
     from dta.losses import NLL
-    from dta.models import build_model
+    from dta.model.models import build_model
     from dta.train import accumulate_gradients
 
     model = build_model("qwen3", "tiny", dtype="float32", seed=0)
@@ -131,10 +131,10 @@ def test_recompute_takes_the_path_attention_back_from_the_tape():
     (every pack once), and the gradients are those of retain (float64)."""
     import numpy as np
 
-    import dta.split_attention as sa
+    import dta.model.split_attention as sa
     from dta.batch import Batch
     from dta.losses import NLL
-    from dta.models import build_model, make_truly_float64
+    from dta.model.models import build_model, make_truly_float64
     from dta.train import accumulate_gradients
 
     model = build_model("qwen3", "tiny", dtype="float64", seed=0)
@@ -165,7 +165,7 @@ def test_recompute_takes_the_path_attention_back_from_the_tape():
 
 def test_a_tape_refuses_a_re_forward_that_differs():
     q = torch.randn(1, 4, 3, 8)
-    from dta.split_attention import Tape
+    from dta.model.split_attention import Tape
 
     tape = Tape()
     tape.keep(torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3), 5)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.ray_runtime import checkpoint as ckpt
-from runtime.ray_runtime.checkpoint import CheckpointError
+from runtime.checkpoints import checkpoint as ckpt
+from runtime.checkpoints.checkpoint import CheckpointError
 
 
 def tiny():
@@ -158,7 +158,7 @@ def test_meta_with_nan_is_strict_json(saved):
 
 
 def test_submit_ships_absolute_checked_paths(tmp_path, monkeypatch):
-    from dta.config import ConfigError, load_config
+    from dta.config.schema import ConfigError, load_config
     from dta_cli.jobs import ship_paths
 
     monkeypatch.chdir(tmp_path)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dta.config import ConfigError, NormConfig, _all_keys, default_config, load_config
-from dta.config_keys import KEY_USE, NOT_IN_DTA_TRAIN, check_dta_train
+from dta.config.schema import ConfigError, NormConfig, _all_keys, default_config, load_config
+from dta.config.keys import KEY_USE, NOT_IN_DTA_TRAIN, check_dta_train
 from dta_cli.batches import BatchSource, BatchSourceError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,9 +21,9 @@ import sys
 import pytest
 import torch
 
-from runtime.ray_runtime import checkpoint as ckpt
-from runtime.ray_runtime.checkpoint import CheckpointError
-from runtime.ray_runtime.errors import describe, first_line, storage_failure
+from runtime.checkpoints import checkpoint as ckpt
+from runtime.checkpoints.checkpoint import CheckpointError
+from runtime.errors import describe, first_line, storage_failure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["workload.scale=tiny", "ray.num_workers=1", "ray.object_store_memory=104857600"]
@@ -115,7 +115,7 @@ def test_foreign_folder_is_refused_before_step_0_with_nothing_written(tmp_path, 
 
 
 def test_submit_refuses_a_foreign_folder_too(tmp_path):
-    from dta.config import ConfigError, load_config
+    from dta.config.schema import ConfigError, load_config
     from dta_cli.jobs import ship_paths
 
     (tmp_path / "notes.txt").write_text("x")
@@ -184,7 +184,7 @@ def test_causes_are_one_line_with_their_path():
 
 def test_debug_keeps_the_traceback_and_the_default_is_one_line():
     from dta_cli.train import main
-    from runtime.ray_runtime.errors import TrainingError
+    from runtime.errors import TrainingError
 
     args = ["--no-progress", *TINY, "train.resume=true"]  # fails before Ray: no folder given
     err = io.StringIO()

@@ -18,12 +18,12 @@ import warnings
 
 import pytest
 
-from dta.config import load_config
+from dta.config.schema import load_config
 from dta_cli.batches import BatchSource
-from runtime.ray_runtime import checkpoint as ckpt
-from runtime.ray_runtime.checkpoint import CheckpointError
+from runtime.checkpoints import checkpoint as ckpt
+from runtime.checkpoints.checkpoint import CheckpointError
 from runtime.ray_runtime.cluster import start_or_join
-from runtime.ray_runtime.errors import TrainingError
+from runtime.errors import TrainingError
 from runtime.ray_runtime.run import Interrupted, NonFiniteUpdateWarning, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ TINY = ["workload.scale=tiny", "ray.num_workers=1", "ray.object_store_memory=104
         "optimizer.lr=1e-3"]
 HEAD = """
 import os, sys
-from dta.config import load_config
+from dta.config.schema import load_config
 from runtime.ray_runtime.cluster import start_or_join
 h = start_or_join(load_config(None, ["ray.num_workers=1", "ray.object_store_memory=104857600"]).ray)
 print(json.dumps({"address": h.address, "token": os.environ.get("RAY_AUTH_TOKEN_PATH"),
@@ -209,7 +209,7 @@ def test_a_failure_inside_a_worker_is_one_line_with_its_cause(ray_local, tmp_pat
     from ray.exceptions import RayTaskError
 
     from runtime.ray_runtime.driver import Trainer
-    from runtime.ray_runtime.errors import WorkerError
+    from runtime.errors import WorkerError
 
     c = cfg()
     (tmp_path / "a-file").write_text("")

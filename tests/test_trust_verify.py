@@ -9,7 +9,7 @@ import torch
 import dta.verify
 from dta.batch import Batch
 from dta.losses import NLL
-from dta.models import build_model
+from dta.model.models import build_model
 from dta_cli.main import main
 
 

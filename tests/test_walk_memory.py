@@ -10,7 +10,7 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import NLL
-from dta.models import build_model
+from dta.model.models import build_model
 from dta.selfcheck import ensure_self_check
 from dta.train import accumulate_gradients
 from dta.tree import PrefixTree
@@ -79,8 +79,8 @@ def test_frames_hold_their_own_states_only(monkeypatch, family, policy):
     """A frame's K/V (and recurrent states) are its own rows, not views into the forward's
     cache -- which joins the whole path's K/V -- so a path of n blocks holds n blocks of K/V,
     not 1 + 2 + ... + n; and no mask form of a forward outlives it."""
-    import dta.attention as attention
-    from dta.modeling import ModelInterface
+    import dta.model.attention as attention
+    from dta.model.modeling import ModelInterface
 
     model = build_model(family, "tiny")
     ensure_self_check(model)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dta.config import load_config, loss_kwargs
+from dta.config.schema import load_config, loss_kwargs
 from dta.losses import make_loss
-from dta.models import build_model, make_truly_float64
+from dta.model.models import build_model, make_truly_float64
 from dta.train import accumulate_gradients
 from dta_cli.batches import BatchSource
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dta.jsonl import JsonlError, read_jsonl, write_jsonl
+from dta.records.jsonl import JsonlError, read_jsonl, write_jsonl
 from experiments.workloads import make_workload, resolve_scale, trie_size
 
 

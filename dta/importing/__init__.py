@@ -3,7 +3,7 @@
 ``read_conversations(source, path)`` (:mod:`dta.importing.sources`) reads a file into
 conversations; ``conversation_records(conv, tokenizer)`` (:mod:`dta.importing.render`) renders
 one with a local Hugging Face tokenizer's chat template into one record per generated agent
-message (the format of :mod:`dta.records`). ``import_file`` does both for a whole file.
+message (the format of :mod:`dta.records.fields`). ``import_file`` does both for a whole file.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dta.records import BatchError
+from dta.records.fields import BatchError
 
 __all__ = ["ImportError_", "Conversation", "SOURCES", "read_conversations", "tau2_system_prompt"]
 

@@ -168,7 +168,7 @@ def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, p
     else:
         graph_tokens, read = min(call, path) if path else call, path
     states = 2 * pieces * shape.gdn_layers * shape.gdn_state * 4  # leaf + gradient, fp32
-    from dta.head import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
+    from dta.planning.chunks import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
 
     head = 3 * min(logits_rows(logits_chunk, shape.vocab), max(call, 1)) * shape.vocab * 4
     return {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
@@ -338,7 +338,7 @@ def with_lora(est: MemoryEstimate, config, adapter_params: int, *,
     """The estimate of a LoRA run in ``est``'s mode: the frozen base held whole in the compute
     dtype (no master, gradient or optimizer state), the adapters priced as ``estimate`` prices
     a model (replicate: all of them; zero1: fp32 masters and AdamW state sharded). fsdp is
-    not offered with LoRA (dta.config refuses it)."""
+    not offered with LoRA (dta.config.schema refuses it)."""
     if est.mode == "fsdp":
         raise ValueError("fsdp is not offered with LoRA; price replicate or zero1")
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)

@@ -25,7 +25,7 @@ The cost of a pack of T tokens over a prefix of P tokens is
 (causal, no mask) and T·(P + T) for a pack with branches (a dense masked kernel computes the
 whole rectangle). Merging saves a ``call`` (per-call fixed costs: dispatch, element-wise ops,
 autograd, kernel launches) and pays the masked-away pairs; the prefix pairs T·P are paid
-either way. Everything here is integers and numpy; :mod:`dta.packmask` materializes masks.
+either way. Everything here is integers and numpy; :mod:`dta.model.packmask` materializes masks.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class PackCost:
     + chunk_step * chunk steps``.
 
     Hybrid models: a GDN layer runs a pack as one batched chunked delta rule whose scan takes
-    one sequential step per chunk of the pack's deepest chain (``dta/gdn.py``); the plan does
+    one sequential step per chunk of the pack's deepest chain (``dta/model/gdn.py``); the plan does
     not track chains, so a pack of T tokens is charged ceil(T / chunk) steps, an upper bound
     (exact for a one-segment chain; rows of a branched pack run side by side). ``call``
     includes the GDN layers' per-call cost."""

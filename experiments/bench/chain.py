@@ -56,7 +56,7 @@ def _hf_cache_walker():
 
     class HFCacheWalker(Walker):
         """Node by node through the model interface's own cache (``DynamicCache`` built from
-        the concatenated path): the copies the walk made before ``dta.attention.path_cache``."""
+        the concatenated path): the copies the walk made before ``dta.model.attention.path_cache``."""
 
         def _forward(self, tree, layout, path, routes, capture=False, tape=None):
             # no tape: a re-forward attends over the path again, as the walk did then
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     import torch
 
     from dta.losses import make_loss
-    from dta.models import build_model
+    from dta.model.models import build_model
     from experiments.bench.flops import summary
 
     ap = argparse.ArgumentParser(prog="python -m experiments.bench.chain")

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tasks", type=int, default=None, metavar="B", help="override the tasks (groups) per batch")
     a("--group-size", type=int, default=None, metavar="G", help="override the group size")
     a("--input", default=None, metavar="FILE.jsonl",
-      help="your own batch (dta.jsonl records, e.g. from `dta import`) instead of --workload")
+      help="your own batch (dta.records.jsonl records, e.g. from `dta import`) instead of --workload")
     a("--max-sequences", type=int, default=None, metavar="N",
       help="--input: keep at most N sequences, by whole groups then whole episodes, in file order")
     a("--max-tokens", type=int, default=None, metavar="T",
@@ -86,8 +86,8 @@ def config_from_args(args: argparse.Namespace):
                  if v is not None}
     modes = tuple(m.strip() for m in args.modes.split(",")) if args.modes else DEFAULT_MODES
     if not args.modes:
-        from dta.models import build_config
-        from dta.recurrent import is_hybrid
+        from dta.model.models import build_config
+        from dta.model.recurrent import is_hybrid
 
         if is_hybrid(build_config(args.family, args.model_size)):  # no tree mask for a recurrence
             modes = tuple(m for m in modes if not m.startswith("treemask"))

@@ -41,7 +41,7 @@ class BenchConfig:
     sweep_values: str | None = None
     overrides: dict = field(default_factory=dict)
     out: str | None = None
-    input: str | None = None  # a JSONL batch (dta.jsonl) instead of the generated workload
+    input: str | None = None  # a JSONL batch (dta.records.jsonl) instead of the generated workload
     max_sequences: int | None = None  # --input: cut by whole groups and episodes
     max_tokens: int | None = None
     model_path: str | None = None  # a local Hugging Face model directory (else family/size)

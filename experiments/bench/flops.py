@@ -7,7 +7,7 @@ rows that carry a loss term); a fallback formula is used when ``dta.planning`` i
 The LM head costs 3 x 2·H·V per (row, target) pair it evaluates (forward, and a backward of
 twice the forward: ∂h and ∂W), plus one more forward where it is checkpointed: the baselines
 checkpoint it when the rows of one forward span several ``logits_chunk`` chunks; the DFS
-walker (dta.head) computes the logits once and differentiates them by hand.
+walker (dta.model.head) computes the logits once and differentiates them by hand.
 
 Attention pairs are counted as a dense kernel executes them: a causal row without a mask
 (one unpadded sequence) computes its causal half, an explicit mask (padding, a tree mask)

@@ -1,7 +1,7 @@
 """The benchmark on the user's own batch (``--input FILE.jsonl``) and model (``--model PATH``).
 
 * :func:`model_config` is the Hugging Face config of the benchmarked model: a local model
-  directory's, or a random-init family/size's (:mod:`dta.models`).
+  directory's, or a random-init family/size's (:mod:`dta.model.models`).
 * :func:`cut` keeps a deterministic part of a large dump: groups (``group_id``) in the order
   they first appear, each whole while it fits ``max_sequences`` / ``max_tokens``; of the first
   group that does not fit, its whole episodes (``episode``) in order while they fit; then
@@ -34,7 +34,7 @@ def model_config(model_path: str | None, family: str, size: str, vocab_size: int
         except (OSError, ValueError) as e:
             raise ValueError(f"--model {model_path}: no model config: "
                              f"{' '.join(str(e).split())[:300]}") from None
-    from dta.models import build_config
+    from dta.model.models import build_config
 
     return build_config(family, size, **({} if vocab_size is None else {"vocab_size": vocab_size}))
 
@@ -101,8 +101,8 @@ def load_input(path: str, vocab_size: int, model: str, *, max_sequences=None, ma
     """(records, what was kept, the loss name); see the module doc. A kept sequence longer
     than ``max_positions`` (the model's ``max_position_embeddings``) is refused here, before
     any run, as the DFS walker would refuse it."""
-    from dta.jsonl import read_jsonl
-    from dta.records import RecordError
+    from dta.records.jsonl import read_jsonl
+    from dta.records.fields import RecordError
 
     try:
         records = read_jsonl(path, vocab_size=vocab_size)

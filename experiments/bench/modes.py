@@ -71,7 +71,7 @@ def run_mode(name: str, model, batch: Batch, loss, **opts) -> tuple[float, dict]
     """(loss value, call statistics: decoder forward / backward calls, packs, head calls)."""
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-    from dta.gdn import STATS
+    from dta.model.gdn import STATS
 
     STATS.reset()
     _HF_CHUNK_STEPS[0] = 0
@@ -87,7 +87,7 @@ _HF_CHUNK_STEPS = [0]  # chunk iterations of HF's own GDN kernel in the unpacked
 
 
 def _gdn_layers(model) -> int:
-    from dta.recurrent import GDN, layer_types
+    from dta.model.recurrent import GDN, layer_types
 
     return layer_types(model.config).count(GDN)
 
@@ -108,7 +108,7 @@ def _objective(batch: Batch, loss, opts) -> Objective:
 
 class _TargetLogprob(torch.autograd.Function):
     """log_softmax(z)[t] with a one-pass backward: dz = g * (onehot(t) - softmax(z)). As lean
-    as the walker's head (dta.head): one exp pass and one [rows, vocab] temporary, e = exp(z −
+    as the walker's head (dta.model.head): one exp pass and one [rows, vocab] temporary, e = exp(z −
     max), kept for the backward, which forms −g·softmax(z) = e · (−g / Σe) in place."""
 
     @staticmethod
@@ -343,7 +343,7 @@ def attention(model, impl: str):
 def refuse_recurrent(model_or_config, mode: str) -> None:
     """A tree mask only restricts which keys a query sees; a recurrent (Gated DeltaNet) layer
     has no keys: packed siblings would run through one another's state. Refuse, clearly."""
-    from dta.recurrent import is_hybrid
+    from dta.model.recurrent import is_hybrid
 
     if is_hybrid(model_or_config):
         raise ValueError(f"mode {mode!r} cannot train a model with recurrent (Gated DeltaNet) "

@@ -273,7 +273,7 @@ def run(cfg: BenchConfig, *, progress: bool = True, log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="dta-bench-") as tmp:
         kept = None
         if cfg.input:  # read, check and cut once; every worker reads the cut batch
-            from dta.jsonl import write_jsonl
+            from dta.records.jsonl import write_jsonl
             from experiments.bench.inputs import load_input
 
             name = model_name(cfg.model_path, cfg.family, cfg.size, cfg.vocab_size)

@@ -105,7 +105,7 @@ def load_batch(spec: dict, vocab_size: int):
     if spec.get("input"):
         import types
 
-        from dta.jsonl import read_jsonl
+        from dta.records.jsonl import read_jsonl
 
         records = read_jsonl(spec["input"], vocab_size=vocab_size)
         return Batch.from_records(records), types.SimpleNamespace(
@@ -164,7 +164,7 @@ class Context:
 
         torch.set_num_threads(int(spec.get("threads", 2)))
         from dta.losses import make_loss
-        from dta.models import build_model, load_model
+        from dta.model.models import build_model, load_model
         from experiments.bench.inputs import model_config
 
         self.spec, self.device = spec, spec.get("device", "cpu")

@@ -1,7 +1,7 @@
 """Synthetic RL batches with realistic prefix sharing, and their registry.
 
 ``make_workload(name, scale, seed, **overrides)`` builds a :class:`Workload`: a list of
-records shaped like :func:`dta.jsonl.read_jsonl`'s (numpy ``input_ids`` int64, ``loss_mask``
+records shaped like :func:`dta.records.jsonl.read_jsonl`'s (numpy ``input_ids`` int64, ``loss_mask``
 int8, per-token ``advantages`` and ``logprobs`` float64, ``group_id``, plus ``episode`` and
 ``call`` indices) with their generation parameters.
 

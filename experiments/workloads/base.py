@@ -159,7 +159,7 @@ class Workload:
         return self.total_tokens() / self.unique_tokens()
 
     def to_jsonl(self, path) -> int:
-        from dta.jsonl import write_jsonl
+        from dta.records.jsonl import write_jsonl
         return write_jsonl(path, self.records)
 
     def stats(self) -> dict:

@@ -18,7 +18,7 @@ the masters and the optimizer state together: use ``hf`` for weights only).
 
 A failure to write or read storage (a full disk, a missing file, one wrapped by DCP) is one
 line saying what was being done, on which rank, and the cause with its path — an ``OSError``
-of the same errno (``runtime.ray_runtime.errors.storage_failure``).
+of the same errno (``runtime.errors.storage_failure``).
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ class CheckpointMixin:
                 meta.processor.save_pretrained(meta.path)
         if meta.with_optim:
             self._require_optimizer()
-            from runtime.ray_runtime.checkpoint import save_tensors  # a failed write names the file
+            from runtime.checkpoints.checkpoint import save_tensors  # a failed write names the file
 
             save_tensors(self.optimizer.state_dict(), self._optim_path(meta.path))
 
@@ -163,7 +163,7 @@ class CheckpointMixin:
             self.master.model_to_master()
         if meta.with_optim:
             self._require_optimizer()
-            from runtime.ray_runtime.checkpoint import load_tensors  # tensors only
+            from runtime.checkpoints.checkpoint import load_tensors  # tensors only
 
             self.optimizer.load_state_dict(load_tensors(self._optim_path(meta.path)))
 
@@ -171,7 +171,7 @@ class CheckpointMixin:
 @contextlib.contextmanager
 def _says(action: str, path: str):
     """A storage failure inside as one line naming ``action`` (see the module doc)."""
-    from runtime.ray_runtime.errors import storage_failure
+    from runtime.errors import storage_failure
 
     try:
         yield

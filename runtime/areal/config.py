@@ -1,4 +1,4 @@
-"""A ``dta`` run config (``dta.config``: YAML + ``key=value`` overrides) as AReaL's
+"""A ``dta`` run config (``dta.config.schema``: YAML + ``key=value`` overrides) as AReaL's
 ``PPOActorConfig`` plus :class:`~runtime.areal.engine.DTAOptions`, so that the same
 ``configs/*.yaml`` (and ``actor.eps_clip=0.3``) drive :class:`~runtime.areal.actor.DTAPPOActor`.
 
@@ -26,7 +26,7 @@ _AREAL_DTYPES = ("float32", "bfloat16", "float16")
 
 def actor_config_from_dta(cfg, *, experiment_name: str = "dta", trial_name: str = "run",
                           backend: str = "fsdp:d1") -> tuple[PPOActorConfig, DTAOptions]:
-    """``(PPOActorConfig, DTAOptions)`` from a loaded ``dta.config`` config (``load_config``).
+    """``(PPOActorConfig, DTAOptions)`` from a loaded ``dta.config.schema`` config (``load_config``).
 
     Raises ValueError, naming the key, for what AReaL's PPO actor cannot express: a model
     without ``model.path`` (AReaL engines load a local HF directory), the ``nll`` loss, an

@@ -30,7 +30,7 @@ from areal.utils.data import (DEFAULT_MAX_TOKENS_PER_MB, N_TOKENS_PER_PAGE, amen
                               split_batch, unpack_sequence)
 
 from dta.batch import Batch
-from dta.records import validate_record
+from dta.records.fields import validate_record
 from dta.tree import unpad
 
 __all__ = ["normalize_input", "split_sequences", "take_routing", "wrap_label", "walk_batch",
@@ -101,7 +101,7 @@ def split_sequences(batched: Mapping[str, Any], *, model_type: str = "",
 
 def take_routing(batched: dict[str, Any]) -> list[np.ndarray] | None:
     """Pop AReaL's R3 keys from ``batched`` and return each sequence's replayed routing as
-    the record field ``routed_experts`` (``dta.records``): ``[n, MoE layers, k]`` int64, the
+    the record field ``routed_experts`` (``dta.records.fields``): ``[n, MoE layers, k]`` int64, the
     last token's row -1 (routed by the model itself), or None when the batch has no routing.
 
     AReaL's layout (``areal/engine/r3/preprocess.py``, what its RLVR / OpenAI workflows put in
@@ -226,7 +226,7 @@ def _roll(x: torch.Tensor) -> torch.Tensor:
 def from_records(records: Iterable[Mapping], *, rolled: bool = True,
                  logprobs_dtype=torch.float32) -> dict[str, torch.Tensor]:
     """DTA records (token-aligned ``input_ids``, ``loss_mask``, ``advantages``, ``logprobs``,
-    ``prox_logprobs``/``prox_logp``; see :mod:`dta.jsonl`) as one AReaL batch of right-padded
+    ``prox_logprobs``/``prox_logp``; see :mod:`dta.records.jsonl`) as one AReaL batch of right-padded
     ``[B, S]`` tensors. ``rolled=True`` gives the training form (what ``PPOActor.ppo_update``
     hands to ``train_batch``: per-token fields rolled by -1); ``rolled=False`` the rollout form
     (token-aligned, as a rollout workflow returns it, before ``compute_advantages``)."""

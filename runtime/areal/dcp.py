@@ -18,7 +18,7 @@ continue bit-identically:
 * the LR scheduler's state is saved beside them (``"lr_scheduler"``); FSDPEngine does not save
   it, so its schedule restarts on recovery.
 
-Trust (``runtime/ray_runtime/checkpoint.py``): after the save, rank 0 writes
+Trust (``runtime/checkpoints/checkpoint.py``): after the save, rank 0 writes
 ``manifest.json`` (size and SHA-256 of every file); a load verifies every file against it
 before DCP reads anything (DCP's ``.metadata`` is a pickle), and refuses a checkpoint without
 one.
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.dcp import latest_sharded, load_sharded, read_meta, save_sharded, step_name
-from runtime.ray_runtime.checkpoint import verify_manifest, write_manifest
+from runtime.checkpoints.checkpoint import verify_manifest, write_manifest
 
 __all__ = ["save_dcp", "load_dcp", "save_state", "load_state"]
 

@@ -42,7 +42,7 @@ from areal.api.engine_api import TrainEngine
 from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec
 from areal.utils import stats_tracker
 
-from dta.models import load_model, resolve_dtype
+from dta.model.models import load_model, resolve_dtype
 from dta.tree import PrefixTree
 
 from runtime.areal import convert
@@ -231,7 +231,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         ``lora_alpha``, ``target_modules`` (empty or ``["all-linear"]``: every linear layer
         but the head), bias ``none``, adapters in the storage dtype (fp32 masters), the base
         frozen."""
-        from dta.lora import apply_lora
+        from dta.model.lora import apply_lora
 
         targets = list(self.config.target_modules or [])
         targets = "all-linear" if targets in ([], ["all-linear"]) else targets

@@ -15,7 +15,7 @@ import torch
 
 from dta.losses import SequenceLoss
 from dta.objective import linearize
-from dta.routing import MoERouters, check_routing
+from dta.model.routing import MoERouters, check_routing
 from dta.train import checked_walker
 from dta.tree import PrefixTree
 from dta.walk import Walker

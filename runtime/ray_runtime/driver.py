@@ -25,14 +25,14 @@ import time
 from typing import Callable
 
 from dta.batch import Batch, BatchError
-from dta.config import as_dict
+from dta.config.schema import as_dict
 from dta.losses import batch_totals
 from dta.planning.workers import WorkerPlan, assign_workers, default_cost_model
 from dta.tree import PrefixTree
-from runtime.ray_runtime import checkpoint as ckpt
+from runtime.checkpoints import checkpoint as ckpt
 from runtime.ray_runtime.actors import WorkerGroup, start_workers
 from runtime.ray_runtime.cluster import ClusterHandle, start_or_join
-from runtime.ray_runtime.errors import StepFailed, TrainingError, WorkerError
+from runtime.errors import StepFailed, TrainingError, WorkerError
 from runtime.ray_runtime.failures import call_workers, failure_message, gather
 from runtime.ray_runtime.model_info import model_limits, required_fields
 from runtime.ray_runtime.stats import StepStats, step_stats

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.ray_runtime.errors import WorkerError, describe
+from runtime.errors import WorkerError, describe
 
 GRACE_S = 30.0  # after one failure, how long the other workers get to report
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dta.config import loss_kwargs
+from dta.config.schema import loss_kwargs
 from dta.losses import make_loss
-from runtime.ray_runtime.errors import TrainingError
+from runtime.errors import TrainingError
 
 
 def model_limits(cfg) -> tuple[int, int | None, Any]:
@@ -18,7 +18,7 @@ def model_limits(cfg) -> tuple[int, int | None, Any]:
             raise TrainingError(f"model.path {cfg.model.path!r} is not a local directory")
         hf = transformers.AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     else:
-        from dta.models import build_config
+        from dta.model.models import build_config
 
         hf = build_config(cfg.model.family, cfg.model.size)
     return int(hf.vocab_size), getattr(hf, "max_position_embeddings", None), hf

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.ray_runtime.errors import TrainingError
+from runtime.errors import TrainingError
 
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}  # ray.placement -> Ray's strategy
 

@@ -31,9 +31,9 @@ import warnings
 from typing import Callable, Protocol
 
 from dta.batch import Batch
-from runtime.ray_runtime import checkpoint as ckpt
+from runtime.checkpoints import checkpoint as ckpt
 from runtime.ray_runtime.driver import Trainer
-from runtime.ray_runtime.errors import TrainingError
+from runtime.errors import TrainingError
 from runtime.ray_runtime.metrics import MetricsLog
 from runtime.ray_runtime.stats import StepStats, summarize
 
@@ -93,7 +93,7 @@ def run_training(cfg, source: BatchSourceLike, *,
                  on_step: Callable[[StepStats], None] | None = None) -> dict:
     """Train ``cfg.train.steps`` steps on ``source.batch(k)``; returns the summary
     (:func:`~runtime.ray_runtime.stats.summarize`)."""
-    from dta.config_keys import check_dta_train
+    from dta.config.keys import check_dta_train
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     check_dta_train(cfg)  # a key dta train would ignore is an error, not a no-op

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from dta.batch import Batch
-from dta.config import from_dict, loss_kwargs
+from dta.config.schema import from_dict, loss_kwargs
 from dta.losses import Totals, batch_totals, make_loss
-from dta.models import build_model, load_model
-from dta.models import resolve_dtype
+from dta.model.models import build_model, load_model
+from dta.model.models import resolve_dtype
 from dta.planning.blocks import block_tokens_of
 from dta.train import accumulate_gradients, forward_logprobs
 from runtime.ray_runtime.host import interface_of, node_id, node_ip, peak_memory, reset_peak_memory
@@ -52,7 +52,7 @@ def build_replica(cfg, device: str | torch.device = "cpu", dtype=None):
         model = build_model(m.family, m.size, dtype=dtype, seed=int(m.seed),
                             attn_implementation=m.attn_implementation)
     if int(m.lora.r) > 0:  # the base frozen, LoRA adapters the only trainable weights
-        from dta.lora import apply_lora
+        from dta.model.lora import apply_lora
 
         torch.manual_seed(int(m.seed))  # every rank's adapters start alike
         model = apply_lora(model, r=int(m.lora.r), alpha=float(m.lora.alpha),
@@ -308,13 +308,13 @@ class DFSWorker:
         writes its shards (:func:`runtime.dcp.save_sharded`; rank 0 then applies keep_last)."""
         if self.sharded:
             from runtime.dcp import save_sharded
-            from runtime.ray_runtime.checkpoint import prune
+            from runtime.checkpoints.checkpoint import prune
             path = save_sharded(directory, step, self.strategy.sharded_state(),
                                 meta={**meta, "sharding": self.strategy.mode, "run_id": run_id})
             if keep_last and self.rank == 0:
                 prune(directory, keep_last, keep=path, run_id=run_id)
             return path
-        from runtime.ray_runtime.checkpoint import save_checkpoint
+        from runtime.checkpoints.checkpoint import save_checkpoint
         return save_checkpoint(directory, step, self.model, self.optimizer, meta, run_id=run_id,
                                keep_last=keep_last)
 
@@ -322,7 +322,7 @@ class DFSWorker:
         """The model as a Hugging Face directory (``save_pretrained``: config + safetensors).
         Sharded: every rank calls this (gathering the full state is a collective) and rank 0
         writes it, in the compute dtype (what a replicated run holds and exports)."""
-        from dta.lora import is_peft_model, save_adapter
+        from dta.model.lora import is_peft_model, save_adapter
 
         if is_peft_model(self.model):  # LoRA: the adapter in PEFT format, or merged weights
             # zero1 keeps the gathered compute copy in the model itself: nothing to gather
@@ -359,7 +359,7 @@ class DFSWorker:
             from runtime.dcp import load_sharded
             meta = load_sharded(path, self.strategy.sharded_state(), allow_reshard=True)
         else:
-            from runtime.ray_runtime.checkpoint import load_checkpoint
+            from runtime.checkpoints.checkpoint import load_checkpoint
             meta = load_checkpoint(path, self.model, self.optimizer)
         self.completed_steps = int(meta["step"])
         return meta

@@ -43,7 +43,7 @@ def resolve(cfg, hf_config, tree=None) -> tuple[str, int, dict]:
     budget = cfg.train.memory_budget_gib
     budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
     path, call = batch_extent(tree) if tree is not None else (0, 0)
-    # LoRA: the adapters' state only; replicate or zero1 (dta.config refuses fsdp with adapters)
+    # LoRA: the adapters' state only; replicate or zero1 (dta.config.schema refuses fsdp with adapters)
     lora = cfg.model.lora
     adapters = lora_params(hf_config, int(lora.r), list(lora.target_modules)) if int(lora.r) else 0
     plan = plan_memory(hf_config, W, budget, modes=MODES if auto_mode else (str(cfg.train.sharding),),

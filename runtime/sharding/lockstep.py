@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dta import routing
+from dta.model import routing
 
 B, F, X, DONE = 0, 1, 2, 3
 KINDS = 4

@@ -30,7 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from runtime.dcp import ShardedCheckpointError
-from runtime.ray_runtime.checkpoint import read_meta, verify_manifest
+from runtime.checkpoints.checkpoint import read_meta, verify_manifest
 
 
 def layout(path: str) -> dict:
@@ -166,7 +166,7 @@ def load_into_replica(path: str, model, optimizer) -> dict:
 def replicated_logical_state(path: str, model, keys) -> dict[str, dict]:
     """Per trainable parameter name {"param", "step", <state keys>}, from a replicated
     checkpoint (``model.pt``, ``optimizer.pt`` over the trainable parameters in order)."""
-    from runtime.ray_runtime.checkpoint import load_tensors
+    from runtime.checkpoints.checkpoint import load_tensors
 
     verify_manifest(path)
     weights = load_tensors(os.path.join(path, "model.pt"))

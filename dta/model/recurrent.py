@@ -68,7 +68,7 @@ def path_state(states: list[tuple]) -> tuple:
 
 def node_state(layer, start: int, end: int, where: str) -> tuple:
     """A GDN layer's state after a node's forward: its final (conv, recurrent) state; after a
-    pack's forward (``dta/gdn.py``), the final states of its handed-on nodes, stacked
+    pack's forward (``dta/model/gdn.py``), the final states of its handed-on nodes, stacked
     ([n, conv_dim, kernel], [n, heads, d_k, d_v], in the order of ``gdn.open_nodes``)."""
     if hasattr(layer, "plan"):  # a pack's layer
         if layer.final is None:
@@ -82,7 +82,7 @@ def node_state(layer, start: int, end: int, where: str) -> tuple:
 def state_through(state: tuple, layout, local: int, rows=None) -> tuple:
     """What a pack hanging below local node ``local`` of a pack reads from its GDN state: that
     node's final (conv, recurrent) state, [1, ...] views (reusable)."""
-    from dta.gdn import open_nodes
+    from dta.model.gdn import open_nodes
 
     hands_on = open_nodes(layout)
     j = np.flatnonzero(hands_on == local)
@@ -95,8 +95,8 @@ def state_through(state: tuple, layout, local: int, rows=None) -> tuple:
 
 def gdn_modules(model) -> list:
     """The model's Gated DeltaNet modules (one per ``linear_attention`` layer), checked to be
-    ones the pack path knows (``dta.gdn.supports``): anything else is refused, one line."""
-    from dta import gdn
+    ones the pack path knows (``dta.model.gdn.supports``): anything else is refused, one line."""
+    from dta.model import gdn
 
     mods = [m for m in model.modules() if getattr(m, "layer_type", None) == GDN and hasattr(m, "A_log")]
     kinds = layer_kinds(model.config)
@@ -112,20 +112,20 @@ def gdn_modules(model) -> list:
 
 
 def packed(modules: list):
-    from dta.gdn import packed_gdn
+    from dta.model.gdn import packed_gdn
 
     return packed_gdn(modules)
 
 
 def pack_plan(layout, module, chunk: int | None = None):
-    """The integer GDN plan of a pack (``dta.gdn.plan_recurrence``), for ``module``'s conv kernel."""
-    from dta import gdn
+    """The integer GDN plan of a pack (``dta.model.gdn.plan_recurrence``), for ``module``'s conv kernel."""
+    from dta.model import gdn
 
     return gdn.plan_recurrence(layout, int(module.conv_kernel_size), chunk or gdn.CHUNK)
 
 
 def pack_layer(initial: tuple | None, plan):
-    from dta.gdn import pack_state_layer_class
+    from dta.model.gdn import pack_state_layer_class
 
     return pack_state_layer_class()(initial, plan)
 
@@ -208,7 +208,7 @@ def build_cache(kinds: list[str], data: list | None):
 
 
 def gdn_config_defaults(kw: dict) -> dict:
-    """Gated DeltaNet sizes for a generic size (``dta.models.SIZES``): key heads = K/V heads,
+    """Gated DeltaNet sizes for a generic size (``dta.model.models.SIZES``): key heads = K/V heads,
     value heads = attention heads, head dims = the attention head dim; a full-attention layer
     every 4 layers (Qwen3.5's and Qwen3-Next's 3:1 pattern) from 4 layers up, every 2 below
     (so a 2-layer test model has one layer of each kind)."""
@@ -226,7 +226,7 @@ RANDOM_INIT_A = (0.01, 1.0)  # HF draws A from (0.01, 16)
 
 
 def init_decay(model, seed: int = 0, low: float = RANDOM_INIT_A[0], high: float = RANDOM_INIT_A[1]) -> int:
-    """Random-init models only (``dta.models.build_model``): draw each GDN head's decay rate A
+    """Random-init models only (``dta.model.models.build_model``): draw each GDN head's decay rate A
     from [low, high] instead of HF's [0.01, 16]. With A up to 16 a head's decay over a 64-token
     chunk reaches exp(-1000): the chunked delta rule (exp of cumulative decays, a triangular
     solve) then rounds the tiny gradients of A_log / dt_bias differently for different chunk

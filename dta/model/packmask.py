@@ -29,7 +29,7 @@ SDPA_LIKE = ("sdpa", "dta_sdpa")
 MASKED_KINDS = SDPA_LIKE + ("eager", "flex_attention")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 UNMASKED = ("linear_attention",)  # recurrent (GDN) layers: no mask; they follow the pack's
-# tree through their state (dta/gdn.py), so their entry in a dict of masks is None
+# tree through their state (dta/model/gdn.py), so their entry in a dict of masks is None
 
 
 _DICT_MASKS = "isinstance(causal_mask_mapping := attention_mask, dict)"

@@ -1,5 +1,5 @@
 """Checkpoint files: tensors-only reads, fsynced writes that name the file they failed on,
-and SHA-256 manifests (:mod:`runtime.ray_runtime.checkpoint` builds runs and steps on them;
+and SHA-256 manifests (:mod:`runtime.checkpoints.checkpoint` builds runs and steps on them;
 the sharded formats use the manifest helpers too). Pure torch: no Ray."""
 from __future__ import annotations
 

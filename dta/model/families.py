@@ -1,7 +1,7 @@
 """The family registry: which Hugging Face causal LMs DTA builds, and how it has tested them.
 
 A family is one entry: its config and model classes, how the generic size keywords
-(``dta.models.SIZES``, Llama names) map onto its config, its fixed overrides, and the
+(``dta.model.models.SIZES``, Llama names) map onto its config, its fixed overrides, and the
 *matrix* overrides the family tests use (a sliding window shorter than the test sequences
 where the family has one, logit scaling, soft-capping, experts). ``TESTED_MODEL_CLASSES``
 is the set of model classes in the tested matrix: the self-check warns for any other.
@@ -104,7 +104,7 @@ FAMILIES: dict[str, Family] = {
                   # a projected embedding (project_in / project_out) and a tied head
                   matrix=dict(word_embed_proj_dim=32, tie_word_embeddings=True),
                   features=("learned positions (offset 2)", "projected embedding", "tied head")),
-    # Hybrid linear attention (dta/recurrent.py): Gated DeltaNet layers, whose (conv, recurrent)
+    # Hybrid linear attention (dta/model/recurrent.py): Gated DeltaNet layers, whose (conv, recurrent)
     # state the walk forks, interleaved with gated full attention; GDN head sizes derive from
     # the generic size (recurrent.gdn_config_defaults). The matrix puts attention between GDN
     # layers (a GDN layer reads attention output and the other way round).
@@ -131,7 +131,7 @@ def config_kwargs(family: str, size: dict, matrix: bool, overrides: dict) -> dic
     for k, v in overrides.items():
         kw[fam.rename.get(k, k)] = v
     if _GDN in fam.features:
-        from dta.recurrent import gdn_config_defaults
+        from dta.model.recurrent import gdn_config_defaults
 
         for k, v in gdn_config_defaults(kw).items():
             kw.setdefault(k, v)

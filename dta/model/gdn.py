@@ -2,7 +2,7 @@
 
 A pack (``dta/planning/packs.py``) forwards several tree nodes in one decoder call. Its
 full-attention layers take the pack's tree mask; a GDN layer has no mask but two running
-states (``dta/recurrent.py``), which here follow the pack's local tree:
+states (``dta/model/recurrent.py``), which here follow the pack's local tree:
 
 * the causal conv is a gather: row r's window is the ``kernel`` inputs ending at r *on its
   root path* (its own node's earlier rows, then its ancestors' last rows in the pack, then the
@@ -404,7 +404,7 @@ def pack_state_layer_class():
                     self.has_previous_state[0] = True
 
             def update_conv_state(self, *args, **kwargs):
-                raise RuntimeError("a pack's GDN state is updated by dta.gdn.pack_forward only")
+                raise RuntimeError("a pack's GDN state is updated by dta.model.gdn.pack_forward only")
 
             update_recurrent_state = update_conv_state
 

@@ -17,7 +17,7 @@ The walker never touches a model's internals except through ``ModelInterface``:
                         states [n, H] and its own new per-layer states.
   logits                ``LogitTransform``: what the CausalLM forward does to ``lm_head(h)``
                         (``logit_scale`` ×, ``logits_scaling`` ÷, ``final_logit_softcapping``
-                        tanh), then the sampling temperature ÷. ``dta/head.py`` applies it and
+                        tanh), then the sampling temperature ÷. ``dta/model/head.py`` applies it and
                         differentiates it by hand.
 
 Per-layer state. A node's state is a list over layers of tuples of tensors (``NodeState``);
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dta import recurrent
-from dta.routing import MoERouters
+from dta.model import recurrent
+from dta.model.routing import MoERouters
 
 NodeState = list  # per layer: a tuple of tensors (attention: (keys, values))
 
@@ -197,7 +197,7 @@ _NEEDS_GRAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model 
 # kind -> (path states -> cache data, (cache layer, start, end, where) -> node state,
 #          (pack state, layout, local node, path rows) -> (the piece a pack below reads, reusable));
 # "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the final state
-# of the node a pack hangs from (dta/recurrent.py; inside a pack, dta/gdn.py)
+# of the node a pack hangs from (dta/model/recurrent.py; inside a pack, dta/model/gdn.py)
 _KINDS = {"attention": (_attention_cache_layer, _attention_node_state, _attention_through),
           recurrent.RECURRENT: (recurrent.path_state, recurrent.node_state, recurrent.state_through)}
 
@@ -217,13 +217,13 @@ class ModelInterface:
                             else ["attention"] * _num_layers(model.config))
         self.recurrent_modules = recurrent.gdn_modules(model) if recurrent.RECURRENT in self.layer_kinds else []
         self._attention_layer = self.layer_kinds.index("attention") if "attention" in self.layer_kinds else None
-        self.moe = MoERouters(model)  # the top-k routers: replay and capture (dta/routing.py)
+        self.moe = MoERouters(model)  # the top-k routers: replay and capture (dta/model/routing.py)
 
     # -------------------------------------------------------------- packs --
     @contextlib.contextmanager
     def walking(self):
-        """A walk's scope: the model's recurrent layers take a pack's tree (``dta/gdn.py``)
-        and its MoE routers are hooked (``dta/routing.py``); outside it the model is
+        """A walk's scope: the model's recurrent layers take a pack's tree (``dta/model/gdn.py``)
+        and its MoE routers are hooked (``dta/model/routing.py``); outside it the model is
         unchanged."""
         with recurrent.packed(self.recurrent_modules), self.moe.scope():
             yield
@@ -233,7 +233,7 @@ class ModelInterface:
         of each frame on the path; None for a root pack) -- attention layers join the K/V
         pieces, recurrent layers start from the last piece (the final state of the node the
         pack hangs from) and follow the pack's local tree."""
-        from dta.attention import PathLayer, path_cache
+        from dta.model.attention import PathLayer, path_cache
 
         if not self.recurrent_modules:
             return path_cache(pieces, len(self.layer_kinds))
@@ -385,7 +385,7 @@ ROUTER_AUX_LOSS = ("refuse", "exclude")
 
 def check_router_aux_loss(model, router_aux_loss: str = "refuse") -> None:
     """MoE: the router's auxiliary load-balancing loss is computed only when the walker is
-    given ``router_aux_loss_coef > 0`` (``dta/router_aux.py``; docs/moe.md). A model config
+    given ``router_aux_loss_coef > 0`` (``dta/model/router_aux.py``; docs/moe.md). A model config
     that asks for it (``output_router_logits=True`` with ``router_aux_loss_coef > 0``, which
     makes HF's CausalLM add it to a labelled loss) while the walker's coefficient is 0 is
     refused, unless ``router_aux_loss="exclude"`` says explicitly to train without it."""

@@ -5,7 +5,7 @@
   prefix: a mask is then materialized). :func:`sdpa_gqa_forward` calls
   ``scaled_dot_product_attention(..., enable_gqa=True)`` instead, which reads the K/V heads
   in place and is the same computation. A forward over cached keys is split at the cache
-  boundary on CPU (:mod:`dta.split_attention`: the cached keys without a mask, the pack's
+  boundary on CPU (:mod:`dta.model.split_attention`: the cached keys without a mask, the pack's
   own keys causal or with their tree mask). It is registered under the name ``dta_sdpa``
   for attention and (with HF's own SDPA mask builder) for masks; :func:`native_gqa`
   switches a model from ``sdpa`` to it for the duration of a walk.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from dta.split_attention import Split, Tape, additive_mask, split_attention, split_of
+from dta.model.split_attention import Split, Tape, additive_mask, split_attention, split_of
 
 GQA_NAME = "dta_sdpa"
 
@@ -33,7 +33,7 @@ GQA_NAME = "dta_sdpa"
 def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                      scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """HF's SDPA attention, with grouped-query heads read in place (``enable_gqa``), and a
-    forward over cached keys split at the cache boundary (:mod:`dta.split_attention`)."""
+    forward over cached keys split at the cache boundary (:mod:`dta.model.split_attention`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -138,7 +138,7 @@ _tape: Tape | None = None
 def taped(tape: Tape | None):
     """A forward whose split attention calls keep their results on ``tape`` -- or, once the
     tape has recorded them, take them back: a pack's re-forward (recompute) skips the
-    attention over its path (``dta.split_attention.Tape``)."""
+    attention over its path (``dta.model.split_attention.Tape``)."""
     global _tape
     if tape is None:
         yield

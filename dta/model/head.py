@@ -9,7 +9,7 @@ and immediately turns the loss into three gradients by hand (no autograd graph o
     ∂L/∂z_r = −softmax(z_r) ⊙ (A_r + b_r (z_r − lse_r + H_r)) + Σ_{p in row r} a_p e_{t_p}
     ∂L/∂z_raw = ∂L/∂z · t'(z_raw),   ∂L/∂h = ∂L/∂z_raw W,   ∂L/∂W += ∂L/∂z_rawᵀ h
 
-where t is the model's logit transform and the temperature (``dta.modeling.LogitTransform``:
+where t is the model's logit transform and the temperature (``dta.model.modeling.LogitTransform``:
 t(x) = softcap(scale · x) / T, t' = scale (1 − tanh²(scale · x / cap)) / T; Granite's
 ``logits_scaling``, Cohere's ``logit_scale``, Gemma 2/3's ``final_logit_softcapping``)
 
@@ -19,7 +19,7 @@ so only ∂L/∂h ([rows, hidden]) is kept for the node's backward: the logits a
 Vocabulary-sized weight gradients are accumulated directly instead of through autograd, which
 would allocate and add a dense [vocab, hidden] tensor per node: ∂L/∂W is buffered up to a
 chunk of rows and added with one in-place GEMM (the input embedding's gradient rows are
-index-added by ``dta.modeling.EmbeddingInput``).
+index-added by ``dta.model.modeling.EmbeddingInput``).
 """
 from __future__ import annotations
 
@@ -28,24 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dta.modeling import LogitTransform
-
-# The logits workspace of one head chunk (bytes; see LMHead): experiments/hybrid_memory.py
-# measured the 1,024-row workspace as the largest live tensor at the peak of a walk step of
-# the 32K-vocabulary "small" models (125 MB of 370 MB live, recompute); at 32 MiB it was
-# still on the peak of a block walk (a leaf block's head call, its graph alive:
-# docs/memory.md). 16 MiB is 131 rows of a 32K vocabulary; a 150K vocabulary in half
-# precision stays at MIN_ROWS either way.
-LOGITS_BYTES = 16 * 2**20
-MIN_ROWS = 64
-
-
-def logits_rows(chunk: int, vocab: int, itemsize: int = 4) -> int:
-    """Rows of one head chunk: at most ``chunk``, and at most what keeps the chunk's logits
-    (float32 at least: half-precision logits are made float32) within LOGITS_BYTES, but at
-    least MIN_ROWS."""
-    per_row = max(int(vocab), 1) * max(int(itemsize), 4)
-    return int(min(int(chunk), max(MIN_ROWS, LOGITS_BYTES // per_row)))
+from dta.model.modeling import LogitTransform
+from dta.planning.chunks import LOGITS_BYTES, MIN_ROWS, logits_rows  # noqa: F401 (the head's chunk rule)
 
 
 @dataclass
@@ -60,7 +44,7 @@ class HeadOutput:
 
 class LMHead:
     def __init__(self, model, *, temperature: float, chunk: int):
-        from dta.lora import head_adapters
+        from dta.model.lora import head_adapters
 
         head, self.adapters = head_adapters(model.get_output_embeddings())  # LoRA: (A, B, s)
         if not isinstance(head, torch.nn.Linear):

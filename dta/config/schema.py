@@ -62,7 +62,7 @@ class WorkloadConfig:
     name: str = "tau2-airline"  # see experiments.workloads.make_workload
     scale: str = "small"  # tiny | small | full | a number in (0, 1]
     seed: int = 0  # step k trains the batch generated with seed + k
-    path: Optional[str] = None  # a JSONL batch (dta.jsonl); replaces the generator
+    path: Optional[str] = None  # a JSONL batch (dta.records.jsonl); replaces the generator
     vocab_size: Optional[int] = None  # generated token ids; default: the model's vocabulary
     sequences_per_step: int = 0  # with `path`: sequences per step (0: the whole file)
 
@@ -104,7 +104,7 @@ class OptimizerConfig:
 @dataclass
 class TrainConfig:
     steps: int = 5
-    checkpoint_dir: Optional[str] = None  # one run per folder (see runtime/ray_runtime/checkpoint.py)
+    checkpoint_dir: Optional[str] = None  # one run per folder (see runtime/checkpoints/checkpoint.py)
     checkpoint_every: int = 1  # steps between checkpoints (0: only after the last step)
     keep_last: int = 2  # checkpoints kept (older ones deleted); 0: keep all
     resume: bool = False  # continue the run in checkpoint_dir (an error if there is none)
@@ -274,7 +274,7 @@ def to_yaml(cfg) -> str:
 
 
 # ---------------------------------------------------------------------- validation --
-# Allowed values. They mirror the library's registries (dta.models.FAMILIES / SIZES / DTYPES,
+# Allowed values. They mirror the library's registries (dta.model.models.FAMILIES / SIZES / DTYPES,
 # dta.walk.POLICIES, dta.losses.REDUCTIONS / LOSSES; tests/test_config.py checks that they
 # agree) so that loading a config does not import torch.
 CHOICES: dict[str, tuple] = {

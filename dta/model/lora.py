@@ -3,7 +3,7 @@
 A ``peft`` LoRA model is an ordinary causal LM to the walker: its base weights are frozen
 (``requires_grad=False``, so no gradient is computed into them: the hand-derived head and
 embedding paths skip frozen weights, and per-layer states that no trainable weight reaches are
-not made autograd leaves, ``dta.modeling.ModelInterface.state_needs_grad``), and its adapters
+not made autograd leaves, ``dta.model.modeling.ModelInterface.state_needs_grad``), and its adapters
 are differentiated by autograd inside the decoder. Two things need this module:
 
   check_peft_model(model)  refuses, before anything is touched, the PEFT models the walker has
@@ -16,7 +16,7 @@ are differentiated by autograd inside the decoder. Two things need this module:
                            MoE expert parameters (``target_parameters``) are accepted.
   head_adapters(head)      a LoRA ``lm_head`` as (base Linear, [(A, B, scale)]): logits are
                            h Wᵀ + b + Σ scale · (h Aᵀ) Bᵀ, differentiated by hand in
-                           ``dta/head.py`` like the base head.
+                           ``dta/model/head.py`` like the base head.
 
 ``apply_lora`` wraps a model for ``dta train`` / ``dta verify``; ``save_adapter`` exports it
 (peft imported on use only: it is the optional ``lora`` extra).
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from dta.modeling import ModelInterfaceError
+from dta.model.modeling import ModelInterfaceError
 
 
 class LoraError(ModelInterfaceError):

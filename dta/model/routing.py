@@ -1,5 +1,5 @@
 """Mixture-of-experts routing as a model-interface fact: replay the rollout's experts, and
-read what the routers did (for the router's auxiliary loss, ``dta/router_aux.py``).
+read what the routers did (for the router's auxiliary loss, ``dta/model/router_aux.py``).
 
 A family's top-k router (HF transformers 5.x) returns ``(router_logits, top-k weights,
 top-k expert ids)``; its sparse block sends each token to those ids with those weights.

@@ -19,7 +19,7 @@ One record is one training sequence. Its fields (any other name is an error that
 * ``routed_experts``: MoE routing replay (``docs/moe.md``): per token, per MoE layer, the
   top-k expert ids the rollout used -- a nested list ``[tokens][layers][k]`` of ints >= 0,
   the same number of layers and of ids for every token, no id twice in one token's layer.
-  The model check (layers, k, ids below the number of experts) is ``dta.routing``'s. It may
+  The model check (layers, k, ids below the number of experts) is ``dta.model.routing``'s. It may
   hold one token less than ``input_ids`` (SGLang's export: the last token, which no rollout
   forward saw, is routed by the model itself; its output predicts nothing).
 * metadata, kept as given and never used for training: ``id``, ``uid``, ``episode``,

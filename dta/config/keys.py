@@ -1,6 +1,6 @@
 """Which config keys ``dta train`` uses, and the refusal of those it would ignore.
 
-Every key of the schema (:mod:`dta.config`) is either used by ``dta train`` (:data:`KEY_USE`
+Every key of the schema (:mod:`dta.config.schema`) is either used by ``dta train`` (:data:`KEY_USE`
 says where) or, when ``dta train`` does not implement it, accepted only at its neutral value
 (:data:`NOT_IN_DTA_TRAIN`; :func:`check_dta_train` names it otherwise): a config key never
 does nothing silently. tests/test_trust_config_keys.py walks the schema and every shipped
@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dta.config import ConfigError, _get, default_config
+from dta.config.schema import ConfigError, _get, default_config
 
 __all__ = ["KEY_USE", "NOT_IN_DTA_TRAIN", "check_dta_train"]
 

@@ -11,8 +11,8 @@ import types
 
 import torch
 
-from dta import recurrent
-from dta.families import FAMILIES, config_kwargs
+from dta.model import recurrent
+from dta.model.families import FAMILIES, config_kwargs
 
 # Sizes are keyword overrides of the family's config. "tiny" is for tests, "small" for CPU
 # benchmarks (hidden >= 256, >= 4 layers, 32K vocabulary), the Qwen3 shapes for the GPU script.
@@ -61,7 +61,7 @@ def build_config(family: str, size: str | dict = "tiny", *, matrix: bool = False
 
 def build_model(family: str = "qwen3", size: str | dict = "tiny", *, dtype="float32", seed: int = 0,
                 attn_implementation: str | None = None, matrix: bool = False, **overrides):
-    """A random-initialized model of `family` (see ``dta.families.FAMILIES``) in eval mode
+    """A random-initialized model of `family` (see ``dta.model.families.FAMILIES``) in eval mode
     (no dropout: DFS and unpacked training must see the same deterministic forward).
     attn_implementation: default sdpa (eager where the family needs it, e.g. Gemma 2)."""
     import transformers

@@ -1,6 +1,6 @@
 """Batches as JSONL: one JSON object per line, one training sequence per object.
 
-The fields of a line are those of :mod:`dta.records` (``input_ids`` required; ``loss_mask``,
+The fields of a line are those of :mod:`dta.records.fields` (``input_ids`` required; ``loss_mask``,
 ``advantages``, ``logprobs``/``old_logprobs``, ``prox_logprobs``/``prox_logp``, ``reward``,
 ``weight``, ``group_id``; metadata ``id``, ``uid``, ``episode``, ``task``, ``call``,
 ``calls``, ``meta``). Any other field is an error naming it and listing the allowed ones; so
@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from dta.records import RecordError, validate_record
+from dta.records.fields import RecordError, validate_record
 
 __all__ = ["JsonlError", "read_jsonl", "write_jsonl", "validate_record"]
 

@@ -36,7 +36,7 @@ Trust rules:
   are untouched and the partial ``.tmp-*`` folder is removed.
 
 The manifest helpers (:func:`write_manifest`, :func:`verify_manifest`, :func:`load_tensors`,
-in :mod:`runtime.ray_runtime.files`)
+in :mod:`runtime.checkpoints.files`)
 work for any checkpoint folder, e.g. a torch.distributed.checkpoint one. Pure torch: no Ray.
 Folders are created ``0o755`` at most and files ``0o644`` at most (never writable by others).
 """
@@ -55,11 +55,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dta.lora import trained_state
-from runtime.ray_runtime.files import (FORMAT, MANIFEST, CheckpointError, _fsync_dir,  # noqa: F401
+from dta.model.lora import trained_state
+from runtime.checkpoints.files import (FORMAT, MANIFEST, CheckpointError, _fsync_dir,  # noqa: F401
                                        _mkdir, _with_path, _write_json, load_tensors,
                                        save_tensors, verify_manifest, write_manifest)
-from runtime.ray_runtime.folders import RUN_FILE, foreign_folder
+from runtime.checkpoints.folders import RUN_FILE, foreign_folder
 
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d{6,})$")
