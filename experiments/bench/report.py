@@ -77,7 +77,9 @@ def table(point: dict) -> str:
             m["status"] + (f" ({m['failed']} failed: {m['error'][:60]})" if m["failed"] else ""),
         ]) + " |")
     hl = s.get("headline")
-    if hl:
+    if hl and hl.get("refused"):  # the fastest DFS mode's gradients are wrong or unchecked
+        lines += ["", f"**{hl['refused'][0].upper()}{hl['refused'][1:]}.**"]
+    elif hl:
         lines += ["", f"Fastest DFS mode: **{hl['best_dfs']}**, "
                       f"{_f(hl.get('of_ideal'), '{:.2f}')}× the ideal speed-up"
                   + (f"; treemask's step time / its own: {_f(hl.get('over_treemask'), '{:.2f}')}× "
@@ -91,6 +93,8 @@ def table(point: dict) -> str:
                           f"{_f(hl.get('within_memory_mem_ratio'), '{:.2f}')}× the memory; "
                           f"{_f(hl.get('within_memory_calls'), '{}')} decoder calls for "
                           f"{_f(hl.get('nodes'), '{}')} tree nodes."]
+        elif hl.get("within_memory_refused"):
+            lines += ["", f"Within the baseline's peak memory: {hl['within_memory_refused']}."]
     lines += _disturbance(point)
     pol = s.get("policy")
     if pol:

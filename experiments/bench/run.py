@@ -230,11 +230,20 @@ def _round_ratio(runs, num: str, den: str):
 def headline(runs: list[dict], modes: dict) -> dict | None:
     """The fastest DFS mode: its fraction of the ideal speed-up over the best unpacked mode,
     how much faster than the dense tree mask it is (median of per-round ratios), and its peak
-    memory over the tree mask's."""
+    memory over the tree mask's. Only a mode whose gradients were checked against the
+    reference and found within the tolerance (status ``ok``) is headlined: when the fastest DFS
+    mode is WRONG or unchecked, the headline names it, its status, and no figure
+    (``best_dfs`` None, ``refused`` says why)."""
     dfs = [m for m, v in modes.items() if m.startswith("dfs") and v["step_s"]]
     if not dfs:
         return None
     best = min(dfs, key=lambda m: modes[m]["step_s"])
+    # the gradient reference is compared with itself only: a DFS reference is unchecked
+    ref = next((x.get("grad_reference") for x in runs if x.get("grad_reference")), None)
+    status = {m: "unchecked" if m == ref else modes[m].get("status") for m in dfs}
+    if status[best] != "ok":
+        return dict(best_dfs=None, fastest_dfs=best, fastest_status=status[best],
+                    refused=_refusal("the fastest DFS mode", best, status[best]))
     out = dict(best_dfs=best, speedup=modes[best].get("speedup"),
                of_ideal=modes[best].get("speedup_vs_ideal"))
     # the fastest DFS mode whose peak memory is within the best unpacked baseline's, with its
@@ -242,16 +251,28 @@ def headline(runs: list[dict], modes: dict) -> dict | None:
     fits = [m for m in dfs if (modes[m].get("mem_ratio_baseline") or float("inf")) <= 1.0]
     if fits:
         lean = min(fits, key=lambda m: modes[m]["step_s"])
-        calls = modes[lean].get("calls") or {}
-        out.update(best_within_memory=lean, within_memory_of_ideal=modes[lean].get("speedup_vs_ideal"),
-                   within_memory_mem_ratio=modes[lean].get("mem_ratio_baseline"),
-                   within_memory_calls=calls.get("forward_calls"), nodes=calls.get("nodes"))
+        if status[lean] != "ok":
+            out.update(within_memory_refused=_refusal(
+                "the fastest DFS mode within the baseline's memory", lean, status[lean]))
+        else:
+            calls = modes[lean].get("calls") or {}
+            out.update(best_within_memory=lean,
+                       within_memory_of_ideal=modes[lean].get("speedup_vs_ideal"),
+                       within_memory_mem_ratio=modes[lean].get("mem_ratio_baseline"),
+                       within_memory_calls=calls.get("forward_calls"), nodes=calls.get("nodes"))
     tm = modes.get("treemask")
     if tm and tm["step_s"]:
         out["over_treemask"] = _round_ratio(runs, "treemask", best)
         if tm["peak_mem_mb"] and modes[best]["peak_mem_mb"] is not None:
             out["mem_over_treemask"] = modes[best]["peak_mem_mb"] / tm["peak_mem_mb"]
     return out
+
+
+def _refusal(what: str, mode: str, status: str | None) -> str:
+    """Why a mode gets no headline figure: its gradients are wrong, or were never checked."""
+    why = ("its gradients are WRONG (over the tolerance)" if status == "WRONG"
+           else "its gradients were not checked against a reference mode")
+    return f"no DFS mode with checked gradients to headline: {what}, {mode}, {why}"
 
 
 def run(cfg: BenchConfig, *, progress: bool = True, log=print) -> dict:
