@@ -255,11 +255,9 @@ class HeadQueue:
         if not self.jobs:
             return False
         jobs, self.jobs, self.rows = self.jobs, [], 0
-        from dta.objective import NodeTerms
-
         offsets = np.cumsum([0] + [len(j.hidden) for j in jobs])
         hidden = jobs[0].hidden if len(jobs) == 1 else torch.cat([j.hidden for j in jobs])
-        terms = NodeTerms.concat([(j.terms, int(o)) for j, o in zip(jobs, offsets[:-1])])
+        terms = type(jobs[0].terms).concat([(j.terms, int(o)) for j, o in zip(jobs, offsets[:-1])])  # NodeTerms
         dhidden = evaluate(hidden, terms)
         for j, a, b in zip(jobs, offsets[:-1], offsets[1:]):
             # each job owns its rows: a slice would keep every queued pack's rows alive
