@@ -224,10 +224,13 @@ def test_bad_inputs(tok_dir, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_template_not_a_prefix(tok_dir, tmp_path, capsys):
-    """A template that rewrites history (the message count in front; reasoning shown only on
-    the last message) is refused naming the conversation and message; --thinking drop imports
-    the reasoning case; a template that cannot show reasoning is refused under keep."""
+def test_template_not_a_prefix(tok, tok_dir, tmp_path, capsys):
+    """A template that rewrites history (the message count in front) is refused naming the
+    conversation and message; one that drops earlier reasoning (shown only on the last
+    message, as Qwen3's) imports: each call trains its reasoning and the next call is fed it
+    as generated, so calls stay prefixes; --thinking drop leaves it out; a template that
+    cannot show reasoning is refused under keep."""
+    from dta.records.jsonl import read_jsonl
     from experiments.chat_tokenizer import CHAT_TEMPLATE
 
     out = tmp_path / "calls.jsonl"
@@ -241,15 +244,22 @@ def test_template_not_a_prefix(tok_dir, tmp_path, capsys):
                              "--out", str(out)],
                     "conv.jsonl line 1 (conversation e1) message 1",
                     "does not render a prefix")
+    assert not out.exists()
     last_only = _variant(tok_dir, tmp_path / "b", CHAT_TEMPLATE.replace(
         "{%- if message.reasoning_content %}", "{%- if message.reasoning_content and loop.last %}"))
-    _one_line_error(capsys, ["import", "--from", "openai", conv, "--tokenizer", last_only,
-                             "--out", str(out)],
-                    "(conversation e1) message 3", "does not render a prefix", "--thinking drop")
-    assert not out.exists()
     rc, _, err = _run(capsys, "import", "--from", "openai", conv, "--tokenizer", last_only,
-                      "--out", str(out), "--thinking", "drop")
+                      "--out", str(out))
     assert rc == 0, err
+    a, b = read_jsonl(out)
+    assert b["input_ids"][:len(a["input_ids"])].tolist() == a["input_ids"].tolist()
+    trained = [tok.decode(r["input_ids"][r["loss_mask"] == 1].tolist()) for r in (a, b)]
+    assert trained == ["<think>\nthink first\n</think>\n\nsure<|im_end|>",
+                       "<think>\ndone\n</think>\n\nbye<|im_end|>"]
+    assert "think first" in tok.decode(b["input_ids"][b["loss_mask"] == 0].tolist())
+    rc, _, err = _run(capsys, "import", "--from", "openai", conv, "--tokenizer", last_only,
+                      "--out", str(out), "--thinking", "drop", "--overwrite")
+    assert rc == 0, err
+    assert all("think" not in tok.decode(r["input_ids"].tolist()) for r in read_jsonl(out))
     blind = _variant(tok_dir, tmp_path / "c", CHAT_TEMPLATE.replace(
         "{%- if message.reasoning_content %}", "{%- if false %}"))
     _one_line_error(capsys, ["import", "--from", "openai", conv, "--tokenizer", blind,
@@ -282,7 +292,9 @@ def test_real_tau2_results(tmp_path):
                     for m in s["messages"][1:])
     assert all(s["messages"][0]["content"] == "Hi! How can I help you today?"
                for s in raw["simulations"])
-    records, convs = import_file("tau2", src, str(tok))
+    got = import_file("tau2", src, str(tok))
+    records, convs = got.records, got.conversations
+    assert not got.skipped and not got.without_calls
     assert len(convs) == 20 and len(records) == generated == 206
     by_episode = {}
     for r in records:

@@ -2,18 +2,32 @@
 example exports them (``export_style: individual``, one record per model call).
 
 For the assistant message ``i`` a model generated, the record is what that call saw and said:
-``input_ids`` = the chat template's rendering of the messages before ``i`` with the generation
-prompt (system prompt and tool schemas included), then the message itself up to and including
-the end-of-turn token; ``loss_mask`` is 1 on the message's tokens (text, tool calls, reasoning
-when kept, the end-of-turn token) and 0 on the prompt. Every record carries the episode's
-``reward``, ``group_id`` (the task), ``episode`` and ``call`` (its index in the episode).
+``input_ids`` = what the model was fed (the chat template's rendering of the messages before
+``i`` with the generation prompt; system prompt and tool schemas included), then what it
+produced through the end-of-turn token; ``loss_mask`` is 1 on what it produced (text, tool
+calls, reasoning when kept, the end-of-turn token) and 0 on the prompt. Every record carries
+the episode's ``reward``, ``group_id`` (the task), ``episode`` and ``call`` (its index in the
+episode).
 
-Tokens are built incrementally, as an agent loop that feeds the model its own output does: the
-next call's ids are this call's ids (its generated tokens as generated) followed by the
-tokens of the newly rendered text. So inside an episode every call's ``input_ids`` are a prefix
-of the next call's; a template whose rendering of the longer conversation does not start with
-the text of the earlier call (one that rewrites history, e.g. drops earlier reasoning) is an
-error naming the conversation and message; ``--thinking drop`` removes reasoning instead.
+**What the model produced** is the template's rendering of the message after its generation
+prompt (the rendering of the conversation through the message, minus the rendering of the
+prompt), cut after the end-of-turn token (the tokenizer's ``eos_token``). The message's
+content is kept verbatim: when the template does not render it there verbatim -- an empty
+message a template drops, whitespace-only content it trims -- the template renders a stand-in
+content in its place, which is then replaced by the real one. An empty message therefore
+trains its end-of-turn token. Reasoning (``--thinking keep``) must appear in that rendering.
+
+**What the model was fed** is built as an agent loop feeds a model its own output: call ``k``'s
+ids are call ``k-1``'s ids, its generated tokens as generated, then the tokens of the text the
+template renders after that message (tool results, the user's reply, the next generation
+prompt). That text is found in the template's rendering of the conversation before call
+``k``: everything after the end of the previous generated message. So within an episode each
+call's ``input_ids`` are a prefix of the next call's, whatever the template does to earlier
+messages in later prompts (drop their reasoning, drop or trim an empty turn): the model is fed
+what it generated. A conversation whose rendering before call ``k`` does not start with its
+rendering through the previous message (a template that rewrites earlier turns in any other
+way), a template error, or a message rendered without an end-of-turn token cannot be a chain
+of prefixes: :class:`Unrenderable`, naming the file, conversation, message and why.
 """
 from __future__ import annotations
 
@@ -21,9 +35,31 @@ import os
 
 from dta.importing.sources import Conversation, ImportError_
 
-__all__ = ["load_tokenizer", "conversation_records", "THINKING"]
+__all__ = ["load_tokenizer", "conversation_records", "THINKING", "Unrenderable", "REASONS"]
 
 THINKING = ("keep", "drop")
+
+# Why a conversation cannot be rendered as a chain of prefixes (the keys of the skip counts).
+REASONS = {
+    "template-error": "the chat template failed on it",
+    "history-rewritten": "the template renders an earlier part of it differently later",
+    "not-after-generation-prompt": "a message does not render after its generation prompt",
+    "no-end-of-turn": "a message renders without the end-of-turn token",
+    "reasoning-not-rendered": "the template does not render a message's reasoning",
+}
+
+# A stand-in content the template renders where the real one goes (letters only, so that no
+# escaping -- JSON, HTML -- changes it).
+PROBE = "DTAPROBEQXZJVW"
+
+
+class Unrenderable(ImportError_):
+    """One conversation that cannot be rendered as a chain of prefixes; ``reason`` is a key of
+    :data:`REASONS`, ``where`` names the file, conversation and message."""
+
+    def __init__(self, where: str, reason: str, why: str):
+        super().__init__(f"{where}: {why}")
+        self.where, self.reason = where, reason
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -44,11 +80,11 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
-def _end_token(tok, path_hint: str = "") -> str:
+def _end_token(tok) -> str:
     eot = getattr(tok, "eos_token", None)
     if not eot:
-        raise ImportError_(f"the tokenizer{path_hint} has no eos_token: the end-of-turn token "
-                           "that ends each generated message is unknown")
+        raise ImportError_("the tokenizer has no eos_token: the end-of-turn token that ends "
+                           "each generated message is unknown")
     return eot
 
 
@@ -57,10 +93,10 @@ def _render(tok, messages, tools, generation_prompt: bool, where: str) -> str:
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                        add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja errors, raise_exception() in the template
-        raise ImportError_(f"{where}: the chat template failed: "
+        raise Unrenderable(where, "template-error", "the chat template failed: "
                            f"{' '.join(str(e).split())[:300]}") from None
     if not isinstance(text, str):
-        raise ImportError_(f"{where}: the chat template did not render text")
+        raise Unrenderable(where, "template-error", "the chat template did not render text")
     return text
 
 
@@ -76,45 +112,99 @@ def _prepared(conv: Conversation, thinking: str) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "reasoning_content"} for m in conv.messages]
 
 
+def _context_view(msgs: list[dict]) -> list[dict]:
+    """The messages without reasoning: what the prompts are rendered from. A generated
+    message enters later calls as its generated tokens, so how a template shows (or drops)
+    earlier reasoning never matters; without it, a template renders the history the same way
+    whatever follows."""
+    return [{k: v for k, v in m.items() if k != "reasoning_content"}
+            if "reasoning_content" in m else m for m in msgs]
+
+
+def _completion(tok, ctx, msg, prompt: str, tools, eot: str, where: str) -> str:
+    """The text of ``msg`` as generated after ``prompt`` (see the module doc)."""
+    full = _render(tok, ctx + [msg], tools, False, where)
+    content = msg.get("content") or ""
+    verbatim = not content or (content.strip() and content in full[len(prompt):])
+    if full.startswith(prompt) and verbatim:
+        text = full[len(prompt):]
+    else:  # the template drops, trims or rewrites the content: render a stand-in there
+        probe = _render(tok, ctx + [dict(msg, content=PROBE)], tools, False, where)
+        if not probe.startswith(prompt) or PROBE not in probe[len(prompt):]:
+            at = _diverge(prompt, full)
+            raise Unrenderable(where, "not-after-generation-prompt",
+                               "the template does not render a prefix of this call: the "
+                               "conversation through this message does not start with its "
+                               f"generation prompt (differs at character {at})")
+        text = probe[len(prompt):].replace(PROBE, content, 1)
+    end = text.rfind(eot)
+    if end < 0:
+        raise Unrenderable(where, "no-end-of-turn", "the template renders no end-of-turn token "
+                           f"{eot!r} after the message")
+    text = text[:end + len(eot)]
+    reasoning = msg.get("reasoning_content")
+    if reasoning and reasoning.strip() not in text:
+        raise Unrenderable(where, "reasoning-not-rendered", "the chat template does not render "
+                           "the message's reasoning; use --thinking drop to leave it out")
+    return text
+
+
+def _through(tok, ctx, i: int, tools, eot: str, where: str) -> str:
+    """The rendering of ``ctx`` up to the end of message ``i``'s turn (through its end-of-turn
+    token) as the template renders it with the next message after it: what the next call's
+    prompt must start with; the text after it is new to the model."""
+    nxt = dict(ctx[i + 1], content=PROBE)
+    text = _render(tok, ctx[:i + 1] + [nxt], tools, False, where)
+    at = text.find(PROBE)
+    if at < 0:
+        raise Unrenderable(where, "template-error", "the template does not render the content "
+                           f"of message {i + 1}")
+    cut = text.rfind(eot, 0, at)
+    before = _render(tok, ctx[:i], tools, False, where) if i else ""
+    if cut < 0 or cut + len(eot) <= len(before.rstrip()):
+        # no end-of-turn after message i: only right if the template renders nothing for it
+        # (e.g. drops an empty turn), i.e. the rendering is the same without it
+        without = _render(tok, ctx[:i] + [nxt], tools, False, where)
+        if without != text:
+            raise Unrenderable(where, "no-end-of-turn", "in context, the template renders "
+                               f"the message without the end-of-turn token {eot!r}")
+    return text[:cut + len(eot)] if cut >= 0 else ""
+
+
 def conversation_records(conv: Conversation, tok, *, thinking: str = "keep") -> list[dict]:
-    """The training records of one conversation (see the module doc)."""
+    """The training records of one conversation (see the module doc); :class:`Unrenderable`
+    when it cannot be rendered as a chain of prefixes."""
     msgs = _prepared(conv, thinking)
+    ctx = _context_view(msgs)
     eot = _end_token(tok)
     ids: list[int] = []
-    done = ""  # the text whose tokens are ``ids``: a prefix of every later rendering
+    head = None  # the rendering through the previous generated message (None: first call)
     out = []
-    for call, i in enumerate(conv.generated()):
+    calls = conv.generated()
+    for call, i in enumerate(calls):
         where = f"{conv.where} message {_source_index(conv, i)}"
-        prompt = _render(tok, msgs[:i], conv.tools, True, where)
-        full = _render(tok, msgs[:i + 1], conv.tools, False, where)
-        if not prompt.startswith(done):
-            raise ImportError_(f"{where}: the template does not render a prefix of this call: "
-                               "the prompt no longer starts with the previous call's text "
-                               f"(it rewrites the history at character {_diverge(done, prompt)}"
-                               + ("; try --thinking drop)" if thinking == "keep" else ")"))
-        if not full.startswith(prompt):
-            raise ImportError_(f"{where}: the template does not render a prefix of this call: "
-                               "the conversation through this message does not start with its "
-                               f"generation prompt (differs at character {_diverge(prompt, full)})")
-        completion = full[len(prompt):]
-        end = completion.rfind(eot)
-        if end < 0:
-            raise ImportError_(f"{where}: the template renders no end-of-turn token {eot!r} "
-                               "after the message")
-        completion = completion[:end + len(eot)]
-        reasoning = msgs[i].get("reasoning_content")
-        if reasoning and reasoning not in completion:
-            raise ImportError_(f"{where}: the chat template does not render the message's "
-                               "reasoning; use --thinking drop to leave it out")
-        ids = ids + _encode(tok, prompt[len(done):])
-        gen = _encode(tok, completion)
+        prompt = _render(tok, ctx[:i], conv.tools, True, where)
+        if head is None:
+            new = prompt
+        elif prompt.startswith(head):
+            new = prompt[len(head):]
+        else:
+            raise Unrenderable(where, "history-rewritten",
+                               "the template does not render a prefix of this call: its prompt "
+                               "does not start with the conversation through the previous "
+                               "message as rendered before (it rewrites the history at "
+                               f"character {_diverge(head, prompt)})")
+        ids = ids + _encode(tok, new)
+        gen = _encode(tok, _completion(tok, ctx[:i], msgs[i], prompt, conv.tools, eot, where))
         record = {"input_ids": ids + gen, "loss_mask": [0] * len(ids) + [1] * len(gen),
                   "group_id": conv.episode if conv.group_id is None else conv.group_id,
                   "episode": conv.episode, "call": call}
         if conv.reward is not None:
             record["reward"] = conv.reward
         out.append(record)
-        ids, done = ids + gen, prompt + completion
+        ids = ids + gen
+        if call + 1 < len(calls):
+            head = _through(tok, ctx, i, conv.tools, eot, where)
     return out
 
 
