@@ -149,24 +149,34 @@ def _completion(tok, ctx, msg, prompt: str, tools, eot: str, where: str) -> str:
     return text
 
 
-def _through(tok, ctx, i: int, tools, eot: str, where: str) -> str:
+def _through(tok, ctx, i: int, tools, eot: str, where: str, where_i: str) -> str:
     """The rendering of ``ctx`` up to the end of message ``i``'s turn (through its end-of-turn
     token) as the template renders it with the next message after it: what the next call's
-    prompt must start with; the text after it is new to the model."""
+    prompt (at ``where``) must start with; the text after it is new to the model. The history
+    before message ``i`` must render as it did without the later messages (the earlier calls
+    were fed that); message ``i`` itself may render differently (its generated tokens stand
+    in for it)."""
     nxt = dict(ctx[i + 1], content=PROBE)
     text = _render(tok, ctx[:i + 1] + [nxt], tools, False, where)
     at = text.find(PROBE)
     if at < 0:
         raise Unrenderable(where, "template-error", "the template does not render the content "
                            f"of message {i + 1}")
-    cut = text.rfind(eot, 0, at)
     before = _render(tok, ctx[:i], tools, False, where) if i else ""
-    if cut < 0 or cut + len(eot) <= len(before.rstrip()):
+    end = before.rfind(eot)
+    before = before[:end + len(eot)] if end >= 0 else before
+    if not text.startswith(before):
+        raise Unrenderable(where, "history-rewritten",
+                           "the template does not render a prefix of this call: with the "
+                           "messages after the previous call, it renders the conversation "
+                           "before that call differently (it rewrites the history at "
+                           f"character {_diverge(before, text)})")
+    cut = text.rfind(eot, 0, at)
+    if cut < 0 or cut + len(eot) <= len(before):
         # no end-of-turn after message i: only right if the template renders nothing for it
         # (e.g. drops an empty turn), i.e. the rendering is the same without it
-        without = _render(tok, ctx[:i] + [nxt], tools, False, where)
-        if without != text:
-            raise Unrenderable(where, "no-end-of-turn", "in context, the template renders "
+        if _render(tok, ctx[:i] + [nxt], tools, False, where) != text:
+            raise Unrenderable(where_i, "no-end-of-turn", "in context, the template renders "
                                f"the message without the end-of-turn token {eot!r}")
     return text[:cut + len(eot)] if cut >= 0 else ""
 
@@ -178,22 +188,22 @@ def conversation_records(conv: Conversation, tok, *, thinking: str = "keep") -> 
     ctx = _context_view(msgs)
     eot = _end_token(tok)
     ids: list[int] = []
-    head = None  # the rendering through the previous generated message (None: first call)
     out = []
-    calls = conv.generated()
-    for call, i in enumerate(calls):
+    prev = None  # (index, where) of the previous generated message
+    for call, i in enumerate(conv.generated()):
         where = f"{conv.where} message {_source_index(conv, i)}"
         prompt = _render(tok, ctx[:i], conv.tools, True, where)
-        if head is None:
+        if prev is None:
             new = prompt
-        elif prompt.startswith(head):
-            new = prompt[len(head):]
         else:
-            raise Unrenderable(where, "history-rewritten",
-                               "the template does not render a prefix of this call: its prompt "
-                               "does not start with the conversation through the previous "
-                               "message as rendered before (it rewrites the history at "
-                               f"character {_diverge(head, prompt)})")
+            head = _through(tok, ctx, prev[0], conv.tools, eot, where, prev[1])
+            if not prompt.startswith(head):
+                raise Unrenderable(where, "history-rewritten",
+                                   "the template does not render a prefix of this call: its "
+                                   "prompt does not start with the conversation through the "
+                                   "previous call (it rewrites the history at character "
+                                   f"{_diverge(head, prompt)})")
+            new = prompt[len(head):]
         ids = ids + _encode(tok, new)
         gen = _encode(tok, _completion(tok, ctx[:i], msgs[i], prompt, conv.tools, eot, where))
         record = {"input_ids": ids + gen, "loss_mask": [0] * len(ids) + [1] * len(gen),
@@ -203,8 +213,7 @@ def conversation_records(conv: Conversation, tok, *, thinking: str = "keep") -> 
             record["reward"] = conv.reward
         out.append(record)
         ids = ids + gen
-        if call + 1 < len(calls):
-            head = _through(tok, ctx, i, conv.tools, eot, where)
+        prev = (i, where)
     return out
 
 
