@@ -1,0 +1,274 @@
+"""The verl backend (runtime/verl): the dta engine against verl 0.9.1's own FSDP engine
+(``FSDPEngineWithLMHead``, FSDP2, on CPU through runtime.verl's cpu platform), on the same
+batch and verl's own GRPO loss (``verl.workers.utils.losses.ppo_loss``), in every loss
+aggregation mode: log-probs, entropy, loss and every gradient, in float64 (rel. <= 1e-10) and
+float32 (<= 1e-4), on τ²-airline multi-turn rows whose prompts are other rows' conversations
+(prefixes shared across rows), and one optimizer update.
+
+Runs where the ``verl`` extra is installed (``scripts/setup.sh --verl``); elsewhere the module
+is skipped with its reason, and tests/test_verl_extra.py fails when CI requires the extra.
+The helpers here are shared by tests/test_verl_*.py.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="the optional verl extra is not installed "
+                                   "(bash scripts/setup.sh --verl)")
+pytestmark = pytest.mark.verl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from tensordict import TensorDict  # noqa: E402
+    from verl.trainer.config import CheckpointConfig  # noqa: E402
+    from verl.utils import tensordict_utils as tu  # noqa: E402
+    from verl.workers.config import ActorConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
+    from verl.workers.engine.base import EngineRegistry  # noqa: E402
+    from verl.workers.utils.losses import ppo_loss  # noqa: E402
+    from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+    import runtime.verl  # noqa: E402,F401  (registers the dta engine and the cpu platform)
+    from runtime.verl import DTAEngineConfig, use_cpu_platform  # noqa: E402
+
+from dta.model.models import build_model, make_truly_float64  # noqa: E402
+from experiments.workloads import make_workload  # noqa: E402
+
+VOCAB = 512
+TEMPERATURE = 0.8
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LR = 1e-3
+
+
+# ------------------------------------------------------------------------ fixtures --
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen3 (vocab 512) with a word-level tokenizer, as verl's configs load."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    build_model("qwen3", "tiny", dtype="float32", seed=0).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                            eos_token="t1", pad_token="t0", unk_token="t0").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def records():
+    """τ²-airline at tiny scale: 9 rows, each a later call of a conversation whose earlier
+    calls are other rows (3.3x sharing); the last assistant reply is trained."""
+    return make_workload("tau2-airline", scale="tiny", seed=0, vocab_size=VOCAB).records
+
+
+@pytest.fixture
+def world1(tmp_path, monkeypatch):
+    """verl on CPU in a world-size-1 gloo group (file rendezvous: nothing listens)."""
+    import torch.distributed as dist
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    use_cpu_platform()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fp64_verl(monkeypatch):
+    """verl's dtype table with ``fp64`` (verl has none), so its FSDP engine runs in float64."""
+    from verl.utils import torch_dtypes
+
+    original = torch_dtypes.PrecisionType.to_dtype
+
+    def to_dtype(precision):
+        return torch.float64 if precision in ("fp64", "float64", torch.float64) else \
+            original(precision)
+
+    monkeypatch.setattr(torch_dtypes.PrecisionType, "to_dtype", staticmethod(to_dtype))
+
+
+# ------------------------------------------------------------------------- helpers --
+def engine_kw(dtype: str, **extra) -> dict:
+    return dict(model_dtype=dtype, fsdp_size=1, use_torch_compile=False,
+                mixed_precision=dict(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype),
+                **extra)
+
+
+def make_engine(backend: str, path: str, dtype: str, *, clip_grad: float = 1.0, lr: float = LR,
+                dta: dict | None = None, remove_padding: bool = True):
+    """verl's engine for ``backend`` from the registry (``fsdp2``: verl's own FSDP engine, built
+    directly: verl registers it for cuda / npu only), initialized."""
+    from verl.workers.config import FSDPEngineConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    model = HFModelConfig(path=path, use_remove_padding=remove_padding,
+                          override_config={"attn_implementation": "sdpa"})
+    optim = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, weight_decay=0.01,
+                                lr_warmup_steps=0, total_training_steps=10)
+    if backend == "dta":
+        cfg = DTAEngineConfig(**engine_kw(dtype), dta=dict(dta or {}))
+        engine = EngineRegistry.new("language_model", "dta", model_config=model,
+                                    engine_config=cfg, optimizer_config=optim,
+                                    checkpoint_config=CheckpointConfig())
+    else:
+        cfg = FSDPEngineConfig(strategy=backend, **engine_kw(dtype))
+        engine = FSDPEngineWithLMHead(model_config=model, engine_config=cfg,
+                                      optimizer_config=optim, checkpoint_config=CheckpointConfig())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.initialize()
+    if dtype == "fp64":  # HF's norms round to float32 inside a float64 model: not on either side
+        make_truly_float64(engine.module)
+    return engine
+
+
+def verl_batch(records, *, old_logprobs=None, noise_seed: int = 0, dtype=torch.float32,
+               rows=None, micro_batch_size: int | None = None) -> TensorDict:
+    """The records as verl's trainer hands them to an engine: left-padded prompts (the tokens
+    before the first trained one), right-padded responses with ``response_mask`` (the loss
+    mask), ``advantages`` (GRPO, per token) and ``old_log_probs`` (given, or 0 plus noise),
+    through verl's own ``left_right_2_no_padding``."""
+    recs = [records[i] for i in (rows if rows is not None else range(len(records)))]
+    prompts, responses, masks, advs = [], [], [], []
+    for r in recs:
+        ids = np.asarray(r["input_ids"], dtype=np.int64)
+        lm = np.asarray(r["loss_mask"], dtype=np.int64)
+        start = int(np.argmax(lm > 0))
+        prompts.append(ids[:start])
+        responses.append(ids[start:])
+        masks.append(lm[start:])
+        advs.append(np.full(len(ids) - start, float(np.asarray(r["advantages"])[start])))
+    B = len(recs)
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    input_ids = torch.zeros(B, P + R, dtype=torch.long)
+    attention = torch.zeros(B, P + R, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.long)
+    advantages = torch.zeros(B, R, dtype=dtype)
+    for i in range(B):
+        p, s = prompts[i], responses[i]
+        input_ids[i, P - len(p):P] = torch.as_tensor(p)
+        input_ids[i, P:P + len(s)] = torch.as_tensor(s)
+        attention[i, P - len(p):P + len(s)] = 1
+        response_mask[i, :len(s)] = torch.as_tensor(masks[i])
+        advantages[i, :len(s)] = torch.as_tensor(advs[i])
+    position_ids = torch.clip(torch.cumsum(attention, dim=-1) - 1, min=0)
+    if old_logprobs is None:
+        g = torch.Generator().manual_seed(noise_seed)
+        old_logprobs = -6.0 + 0.3 * torch.randn(B, R, generator=g, dtype=torch.float64)
+    td = TensorDict(dict(prompts=input_ids[:, :P], responses=input_ids[:, P:],
+                         input_ids=input_ids, attention_mask=attention,
+                         position_ids=position_ids, response_mask=response_mask,
+                         advantages=advantages, old_log_probs=old_logprobs.to(dtype)),
+                    batch_size=[B])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=TEMPERATURE, calculate_entropy=True,
+                         use_remove_padding=True, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=micro_batch_size or B,
+                         max_token_len_per_gpu=None, use_fused_kernels=False,
+                         global_batch_size=B)
+    return td
+
+
+def grpo(agg_mode: str, *, entropy_coeff: float = 0.01):
+    """verl's actor loss as its trainer binds it: ``ppo_loss`` with a GRPO actor config
+    (vanilla clipped objective, dual clip, entropy bonus)."""
+    config = ActorConfig(strategy="fsdp", rollout_n=3, ppo_micro_batch_size_per_gpu=1,
+                         loss_agg_mode=agg_mode, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                         entropy_coeff=entropy_coeff)
+    return functools.partial(ppo_loss, config)
+
+
+def loss_fn(config):
+    return lambda model_output, data, dp_group=None: ppo_loss(config, model_output, data, dp_group)
+
+
+def clone(td: TensorDict) -> TensorDict:
+    return td.clone()
+
+
+def log_probs(engine, td) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    out = engine.infer_batch(clone(td))["model_output"]
+    return list(out["log_probs"].unbind()), list(out["entropy"].unbind())
+
+
+def grads(engine) -> dict[str, torch.Tensor]:
+    module = engine.module
+    out = {}
+    for name, p in module.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        out[name.replace("_fsdp_wrapped_module.", "")] = g.detach().double().clone()
+    return out
+
+
+def params(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in engine.module.named_parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = p.detach().double().clone()
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def assert_close_rows(got, want, tol, what):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"{what} row {i}: {tuple(g.shape)} vs {tuple(w.shape)}"
+        assert rel(g, w) <= tol, f"{what} row {i}: rel. error {rel(g, w):.3e} > {tol}"
+
+
+def assert_close_dicts(got, want, tol, what):
+    assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))}"
+    worst = max((rel(got[k], want[k]), k) for k in want)
+    assert worst[0] <= tol, f"{what}: {worst[1]} rel. error {worst[0]:.3e} > {tol}"
+
+
+def forward_backward(engine, td, loss):
+    engine.optimizer_zero_grad()
+    out = engine.forward_backward_batch(clone(td), loss, forward_only=False)
+    return float(sum(out["loss"])), grads(engine)
+
+
+# --------------------------------------------------------------------------- tests --
+TOLERANCE = {"fp64": 1e-10, "fp32": 1e-4}
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "fp32"])
+def test_dta_matches_verl_fsdp_every_agg_mode(model_dir, records, world1, fp64_verl, dtype):
+    """verl's FSDP engine (the whole batch as one micro-batch) vs the dta engine (the batch
+    as one prefix tree, verl's loss once per row): log-probs and entropy at every position,
+    then for each aggregation mode the loss and every gradient, then one optimizer update."""
+    tol = TOLERANCE[dtype]
+    fsdp = make_engine("fsdp2", model_dir, dtype)
+    dta = make_engine("dta", model_dir, dtype)
+    td = verl_batch(records, dtype=torch.float64 if dtype == "fp64" else torch.float32)
+    lp_f, ent_f = log_probs(fsdp, td)
+    lp_d, ent_d = log_probs(dta, td)
+    assert_close_rows(lp_d, lp_f, tol, "log_probs")
+    assert_close_rows(ent_d, ent_f, tol, "entropy")
+    assert dta.last["tree_token_ratio"] > 2.0  # the rows do share prefixes
+    for mode in AGG_MODES:
+        loss = grpo(mode)
+        lf, gf = forward_backward(fsdp, td, loss)
+        ld, gd = forward_backward(dta, td, loss)
+        assert abs(ld - lf) <= tol * abs(lf), f"{mode}: loss {ld} vs {lf}"
+        assert len(gf) == len(list(fsdp.module.parameters()))
+        assert_close_dicts(gd, gf, tol, f"{mode}: gradients")
+    # one update (the last mode's gradients): AdamW + clipping, same parameters after
+    for engine in (fsdp, dta):
+        engine.optimizer_step()
+    assert_close_dicts(params(dta), params(fsdp), tol, "parameters after one update")
