@@ -362,11 +362,10 @@ class Walker:
             for out, grad in aux_pairs:
                 outs.append(out)
                 grads.append(grad)
-            for layer, layer_leaves in zip(state, frame.state):
-                for out, lf in zip(layer, layer_leaves):
-                    if lf.grad is not None:
-                        outs.append(out)
-                        grads.append(lf.grad)
+            # the K/V gradients its descendants left (context parallel: every rank's slice gathered)
+            for out, grad in self.io.state_grads(state, frame.state):
+                outs.append(out)
+                grads.append(grad)
             backward(outs, grads)
 
         for kind, i in plan.walk():

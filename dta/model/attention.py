@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from dta.model.context_parallel import sharded_of
 from dta.model.split_attention import Split, Tape, additive_mask, split_attention, split_of
 
 GQA_NAME = "dta_sdpa"
@@ -36,6 +37,10 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     forward over cached keys split at the cache boundary (:mod:`dta.model.split_attention`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    sharded = sharded_of(key)  # context parallel: a piece may be a sharded piece
+    if sharded is not None:
+        return sharded.attend(module, query, key, value, attention_mask, dropout, scaling,
+                              _tape, kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     if any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

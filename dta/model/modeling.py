@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from dta.model import recurrent
+from dta.model.context_parallel import ShardedPathLayer, ShardedState, context_parallel_of
 from dta.model.routing import MoERouters
 
 NodeState = list  # per layer: a tuple of tensors (attention: (keys, values))
@@ -166,6 +167,8 @@ def _own(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
+    if isinstance(layer, ShardedPathLayer):
+        layer.check_attended(where)
     offset = getattr(layer, "offset", 0)  # a PathLayer holds positions offset.. only
     if offset + layer.keys.shape[2] != end or start < offset:  # e.g. a sliding cache layer
         raise ModelInterfaceError(
@@ -181,6 +184,8 @@ def _attention_through(state: tuple, layout, local: int, rows: np.ndarray) -> tu
     """An attention layer's K/V rows of a pack on the root path through local node ``local``,
     and whether later packs may reuse them: the whole state or a slice (a view) may; rows
     gathered by ``index_select`` may not (a backward through them frees the saved index)."""
+    if isinstance(state, ShardedState):  # context parallel: this rank's share of the rows
+        return state.through(layout, rows)
     k, v = state
     if len(rows) == layout.tokens:
         return state, True
@@ -208,6 +213,14 @@ class ModelInterface:
     def __init__(self, model):
         self.model = model
         self.name = type(model).__name__
+        # the group a pack's attention pieces are stored over, applied to the model from
+        # outside (dta.model.context_parallel.parallelize_context); None: this process alone
+        self.context_parallel = context_parallel_of(model)
+        if self.context_parallel is not None and \
+                getattr(model.config, "_attn_implementation", None) not in ("sdpa", "dta_sdpa"):
+            raise ModelInterfaceError(
+                f"{self.name}: context parallel needs attention implementation 'sdpa' (run as "
+                f"'dta_sdpa'), not {model.config._attn_implementation!r}")
         self.decoder = model.get_decoder()
         self.embedding = EmbeddingInput(model)
         # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
@@ -235,12 +248,17 @@ class ModelInterface:
         pack hangs from) and follow the pack's local tree."""
         from dta.model.attention import PathLayer, path_cache
 
-        if not self.recurrent_modules:
+        cp = self.context_parallel
+        if not self.recurrent_modules and cp is None:
             return path_cache(pieces, len(self.layer_kinds))
         from transformers.cache_utils import Cache
 
+        if not self.recurrent_modules:
+            return Cache(layers=[ShardedPathLayer(pieces[i] if pieces else [], cp)
+                                 for i in range(len(self.layer_kinds))])
         plan = recurrent.pack_plan(layout, self.recurrent_modules[0])
-        layers = [PathLayer(pieces[i] if pieces else []) if kind == "attention" else
+        attention = PathLayer if cp is None else lambda parts: ShardedPathLayer(parts, cp)
+        layers = [attention(pieces[i] if pieces else []) if kind == "attention" else
                   recurrent.pack_layer(pieces[i][-1] if pieces else None, plan)
                   for i, kind in enumerate(self.layer_kinds)]
         return Cache(layers=layers)
@@ -261,7 +279,8 @@ class ModelInterface:
         """Positions a frame's pieces cover (read from an attention layer's keys)."""
         if self._attention_layer is None:
             raise ModelInterfaceError(f"{self.name}: no attention layer to count positions")
-        return int(piece[self._attention_layer][0].shape[2])
+        kv = piece[self._attention_layer]
+        return int(kv.covers) if hasattr(kv, "covers") else int(kv[0].shape[2])
 
     # ------------------------------------------------------------ trainable states --
     def state_needs_grad(self) -> list[tuple]:
@@ -301,16 +320,35 @@ class ModelInterface:
         """The node's state as its descendants read it: detached, owning its memory (see
         :meth:`detached`), and an autograd leaf (its ``.grad`` collects their gradient) only
         where it can depend on a trainable weight."""
+        if self.context_parallel is not None:  # attention K/V: this rank's rows only
+            return [self.context_parallel.shard(layer, needs) if kind == "attention" else
+                    tuple(_own(x.detach()).requires_grad_(need) for x, need in zip(layer, needs))
+                    for kind, layer, needs in zip(self.layer_kinds, state, self.state_needs_grad())]
         return [tuple(x.requires_grad_(need) for x, need in zip(layer, needs))
                 for layer, needs in zip(self.detached(state), self.state_needs_grad())]
 
-    @staticmethod
-    def detached(state: NodeState) -> NodeState:
+    def state_grads(self, state: NodeState, leaves: NodeState) -> list[tuple]:
+        """(output, gradient) pairs of a popped pack: each state tensor of its forward with
+        the gradient its descendants left in its leaf (context parallel: every rank's slice,
+        gathered -- a collective, the same calls on every rank of the group)."""
+        pairs = []
+        for layer, layer_leaves in zip(state, leaves):
+            if isinstance(layer_leaves, ShardedState):
+                pairs += self.context_parallel.state_grads(layer, layer_leaves)
+                continue
+            pairs += [(out, lf.grad) for out, lf in zip(layer, layer_leaves) if lf.grad is not None]
+        return pairs
+
+    def detached(self, state: NodeState) -> NodeState:
         """The node's state detached, each tensor owning its memory: where a node's K/V are
         a slice of a cache that holds the whole path's K/V (a ``DynamicCache``; a
         ``PathLayer`` keeps the node's own K/V apart), a frame that kept the slice would keep
         every ancestor's K/V once more -- quadratic in the path's length when a long node is
-        walked in blocks."""
+        walked in blocks. Context parallel: an attention layer's K/V as this rank's rows."""
+        if self.context_parallel is not None:
+            return [self.context_parallel.shard(layer) if kind == "attention" else
+                    tuple(_own(x.detach()) for x in layer)
+                    for kind, layer in zip(self.layer_kinds, state)]
         return [tuple(_own(x.detach()) for x in layer) for layer in state]
 
     # ------------------------------------------------------------------ forward --
