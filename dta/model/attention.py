@@ -5,10 +5,17 @@
   prefix: a mask is then materialized). :func:`sdpa_gqa_forward` calls
   ``scaled_dot_product_attention(..., enable_gqa=True)`` instead, which reads the K/V heads
   in place and is the same computation. A forward over cached keys is split at the cache
-  boundary on CPU (:mod:`dta.model.split_attention`: the cached keys without a mask, the pack's
-  own keys causal or with their tree mask). It is registered under the name ``dta_sdpa``
-  for attention and (with HF's own SDPA mask builder) for masks; :func:`native_gqa`
-  switches a model from ``sdpa`` to it for the duration of a walk.
+  boundary on every device (:mod:`dta.model.split_attention`: the cached keys without a
+  mask, the pack's own keys causal or with their tree mask, through the kernel table of
+  :mod:`dta.model.attention_kernels`). The walk's masks are *pack views*
+  (:func:`dta.model.packmask.pack_mask`): the pack's own ``[T, T]`` mask and the number of
+  cached keys, never a ``[T, path]`` mask; a sliding-window layer whose window does not
+  cover the whole path attends, in one masked call, only to the cached keys inside the
+  window (a mask at most ``window + T`` wide). Only a call the split cannot serve
+  (attention soft-capping, sinks, position bias, dropout) builds the dense mask, and says so
+  on a GPU. It is registered under the name ``dta_sdpa`` for attention and (with HF's own
+  SDPA mask builder, counted) for masks; :func:`native_gqa` switches a model from ``sdpa``
+  to it for the duration of a walk.
 * :class:`PathCache`: the cache of one forward, built from the path's K/V *pieces* (the
   autograd leaves of each pack on the path, or their rows on the path): the pieces and the new
   K/V are concatenated once, inside ``update`` -- instead of concatenating the path once to
@@ -26,9 +33,13 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dta.model.context_parallel import sharded_of
+from dta.model import attention_kernels
+from dta.model.packmask import PackView, count_dense
 from dta.model.split_attention import Split, Tape, additive_mask, split_attention, split_of
 
 GQA_NAME = "dta_sdpa"
+FALLBACK_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
+_warned: set = set()
 
 
 def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -42,14 +53,20 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
         return sharded.attend(module, query, key, value, attention_mask, dropout, scaling,
                               _tape, kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
-    if any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks")):
+    view = getattr(attention_mask, "dta_pack", None)
+    if view is not None:
+        return _pack_attention(module, query, key, value, attention_mask, view, dropout,
+                               scaling, **kwargs)
+    if any(kwargs.get(k) is not None for k in FALLBACK_KWARGS):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     forms = _mask_forms(attention_mask, query)
     if forms is not None and forms.split is not None and not (dropout and module.training):
         out = split_attention(query, key, value, forms.split, scaling,
-                              _pieces.get(id(key)), _pieces.get(id(value)), _tape)
-        return out.transpose(1, 2).contiguous(), None
+                              _pieces.get(id(key)), _pieces.get(id(value)), _tape,
+                              attention_kernels.backend)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -62,6 +79,46 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
         query, key, value, attn_mask=attention_mask if forms is None else forms.additive(attention_mask),
         dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _pack_attention(module, query, key, value, mask, view: PackView, dropout, scaling, **kwargs):
+    """A pack's attention from its view (``mask``: the own keys' [1, 1, T, T] mask): split at
+    the cache boundary; a window short of the path: one masked call over the cached keys
+    inside it; what the split cannot serve: the dense mask (counted; said on a GPU)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    T, S = query.shape[2], key.shape[2]
+    if S != view.past + T:
+        raise RuntimeError(f"dta_sdpa: a pack view over {view.past} cached keys got {S} keys for "
+                           f"{T} queries")
+    why = [k for k in FALLBACK_KWARGS if kwargs.get(k) is not None]
+    if dropout and module.training:
+        why.append("dropout")
+    if not why:
+        lo = view.reach()
+        if lo is None:
+            out = split_attention(query, key, value, view.split(mask), scaling,
+                                  _pieces.get(id(key)), _pieces.get(id(value)), _tape,
+                                  attention_kernels.backend)
+            if out is not None:
+                return out.transpose(1, 2).contiguous(), None
+            why.append(f"no split kernel for {query.dtype} on {query.device.type}")
+        else:  # the cached keys inside the window only: a mask at most window + T wide
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key[:, :, lo:], value[:, :, lo:], attn_mask=view.window_mask(mask, lo),
+                scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
+    dense = view.dense(mask)
+    dev = attention_kernels.device_type(query)
+    if dev != "cpu" and tuple(why) not in _warned:
+        _warned.add(tuple(why))
+        import warnings
+
+        warnings.warn(f"dta_sdpa on {dev}: {', '.join(why)} -- the split attention cannot serve "
+                      f"this call; it falls back to one masked SDPA call with a dense "
+                      f"[T, {S}] mask over the cached path", stacklevel=2)
+    return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout,
+                                  scaling=scaling, is_causal=False, **kwargs)
 
 
 @dataclass
@@ -94,7 +151,7 @@ def _mask_forms(mask, query) -> MaskForms | None:
     for f in forms:
         if f.dtype == query.dtype:
             return f
-    split = split_of(mask, query.dtype) if query.device.type == "cpu" else None
+    split = split_of(mask, query.dtype)
     forms.append(MaskForms(query.dtype, split))
     return forms[-1]
 
@@ -104,8 +161,20 @@ def register() -> str:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(GQA_NAME, sdpa_gqa_forward)
-    AttentionMaskInterface.register(GQA_NAME, sdpa_mask)
+    AttentionMaskInterface.register(GQA_NAME, counted_sdpa_mask)
     return GQA_NAME
+
+
+def counted_sdpa_mask(*args, **kwargs):
+    """HF's SDPA mask builder, counting the masks it builds over cached keys
+    (``dta.model.packmask.DENSE_PATH_MASKS``, by device): the walk passes pack views, so a
+    count there means a forward over the path built its dense mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] > mask.shape[-2]:
+        count_dense(mask)
+    return mask
 
 
 def _set_impl(model, name: str) -> None:
@@ -120,18 +189,24 @@ def _set_impl(model, name: str) -> None:
 
 
 @contextlib.contextmanager
-def native_gqa(model, enabled: bool = True):
+def native_gqa(model, enabled: bool = True, backend: str = "auto"):
     """Run a model that uses ``sdpa`` on ``dta_sdpa`` (exact: the same attention without the
-    ``repeat_kv`` copies of grouped-query K/V, and split at the cache boundary); other
-    models run unchanged."""
+    ``repeat_kv`` copies of grouped-query K/V, and split at the cache boundary, through
+    ``backend``'s kernels: :data:`dta.model.attention_kernels.BACKENDS`); other models run
+    unchanged."""
     if not enabled or model.config._attn_implementation != "sdpa":
         yield
         return
+    if backend not in attention_kernels.BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: one of "
+                         f"{', '.join(attention_kernels.BACKENDS)}")
     register()
     _set_impl(model, GQA_NAME)
+    before, attention_kernels.backend = attention_kernels.backend, backend
     try:
         yield
     finally:
+        attention_kernels.backend = before
         _set_impl(model, "sdpa")
 
 

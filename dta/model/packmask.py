@@ -18,10 +18,20 @@ What the forward gets (:func:`pack_mask`):
   mask (True = visible) for SDPA, an additive float mask for eager attention (eager *adds*
   a boolean mask), a FlexAttention ``BlockMask`` for ``flex_attention`` (GPU: FlexAttention
   has no backward on CPU). Other kernels (flash-attn) cannot take a tree mask: refused.
+
+Under ``dta_sdpa`` (the walk's attention, :mod:`dta.model.attention`) a pack over cached
+keys gets a *pack view* instead, chain or not: the pack's own ``[1, 1, T, T]`` boolean mask
+(window applied) carrying a :class:`PackView` (``mask.dta_pack``: the number of cached keys,
+the window, the rows' positions). The attention splits at the cache boundary from it and no
+``[T, prefix + T]`` mask is built on any device; :data:`DENSE_PATH_MASKS` counts, by device
+type, every dense mask over cached keys that is built all the same (another attention
+implementation, or a call the split cannot serve).
 """
 from __future__ import annotations
 
 import inspect
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +96,80 @@ def _index_tensors(layout, device):
     return pos, node, exit_
 
 
+DENSE_PATH_MASKS: Counter = Counter()  # dense masks over cached keys built, by device type
+
+
+def count_dense(mask: torch.Tensor) -> None:
+    from dta.model.attention_kernels import device_type
+
+    DENSE_PATH_MASKS[device_type(mask)] += 1
+
+
+def own_mask(layout, device, window: int | None = None) -> torch.Tensor:
+    """``[T, T]`` bool: the pack's own keys as its rows see them (window applied)."""
+    pos, node, exit_ = _index_tensors(layout, device)
+    nq, nk = node[:, None], node[None, :]
+    inner = (nk <= nq) & (nq < exit_[nk]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        inner &= (pos[:, None] - pos[None, :]) < window
+    return inner
+
+
+@dataclass
+class PackView:
+    """What a pack's attention needs beside its own ``[T, T]`` mask: ``past`` cached keys
+    (tree positions 0 .. past-1, visible to a row unless outside its ``window``), the rows'
+    ``positions``, and whether the pack is one path (its own mask then causal)."""
+
+    past: int
+    window: int | None
+    positions: torch.Tensor  # [T]
+    chain: bool
+    _split: object = field(default=None, repr=False)
+
+    def reach(self) -> int | None:
+        """None when every row sees every cached key (the attention splits); else the first
+        cached key some row sees (its window's masked call starts there)."""
+        if self.window is None or int(self.positions.max()) < self.window:
+            return None
+        return max(0, int(self.positions.min()) - self.window + 1)
+
+    def split(self, own: torch.Tensor):
+        """The split of the attention (made once per forward)."""
+        if self._split is None:
+            from dta.model.split_attention import Split
+
+            causal = self.chain and self.window is None or self.window is not None and \
+                self.chain and int(self.positions.max() - self.positions.min()) < self.window
+            self._split = Split(self.past, None if causal else own[0, 0])
+        return self._split
+
+    def window_mask(self, own: torch.Tensor, lo: int) -> torch.Tensor:
+        """``[1, 1, T, past - lo + T]``: the cached keys lo.. (inside the window of some row)
+        and the pack's own -- at most ``window + T`` wide."""
+        j = torch.arange(lo, self.past, device=own.device)
+        cached = (self.positions[:, None] - j[None, :]) < self.window
+        return torch.cat([cached, own[0, 0]], dim=1)[None, None]
+
+    def dense(self, own: torch.Tensor) -> torch.Tensor:
+        """The dense ``[1, 1, T, past + T]`` mask (counted in :data:`DENSE_PATH_MASKS`)."""
+        j = torch.arange(self.past, device=own.device)
+        cached = torch.ones(len(self.positions), self.past, dtype=torch.bool, device=own.device)
+        if self.window is not None:
+            cached = (self.positions[:, None] - j[None, :]) < self.window
+        mask = torch.cat([cached, own[0, 0]], dim=1)[None, None]
+        count_dense(mask)
+        return mask
+
+
+def pack_view(layout, device, window: int | None = None) -> torch.Tensor:
+    """The pack's own ``[1, 1, T, T]`` mask carrying its :class:`PackView` (``.dta_pack``)."""
+    mask = own_mask(layout, device, window)[None, None]
+    mask.dta_pack = PackView(layout.prefix, window, torch.as_tensor(layout.positions, device=device),
+                             bool(layout.chain))
+    return mask
+
+
 def dense_mask(layout, device, window: int | None = None) -> torch.Tensor:
     """``[1, 1, T, prefix + T]`` bool, True = visible."""
     pos, node, exit_ = _index_tensors(layout, device)
@@ -99,6 +183,8 @@ def dense_mask(layout, device, window: int | None = None) -> torch.Tensor:
     if window is not None:
         kpos = torch.cat([torch.arange(P, device=device), pos])
         mask &= (pos[:, None] - kpos[None, :]) < window
+    if P:
+        count_dense(mask)
     return mask[None, None]
 
 
@@ -127,10 +213,31 @@ def block_mask(layout, device, window: int | None = None):
                              layout.prefix + layout.tokens, device=str(device))
 
 
+_said: set = set()
+
+
+def _say_dense(device, why: str) -> None:
+    """Warn once per reason that a pack over cached keys takes a dense mask on a GPU."""
+    from dta.model.attention_kernels import _device_override
+
+    dev = torch.device(device).type
+    dev = _device_override.get(dev, dev)
+    if dev != "cpu" and why not in _said:
+        _said.add(why)
+        import warnings
+
+        warnings.warn(f"{why} on {dev}: no split kernel; a pack over cached keys takes one "
+                      "masked call with a dense [T, prefix + T] mask", stacklevel=3)
+
+
 def _materialize(layout, device, window, kind: str, dtype):
+    if kind == "dta_sdpa" and layout.prefix:
+        return pack_view(layout, device, window)
     if kind in SDPA_LIKE:
         return dense_mask(layout, device, window)
     if kind == "eager":
+        if layout.prefix:
+            _say_dense(device, "eager attention (e.g. Gemma 2's attention soft-capping)")
         m = dense_mask(layout, device, window)
         return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(
             ~m, torch.finfo(dtype).min)
@@ -143,13 +250,15 @@ def _materialize(layout, device, window, kind: str, dtype):
 def pack_mask(layout, model, device, dtype=torch.float32, support=None):
     """The ``attention_mask`` argument for a pack's forward (see the module doc);
     ``support``: :func:`mask_support` of the model, when already known."""
-    if layout.chain:
-        return None
+    kind = getattr(model.config, "_attn_implementation", None) or "eager"
+    if layout.chain and not (kind == "dta_sdpa" and layout.prefix):
+        return None  # HF's own causal mask: none over cached keys (no prefix, or not dta_sdpa)
     windows, how = support or mask_support(model)
+    if windows is None and layout.chain:
+        return None
     if windows is None:
         raise ValueError(f"{type(model).__name__}: a pack with branches cannot be masked "
                          f"({how}); plan single-path packs (branches=False) or packing='node'")
-    kind = getattr(model.config, "_attn_implementation", None) or "eager"
     masks = {t: _materialize(layout, device, w, kind, dtype) for t, w in windows.items()}
     if how == "single":
         return next(iter(masks.values()))
