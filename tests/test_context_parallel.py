@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dta.context_parallel_group import run_group
+from dta.context_parallel import run_group
 
 TOL = 1e-10
 WALKS = {"blocks": dict(packing="node", block_tokens=5),
