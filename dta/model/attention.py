@@ -189,14 +189,15 @@ def _set_impl(model, name: str) -> None:
 
 
 @contextlib.contextmanager
-def native_gqa(model, enabled: bool = True, backend: str = "auto"):
+def native_gqa(model, enabled: bool = True, backend: str | None = None):
     """Run a model that uses ``sdpa`` on ``dta_sdpa`` (exact: the same attention without the
     ``repeat_kv`` copies of grouped-query K/V, and split at the cache boundary, through
-    ``backend``'s kernels: :data:`dta.model.attention_kernels.BACKENDS`); other models run
-    unchanged."""
+    ``backend``'s kernels: :data:`dta.model.attention_kernels.BACKENDS`; None: the module's
+    current ``attention_kernels.backend``); other models run unchanged."""
     if not enabled or model.config._attn_implementation != "sdpa":
         yield
         return
+    backend = attention_kernels.backend if backend is None else backend
     if backend not in attention_kernels.BACKENDS:
         raise ValueError(f"attention backend {backend!r}: one of "
                          f"{', '.join(attention_kernels.BACKENDS)}")

@@ -187,7 +187,7 @@ class CudaSdpa(Kernel):
 
     def _forward(self, q, k, v, mask, scale):
         out, lse = self.ops["fwd"](q, k, v, mask is CAUSAL, scale)
-        return out, lse.float()
+        return out, lse.to(_lse_dtype(q.dtype))
 
     def _backward(self, dout, q, k, v, out, lse, mask, scale):
         return self.ops["bwd"](dout, q, k, v, out, lse, mask is CAUSAL, scale)
@@ -226,7 +226,7 @@ class FlashAttn(Kernel):
     def _forward(self, q, k, v, mask, scale):
         t = lambda x: x.transpose(1, 2).contiguous()
         out, lse = self.ops["fwd"](t(q), t(k), t(v), mask is CAUSAL, scale)
-        return out.transpose(1, 2), lse.float()
+        return out.transpose(1, 2), lse.to(_lse_dtype(q.dtype))
 
     def _backward(self, dout, q, k, v, out, lse, mask, scale):
         t = lambda x: x.transpose(1, 2).contiguous()
@@ -253,19 +253,22 @@ def _flex_op(q, k, v, mask: FlexMask, scale):
     """FlexAttention (compiled once; one graph per bucket shape) over the padded pack keys:
     (out, lse) of the first ``mask.tokens`` rows, differentiable in both."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-    if _compiled_flex is None:
+    if _compiled_flex is None and q.device.type != "cpu":
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    # on CPU (torch 2.13): compiled FlexAttention does inference only and returns no lse; the
+    # eager one returns it (no backward either way): the forward runs, the backward waits for a GPU
+    flex = _compiled_flex if q.device.type != "cpu" else flex_attention
     if mask.block is None:
         own = mask.own
         mask.block = create_block_mask(lambda b, h, qi, kv: own[qi, kv], None, None,
                                        mask.padded, mask.padded, device=str(q.device))
     pad = (0, 0, 0, mask.padded - mask.tokens)
     qp, kp, vp = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
-    out, lse = _compiled_flex(qp, kp, vp, block_mask=mask.block, scale=scale, enable_gqa=True,
-                              return_lse=True)
-    return out[:, :, :mask.tokens], lse[:, :, :mask.tokens]
+    out, aux = flex(qp, kp, vp, block_mask=mask.block, scale=scale, enable_gqa=True,
+                    return_aux=AuxRequest(lse=True))
+    return out[:, :, :mask.tokens], aux.lse[:, :, :mask.tokens]
 
 
 def math_op(q, k, v, mask: FlexMask, scale):
@@ -371,11 +374,23 @@ backend = "auto"
 
 
 @contextlib.contextmanager
-def stand_in(device: str = "cuda", flex_op=None):
+def stand_in(device: str = "cuda", flex_op=None, as_dtype: torch.dtype = torch.bfloat16):
     """Tests only: CPU tensors take ``device``'s rows of the table, each kernel's device ops
     replaced by CPU ops of the same contract (flash-attn's [B, T, H, D] layout included;
     FlexAttention by ``flex_op``, default :func:`math_op`, the same math differentiable on
-    CPU). Restored on exit."""
+    CPU). Dtypes the device has no row for (float64 on CUDA) take ``as_dtype``'s row, so a
+    float64 run checks the bf16 path's code exactly. Yields a Counter of op calls by kernel
+    name. Restored on exit."""
+    from collections import Counter
+
+    calls: Counter = Counter()
+
+    def counted(name, fn):
+        def op(*a):
+            calls[name] += 1
+            return fn(*a)
+        return op
+
     cpu_ops = {"cuda_flash": dict(fwd=lambda q, k, v, c, s: _cpu_fwd(q, k, v, c, None, s),
                                   bwd=lambda d, q, k, v, o, l, c, s: _cpu_bwd(d, q, k, v, o, l, c, None, s)),
                "flash_attn": dict(fwd=_standin_flash_attn_fwd, bwd=_standin_flash_attn_bwd),
@@ -386,12 +401,18 @@ def stand_in(device: str = "cuda", flex_op=None):
         for k in kernels:
             if k.name in cpu_ops and all(k is not s[0] for s in saved):
                 saved.append((k, k.ops))
-                k.ops = cpu_ops[k.name]
+                k.ops = {n: counted(k.name, f) for n, f in cpu_ops[k.name].items()}
+    added = [(device, dt, kind) for dt in CPU_DTYPES for kind in KINDS
+             if (device, dt, kind) not in TABLE and (device, as_dtype, kind) in TABLE]
+    for key in added:
+        TABLE[key] = TABLE[(device, as_dtype, key[2])]
     _device_override["cpu"] = device
     try:
-        yield
+        yield calls
     finally:
         _device_override.pop("cpu", None)
+        for key in added:
+            del TABLE[key]
         for k, ops in saved:
             k.ops = ops
 
