@@ -42,7 +42,7 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, token_weights
-from dta.model.context_parallel import parallelize_context
+from dta.model.context_parallel import context_parallel_of, parallelize_context
 from dta.model.models import make_truly_float64
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients, forward_logprobs, validate_for_model
@@ -78,6 +78,8 @@ class VerifyReport:
     blocks_cut: int = 0  # pieces the cut added to the tree
     trainable_parameters: int = 0  # LoRA: the adapters' (every parameter without)
     frozen_with_grad: int = 0  # frozen tensors that got a gradient on either side (must be 0)
+    context_parallel: int = 1  # ranks of the group the DFS side's K/V were spread over
+    context_parallel_sent_bytes: int = 0  # what this rank sent in the DFS side's walks
 
     def max_rel_err(self) -> float:
         """The figure held to the tolerance: everything in float64; outside float64 the
@@ -163,7 +165,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         make_truly_float64(ref_model)
     for m in (dfs_model, ref_model):
         m.zero_grad(set_to_none=True)
-    parallelize_context(dfs_model, context_parallel_group)
+    cp = context_parallel_of(parallelize_context(dfs_model, context_parallel_group))
+    sent = cp.sent_bytes if cp is not None else 0
 
     with _bar(progress, "DFS (unique tokens)") as bar:
         dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
@@ -222,7 +225,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         packs=dfs.walk.packs, nodes=dfs.walk.nodes, block_tokens=dfs.walk.plan["block_tokens"],
         blocks_cut=dfs.walk.plan["blocks_cut"],
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        frozen_with_grad=int(frozen_with_grad))
+        frozen_with_grad=int(frozen_with_grad), context_parallel=cp.size if cp else 1,
+        context_parallel_sent_bytes=cp.sent_bytes - sent if cp else 0)
 
 
 def _lp_err(a: torch.Tensor, b: torch.Tensor) -> float:

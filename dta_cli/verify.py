@@ -49,6 +49,9 @@ def add_arguments(p) -> None:
                            "allowed; 'all-linear': every linear layer but the head)")
     lora.add_argument("--lora-alpha", type=float, default=None, help="default: 2 R")
     lora.add_argument("--rslora", action="store_true", help="rsLoRA scale alpha / sqrt(R)")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="walk the DFS side on C local gloo ranks (CPU) that store the path's "
+                        "K/V spread over the group (docs/context-parallel.md; default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -60,6 +63,9 @@ def run(args) -> int:
     from dta.train import forward_logprobs
     from dta.verify import verify
     from dta_cli.common import load_records, make_model
+    from dta_cli.context_parallel import check_size, verify_on_group
+
+    check_size(args.context_parallel)  # before anything is built
 
     model = make_model(args)
     if args.lora:
@@ -114,6 +120,8 @@ def run(args) -> int:
         raise SystemExit(f"dta verify: --block-tokens must be 0 (no cut) or a positive number of "
                          f"tokens, got {args.block_tokens}")
     blocks = {} if args.block_tokens is None else {"block_tokens": args.block_tokens or None}
+    if args.context_parallel > 1:  # the DFS side on a group of gloo ranks
+        verify = verify_on_group(args.context_parallel)
     report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
                     progress=True, packing=args.packing, pack_tokens=args.pack_tokens,
                     router_aux_loss_coef=args.router_aux_loss, **blocks)
