@@ -14,6 +14,9 @@ forward and backward, part by part:
   embedding    the embedding weight's gradient (leaf + index_add) vs autograd's
   head weight  the LM head's gradient (hand-derived) vs autograd's
   body         every other parameter's gradient
+  GDN kernel   on a device with a Gated DeltaNet kernel (flash-linear-attention on CUDA,
+               ``dta.model.gdn_kernels``): one GDN layer over a probe pack with branches, by
+               that kernel and by the pure-torch pack path (output and handed-on states)
 
 and raises ``SelfCheckError`` naming the model class and the first part that differs beyond
 the dtype's tolerance. Nothing of the model is changed: parameters are only read, each
@@ -96,6 +99,7 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
         for p in params:
             p.grad = None
         # the walker may be built inside no_grad (a forward-only step): the probe needs grad
+        _compare_gdn_kernel(model, report)  # first: a wrong kernel is named, not its effects
         with torch.inference_mode(False), torch.enable_grad():
             _compare(model, seqs, report)
     finally:
@@ -111,6 +115,20 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
     if raise_on_failure and not report.passed:
         raise SelfCheckError(_message(report))
     return report
+
+
+def _compare_gdn_kernel(model, report: SelfCheckReport) -> None:
+    """The device's GDN kernel, if it has one, against the pure-torch pack path."""
+    from dta.model.gdn_kernels import compare, segment_kernel
+    from dta.model.recurrent import gdn_modules, is_hybrid
+
+    if not is_hybrid(model):
+        return
+    kernel = segment_kernel(next(model.parameters()))
+    if kernel is None:
+        return
+    report.errors[f"GDN kernel {kernel.name} (vs the pure-torch pack path)"] = compare(
+        gdn_modules(model)[0], kernel)
 
 
 def _message(report: SelfCheckReport) -> str:

@@ -63,6 +63,8 @@ class RecurrencePlan:
     sources: list  # per step s >= 1: index into step s-1's chunks, or None (the same order)
     finals: list  # per step: positions of its chunks that end a handed-on node (or None)
     final_order: np.ndarray  # [n_open]: handed-on node i's final state in the gathered order
+    segments: np.ndarray | None = None  # [n_seg, 3]: row start, row end, parent segment (-1)
+    open_segment: np.ndarray | None = None  # [n_open]: the segment handed-on node i ends
     _torch: dict | None = None
 
     @property
@@ -179,7 +181,8 @@ def plan_recurrence(layout, kernel: int, chunk: int = CHUNK) -> RecurrencePlan:
     rank = {p: i for i, p in enumerate(gathered)}
     final_order = np.array([rank[last[int(seg_of[u])]] for u in hands_on], dtype=np.int64)
     return RecurrencePlan(T, kernel, C, conv, state_index, chunk_rows, row_slot, steps, sources,
-                          finals, final_order)
+                          finals, final_order, np.asarray(segs, dtype=np.int64).reshape(-1, 3),
+                          seg_of[hands_on].astype(np.int64))
 
 
 # ------------------------------------------------------------------------ kernels --
@@ -342,7 +345,13 @@ def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
     value = value.reshape(T, -1, module.head_v_dim)
     beta = b[0].sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a[0].float() + module.dt_bias)
-    core, state = tree_delta_rule(query, key, value, g, beta, layer.initial[1], plan, ix)
+    from dta.model.gdn_kernels import segment_kernel, kernel_delta_rule
+
+    kernel = segment_kernel(hidden_states) if layer.kernels else None
+    if kernel is None:
+        core, state = tree_delta_rule(query, key, value, g, beta, layer.initial[1], plan, ix)
+    else:
+        core, state = kernel_delta_rule(kernel, query, key, value, g, beta, layer.initial[1], plan)
     STATS.calls += 1
     layer.final = (conv_state, state)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
@@ -397,6 +406,7 @@ def pack_state_layer_class():
                 self.initial = initial if initial is not None else (None, None)
                 self.plan = plan
                 self.final = None
+                self.kernels = True  # the device's GDN kernel when it has one (gdn_kernels)
                 self.record_past = True
                 if initial is not None:
                     self.conv_states[0], self.recurrent_states[0] = initial
