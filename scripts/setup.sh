@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Set up .venv for DTA on a fresh machine: torch 2.13.0 (the local CPU wheel; an unpinned
 # torch would pull a multi-GB CUDA build), this package with its ray, dev and lora extras, and with
-# --areal the optional AReaL 1.0.4 backend (see runtime/areal/README.md).
+# --areal the optional AReaL 1.0.4 backend (see runtime/areal/README.md), with --verl the
+# optional verl 0.9.1 engine (docs/verl.md).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WITH_AREAL=0
+WITH_VERL=0
 for arg in "$@"; do
   case "$arg" in
     --areal) WITH_AREAL=1 ;;
-    *) echo "usage: scripts/setup.sh [--areal]" >&2; exit 2 ;;
+    --verl) WITH_VERL=1 ;;
+    *) echo "usage: scripts/setup.sh [--areal] [--verl]" >&2; exit 2 ;;
   esac
 done
 
@@ -31,4 +34,5 @@ if [ "$WITH_AREAL" = 1 ]; then
     bash .ci/install-areal.sh
   fi
 fi
+if [ "$WITH_VERL" = 1 ]; then bash .ci/install-verl.sh; fi  # the verl engine (docs/verl.md)
 python -c "import torch, transformers, dta; print(f'setup.sh: torch {torch.__version__}, transformers {transformers.__version__}, dta ready in .venv')"

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.verl
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    # first: registers the cpu platform (before verl's first device query) and the dta engine
+    import runtime.verl  # noqa: E402,F401
     from tensordict import TensorDict  # noqa: E402
     from verl.trainer.config import CheckpointConfig  # noqa: E402
     from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -33,7 +35,6 @@ with warnings.catch_warnings():
     from verl.workers.utils.losses import ppo_loss  # noqa: E402
     from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
-    import runtime.verl  # noqa: E402,F401  (registers the dta engine and the cpu platform)
     from runtime.verl import DTAEngineConfig, use_cpu_platform  # noqa: E402
 
 from dta.model.models import build_model, make_truly_float64  # noqa: E402

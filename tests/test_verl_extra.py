@@ -1,0 +1,34 @@
+"""The optional verl extra is reported, never skipped silently: where CI (``CI=true``) or
+``DTA_REQUIRE_VERL=1`` requires it, a missing verl fails here; where it is installed, the
+installed verl is the one the engine was checked against and ``strategy: dta`` is registered.
+Imports nothing from verl at module level (it runs everywhere)."""
+import importlib.util
+import os
+
+import pytest
+
+
+def _required() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true") or \
+        os.environ.get("DTA_REQUIRE_VERL") == "1"
+
+
+def test_verl_extra_installed_where_required():
+    if importlib.util.find_spec("verl") is None:
+        if _required():
+            pytest.fail("the verl extra is required here (CI / DTA_REQUIRE_VERL=1) but not "
+                        "installed: run bash scripts/setup.sh --verl")
+        pytest.skip("the optional verl extra is not installed: tests/test_verl*.py are skipped "
+                    "(bash scripts/setup.sh --verl runs them)")
+    import importlib.metadata as md
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from verl.workers.engine.base import EngineRegistry
+
+        import runtime.verl  # noqa: F401
+    assert md.version("verl") == "0.9.1", "runtime/verl was checked against verl 0.9.1"
+    registered = EngineRegistry._engines["language_model"]["dta"]
+    assert set(registered) == {"cuda", "cpu"}
+    assert registered["cpu"] is runtime.verl.DTAEngineWithLMHead
