@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--headroom", type=float, default=None, metavar="F",
                      help="share of --budget-gib left free for the CUDA context, allocator "
                           "fragmentation and communication buffers (default: 0.1)")
+    mem.add_argument("--context-parallel", default="auto", metavar="C",
+                     help="ranks per tree whose K/V are spread over them (docs/context-parallel"
+                          ".md; default: auto, the smallest of 1, 2, 4, 8 dividing W that fits)")
     mem.add_argument("--lora-r", type=int, default=0, metavar="R",
                      help="price a LoRA run: rank-R adapters, the base frozen (replicate and "
                           "zero1; grads and optimizer count the adapters only)")
@@ -119,8 +122,9 @@ def _memory_config(name: str):
 
 
 def _memory(args, tree) -> dict:
-    from dta.planning.memory import (BLOCKS, GIB, HEADROOM, MODES, POLICY_ORDER, ModelShape,
-                                     batch_extent, estimate, plan_memory)
+    from dta.planning.memory import (BLOCKS, CONTEXT_PARALLEL, GIB, HEADROOM, MODES,
+                                     POLICY_ORDER, ModelShape, batch_extent, estimate,
+                                     plan_memory)
 
     config = _memory_config(args.model)
     path, node = batch_extent(tree)
@@ -136,24 +140,29 @@ def _memory(args, tree) -> dict:
     if args.block_tokens is not None and args.block_tokens < 0:
         raise ValueError(f"--block-tokens must be >= 0 (0: no cut), got {args.block_tokens}")
     policies = POLICY_ORDER if args.policy == "auto" else (args.policy,)
+    cps = _context_parallel(args.context_parallel, args.workers, CONTEXT_PARALLEL)
     blocks = BLOCKS if args.block_tokens is None else (args.block_tokens or None,)
     plan = plan_memory(config, args.workers, float("inf") if budget is None else budget,
                        path_tokens=path, call_tokens=call, policies=policies, blocks=blocks,
                        compute_dtype=args.compute_dtype, adapter_params=adapters, modes=modes,
-                       headroom=HEADROOM if args.headroom is None else args.headroom)
+                       headroom=HEADROOM if args.headroom is None else args.headroom,
+                       context_parallel=cps)
     pick = plan.chosen if plan.chosen is not None else plan.cheapest
     if budget is None:  # nothing to choose for: the last policy (recompute), the given block
         pick = estimate(config, args.workers, MODES[0], path_tokens=path, call_tokens=call,
                         policy=policies[-1], block_tokens=blocks[0] if len(blocks) == 1 else None,
-                        compute_dtype=args.compute_dtype, adapter_params=adapters)
+                        compute_dtype=args.compute_dtype, adapter_params=adapters,
+                        context_parallel=cps[0])
     rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
                      policy=pick.policy, compute_dtype=args.compute_dtype,
-                     block_tokens=pick.block_tokens, adapter_params=adapters) for m in modes]
+                     block_tokens=pick.block_tokens, adapter_params=adapters,
+                     context_parallel=pick.context_parallel) for m in modes]
     chosen = plan.chosen.mode if budget is not None and plan.chosen is not None else None
     shape = ModelShape.of(config)
     block = pick.block_tokens
     print(f"memory per rank ({args.model}: {shape.params / 1e9:.2f}B parameters, "
-          f"{args.workers} ranks, {args.compute_dtype} compute, {pick.policy}, block "
+          f"{args.workers} ranks, context parallel {pick.context_parallel} (data parallel "
+          f"{pick.data_parallel}), {args.compute_dtype} compute, {pick.policy}, block "
           f"{block or 'none'}; longest path {path:,} tokens, largest call "
           f"{min(call, block) if block else call:,} (largest node {call:,})):")
     print(f"  {'mode':<10} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}")
@@ -165,7 +174,8 @@ def _memory(args, tree) -> dict:
     print("  activations: " + ", ".join(f"{k} {v / GIB:.2f}G" for k, v in split.items()))
     if budget is not None:
         print(f"  budget {args.budget_gib:g} GiB: " + (
-            f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}"
+            f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}, "
+            f"context_parallel={pick.context_parallel}"
             if chosen else "no mode fits") + f" ({plan.message()})")
     if adapters:
         print(f"  LoRA r={args.lora_r} on {args.lora_targets}: {adapters:,} adapter parameters "
@@ -175,10 +185,25 @@ def _memory(args, tree) -> dict:
             "call_tokens": min(call, block) if block else call, "node_tokens": node,
             "compute_dtype": args.compute_dtype, "policy": pick.policy,
             "block_tokens": block or 0, "activation_split": split, "budget_bytes": budget,
+            "context_parallel": pick.context_parallel, "data_parallel": pick.data_parallel,
             "usable_bytes": plan.budget if budget is not None else None,
             "chosen": chosen, "choice": pick.label() if chosen else None,
             "shortfall_bytes": int(plan.shortfall) if budget is not None else None,
             "modes": [r.as_dict() for r in rows]}
+
+
+def _context_parallel(value: str, workers: int, sizes) -> tuple:
+    """--context-parallel: ``auto`` (the sizes dividing W) or one size dividing W."""
+    if value == "auto":
+        return tuple(c for c in sizes if workers % c == 0)
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1 or workers % size:
+        raise ValueError(f"--context-parallel must be auto or an integer >= 1 dividing --workers "
+                         f"{workers}, got {value!r}")
+    return (size,)
 
 
 def _sharing(args, records, tree) -> dict:

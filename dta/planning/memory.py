@@ -27,7 +27,18 @@ longer than B; None: a call is a whole node, up to the largest):
   layers hold no K/V but a (conv, recurrent) state per piece on the path (leaf and gradient);
 * ``graphs``: the saved activations of the calls whose graphs are alive (retain: every
   piece on the path, the path's tokens; recompute: one call, min(largest call, B));
-* ``head``: the LM head's chunk of fp32 logits (logits, softmax, gradient).
+* ``head``: the LM head's chunk of fp32 logits (logits, softmax, gradient);
+* ``cp_buffers`` (context parallel, C > 1 ranks per tree: docs/context-parallel.md): the
+  all-gathered (out, lse) of a call and its gathered dQ (C x the call's queries per
+  attention layer call, transient), the popped pack's gathered K/V gradients (one call's
+  K/V) and one piece's scores (heads x call x call / C).
+
+Context parallel: the ranks of a CP group walk the same tree; each stores 1/C of every
+pack's K/V with their gradient accumulators, so the path's leaves and gradients are divided
+by C (recompute: the path K/V the live graph reads are the same leaves, divided too;
+retain: each graph on the path also keeps its own pack's K/V whole, replicated). The
+graphs, the head and the model state are those of one rank as before (fsdp and zero1
+shard over the whole world, W = data-parallel x C).
 
 This mirrors what ``runtime.sharding`` allocates; the benchmark
 ``experiments/bench_sharding.py`` measures the state beside it, and
@@ -131,6 +142,7 @@ class MemoryEstimate:
     policy: str = "recompute"
     block_tokens: int | None = None  # None: nodes are not cut
     split: dict = field(default_factory=dict)  # activations by part (activation_split)
+    context_parallel: int = 1  # ranks per tree (world = data-parallel groups x this)
 
     @property
     def total(self) -> int:
@@ -144,16 +156,23 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {**asdict(self), "state": self.state, "total": self.total}
 
+    @property
+    def data_parallel(self) -> int:
+        return self.world // self.context_parallel
+
     def label(self) -> str:
-        return f"{self.mode}/{self.policy}/block {self.block_tokens or 'none'}"
+        cp = f"/context parallel {self.context_parallel}" if self.context_parallel > 1 else ""
+        return f"{self.mode}/{self.policy}/block {self.block_tokens or 'none'}{cp}"
 
 
 def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, policy: str,
                      compute_bytes: int, logits_chunk: int = 1024,
-                     block_tokens: int | None = None) -> dict:
-    """Activation bytes by part (module doc): ``path_kv``, ``graphs``, ``head``."""
+                     block_tokens: int | None = None, context_parallel: int = 1) -> dict:
+    """Activation bytes by part (module doc): ``path_kv``, ``graphs``, ``head`` (and
+    ``cp_buffers`` with ``context_parallel`` > 1 ranks per tree)."""
     if policy not in ("retain", "recompute"):
         raise ValueError(f"unknown memory policy {policy!r}; choose retain or recompute")
+    C = check_context_parallel(context_parallel)
     c = compute_bytes
     call = min(call_tokens, block_tokens) if block_tokens else call_tokens
     path = max(int(path_tokens), 0)
@@ -171,8 +190,27 @@ def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, p
     from dta.planning.chunks import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
 
     head = 3 * min(logits_rows(logits_chunk, shape.vocab), max(call, 1)) * shape.vocab * 4
-    return {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
-            "head": int(head)}
+    split = {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
+             "head": int(head)}
+    if C > 1:
+        share = math.ceil(path / C)  # this rank's rows of the path (a pack's split is even)
+        own = path if policy == "retain" else share  # retain: each graph keeps its pack's K/V
+        split["path_kv"] = int(kv * (2 * share + own) + states)
+        n = max(min(call, path) if path else call, 1)
+        gathered = 2 * C * n * q * c  # (out, lse) and dQ of one layer call, all-gathered
+        scores = 2 * shape.heads * n * math.ceil(n / C) * c  # one piece: scores, probabilities
+        split["cp_buffers"] = int(gathered + kv * n + scores)
+    return split
+
+
+CONTEXT_PARALLEL = (1, 2, 4, 8)  # CP sizes :func:`plan_memory` tries, least communication first
+
+
+def check_context_parallel(size) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"context_parallel must be an integer >= 1 (ranks per tree), got "
+                         f"{size!r}")
+    return size
 
 
 def activation_bytes(shape: ModelShape, **kw) -> int:
@@ -183,13 +221,18 @@ def activation_bytes(shape: ModelShape, **kw) -> int:
 def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: int,
              policy: str = "recompute", compute_dtype: str = "bfloat16",
              logits_chunk: int = 1024, block_tokens: int | None = None,
-             adapter_params: int = 0) -> MemoryEstimate:
+             adapter_params: int = 0, context_parallel: int = 1) -> MemoryEstimate:
     """Per-rank peak bytes of one step (see the module doc). adapter_params > 0: a LoRA run
-    (:func:`with_lora`: the frozen base in the compute dtype, state for the adapters only)."""
+    (:func:`with_lora`: the frozen base in the compute dtype, state for the adapters only).
+    context_parallel: ranks per tree, dividing ``world`` (the data-parallel groups are
+    ``world / context_parallel``; sharding still spans the whole world)."""
     if mode not in MODES:
         raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES}")
     if int(world) < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    C = check_context_parallel(context_parallel)
+    if int(world) % C:
+        raise ValueError(f"context_parallel={C} does not divide the world of {world} ranks")
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
     c = DTYPE_BYTES[compute_dtype]
     m = max(c, 4)
@@ -209,9 +252,10 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
         opt = 2 * math.ceil(N / W) * m
     split = activation_split(shape, path_tokens=path_tokens, call_tokens=call_tokens,
                              policy=policy, compute_bytes=c, logits_chunk=logits_chunk,
-                             block_tokens=block_tokens)
+                             block_tokens=block_tokens, context_parallel=C)
     est = MemoryEstimate(mode, W, int(params), int(grads), int(opt), sum(split.values()),
-                         policy=policy, block_tokens=block_tokens or None, split=split)
+                         policy=policy, block_tokens=block_tokens or None, split=split,
+                         context_parallel=C)
     return with_lora(est, shape, adapter_params, compute_dtype=compute_dtype) \
         if adapter_params else est
 
@@ -265,11 +309,15 @@ class MemoryPlan:
 def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int,
                 call_tokens: int, modes=MODES, policies=POLICY_ORDER, blocks=BLOCKS,
                 compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
-                headroom: float = HEADROOM, adapter_params: int = 0) -> MemoryPlan:
+                headroom: float = HEADROOM, adapter_params: int = 0,
+                context_parallel=(1,)) -> MemoryPlan:
     """The first mode x policy x block whose estimate fits ``budget_bytes`` less the
     ``headroom`` share: modes by communication, then retain before recompute, then the
     largest block (a block no shorter than the largest call is the same as none: skipped).
-    adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters)."""
+    adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters).
+    context_parallel: the CP sizes to try, smallest first (each must divide ``world``; a
+    larger one only when no combination fits with a smaller): the per-block all-gathers of
+    context parallelism are tried after every sharding mode, policy and block without."""
     if adapter_params:
         modes = tuple(m for m in modes if m != "fsdp")
     if not 0 <= headroom < 1:
@@ -278,19 +326,25 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int,
     tried = []
     tiers = [[b for b in blocks if b is None or b >= SHORT_BLOCK],
              [b for b in blocks if b is not None and b < SHORT_BLOCK]]
-    for tier in (t for t in tiers if t):  # blocks shorter than SHORT_BLOCK only when needed
-        for mode in modes:
-            for policy in policies:
-                for block in tier:
-                    if block is not None and 0 < call_tokens <= block and len(tier) > 1:
-                        continue  # the same as no cut
-                    est = estimate(config, world, mode, path_tokens=path_tokens,
-                                   call_tokens=call_tokens, policy=policy, block_tokens=block,
-                                   compute_dtype=compute_dtype, logits_chunk=logits_chunk,
-                                   adapter_params=adapter_params)
-                    tried.append(est)
-                    if est.total <= budget_bytes:
-                        return MemoryPlan(float(budget_bytes), est, est, tried)
+    sizes = [check_context_parallel(c) for c in context_parallel]
+    bad = [c for c in sizes if int(world) % c]
+    if bad or not sizes:
+        raise ValueError(f"context_parallel {bad or sizes} must divide the world of {world} ranks")
+    for cp in sorted(sizes):
+        for tier in (t for t in tiers if t):  # blocks under SHORT_BLOCK only when needed
+            for mode in modes:
+                for policy in policies:
+                    for block in tier:
+                        if block is not None and 0 < call_tokens <= block and len(tier) > 1:
+                            continue  # the same as no cut
+                        est = estimate(config, world, mode, path_tokens=path_tokens,
+                                       call_tokens=call_tokens, policy=policy,
+                                       block_tokens=block, compute_dtype=compute_dtype,
+                                       logits_chunk=logits_chunk, adapter_params=adapter_params,
+                                       context_parallel=cp)
+                        tried.append(est)
+                        if est.total <= budget_bytes:
+                            return MemoryPlan(float(budget_bytes), est, est, tried)
     if not tried:
         raise ValueError("plan_memory: no mode, policy or block to try")
     return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried)
@@ -353,4 +407,4 @@ def with_lora(est: MemoryEstimate, config, adapter_params: int, *,
         opt = 2 * math.ceil(A / W) * m
     return MemoryEstimate(est.mode, W, int(shape.params * c + params), int(grads), int(opt),
                           est.activations, policy=est.policy, block_tokens=est.block_tokens,
-                          split=est.split)
+                          split=est.split, context_parallel=est.context_parallel)
