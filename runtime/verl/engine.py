@@ -25,7 +25,6 @@ The model stays in eval mode (one deterministic forward for both walks: no dropo
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -46,6 +45,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from runtime.verl import batch as vb
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
 from runtime.verl.config import check_engine_config, model_dtype, walk_options
+from runtime.verl.lora import ReferencePolicy, merged_weights
 
 __all__ = ["DTAEngine", "DTAEngineWithLMHead"]
 
@@ -94,6 +94,7 @@ class DTAEngine(BaseEngine):
         if self.lora:
             model = self._wrap_lora(model)
         self.module = model.to(self.device).eval()
+        self.policy = ReferencePolicy(self.module)
         if getattr(self.module, "generation_config", None) is not None:
             self.module.generation_config.do_sample = False
         if not self.engine_config.forward_only and self.optimizer_config is not None:
@@ -169,17 +170,21 @@ class DTAEngine(BaseEngine):
                                forward_only=False) -> dict[str, Any]:
         """The batch as one prefix tree (see the module doc); ``loss_function`` once per row,
         or none (forward only: log-probs and entropy)."""
+        model = self.policy.current
+        if self.policy.off and not forward_only:
+            raise NotImplementedError("the dta engine trains the LoRA adapters: training inside "
+                                      "disable_adapter() is refused (verl uses it for the "
+                                      "reference policy's log-probs)")
         rows = vb.sequences(data)
         if "loss_mask" in data.keys():
             vb.batch_normalizers(data, rows, self.get_data_parallel_group())
         mbs = vb.one_sequence_batches(data)
         options = self.options.replace(temperature=vb.temperature_of(data))
-        batch = vb.walk_batch(rows, max_positions=getattr(self.module.config,
-                                                          "max_position_embeddings", None))
-        batch.validate(vocab_size=self.module.config.vocab_size,
-                       max_positions=getattr(self.module.config, "max_position_embeddings",
-                                             None), required=(vb.SEQ_INDEX,))
-        walker = checked_walker(self.module, options=options)
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        batch = vb.walk_batch(rows, max_positions=max_positions)
+        batch.validate(vocab_size=model.config.vocab_size, max_positions=max_positions,
+                       required=(vb.SEQ_INDEX,))
+        walker = checked_walker(model, options=options)
         tree = PrefixTree(batch.input_ids, min_shared=options.min_shared)
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         with torch.no_grad():
@@ -228,27 +233,14 @@ class DTAEngine(BaseEngine):
         """The weights the rollout loads, by Hugging Face name: the whole model's state (a LoRA
         model's adapters merged into the base, as verl's ``lora.merge``), and no PEFT config."""
         if is_peft_model(self.module):
-            return self._merged_lora(), None
+            return merged_weights(self.module), None
         state = self.module.state_dict()
         return ((name, t.detach()) for name, t in state.items()), None
 
-    def _merged_lora(self):
-        """Merged weights, read while the adapters are merged and copied before unmerging."""
-        self.module.merge_adapter()
-        try:
-            base = self.module.get_base_model()
-            for name, t in base.state_dict().items():
-                if "lora_" in name:
-                    continue
-                yield name.replace(".base_layer", ""), t.detach().clone()
-        finally:
-            self.module.unmerge_adapter()
-
     def disable_adapter(self):
-        """The base model (LoRA adapters off) inside the context: verl's reference policy."""
-        if is_peft_model(self.module):
-            return self.module.disable_adapter()
-        return contextlib.nullcontext()
+        """The base model (LoRA adapters off) inside the context: verl's reference policy's
+        log-probs, walked on a base view sharing the weights (:mod:`runtime.verl.lora`)."""
+        return self.policy.disabled()
 
     # -------------------------------------------------------------- checkpoints --
     def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None,
