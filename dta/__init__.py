@@ -15,7 +15,7 @@ _EXPORTS = {
     "DFSTrainer": "dta.train", "StepResult": "dta.train", "accumulate_gradients": "dta.train",
     "clip_and_step": "dta.train", "forward_logprobs": "dta.train",
     "PrefixTree": "dta.tree", "Segment": "dta.tree", "TreeStats": "dta.tree",
-    "Walker": "dta.walk", "WalkResult": "dta.walk",
+    "Walker": "dta.walk", "WalkResult": "dta.walk", "WalkOptions": "dta.options",
     "verify": "dta.verify",
 }
 __all__ = sorted(_EXPORTS)

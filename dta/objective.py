@@ -6,16 +6,23 @@ row (the fork row) predicts each child's first token. Every *occurrence* — a (
 target position) pair with a non-zero weight — keeps its own fields and weight; occurrences
 sharing a (row, target) pair share one log-prob, gathered per occurrence, so differentiable
 indexing sums their gradients (seed 000's loss mapping).
+
+What a walk records: :class:`Recorder` (per-sequence log-probs and entropies) and
+:class:`WalkResult` (the walk's loss and counters, re-exported by ``dta.walk``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights, token_weights
+
+if TYPE_CHECKING:
+    from dta.planning.packs import PackLayout
 
 _sequence_weights = sequence_weights
 
@@ -228,3 +235,56 @@ class Recorder:
     def split(self):
         sizes = [int(n) for n in self.lengths]
         return [list(torch.split(buf, sizes)) for buf in self.buffers]
+
+
+@dataclass
+class WalkResult:
+    """What a walk returns, and its recorder: the walk counts into it as it goes."""
+    loss: float = 0.0  # the router's aux loss included (``aux_loss``)
+    aux_loss: float = 0.0  # the router's load-balancing loss, coef and weights applied
+    nodes: int = 0  # nodes forwarded (first time)
+    tokens: int = 0  # tokens forwarded (first time)
+    recomputed_tokens: int = 0  # tokens forwarded again at pop (recompute policy)
+    max_live_graphs: int = 0  # most pack graphs alive at once
+    max_graph_tokens: int = 0  # most tokens whose graphs are alive at once
+    max_call_tokens: int = 0  # longest decoder call (recompute: pops included)
+    max_path: int = 0  # deepest stack of K/V frames
+    packs: int = 0
+    masked_packs: int = 0  # packs with branches (forwarded with a tree mask)
+    forward_calls: int = 0  # decoder calls (recompute: pops included)
+    backward_calls: int = 0  # autograd.backward calls
+    head_calls: int = 0  # LM-head evaluations (flushes)
+    plan: dict = field(default_factory=dict)
+    logprobs: list | None = None  # per sequence [n] (index j predicts token j; 0 at j=0)
+    entropy: list | None = None
+    vocab_min: list | None = None
+    vocab_max: list | None = None
+
+    def calls(self) -> dict:
+        return dict(packs=self.packs, masked_packs=self.masked_packs, nodes=self.nodes,
+                    forward_calls=self.forward_calls, backward_calls=self.backward_calls,
+                    head_calls=self.head_calls)
+
+    def pushed(self, nodes: int, layout: PackLayout, alive: list[int] | None = None) -> None:
+        """A pack's first forward; ``alive``: the tokens of the other graphs alive with it."""
+        self.packs += 1
+        self.masked_packs += not layout.chain
+        self.nodes += nodes
+        self.tokens += layout.tokens
+        self.forward_calls += 1
+        self.max_call_tokens = max(self.max_call_tokens, layout.tokens)
+        if alive is not None:
+            self.graphs_alive(len(alive) + 1, layout.tokens + sum(alive))
+
+    def reforwarded(self, tokens: int) -> None:
+        """A pack forwarded again at its pop (recompute): its graph alone is alive."""
+        self.recomputed_tokens += tokens
+        self.forward_calls += 1
+        self.graphs_alive(1, tokens)
+
+    def graphs_alive(self, graphs: int, tokens: int) -> None:
+        self.max_live_graphs = max(self.max_live_graphs, graphs)
+        self.max_graph_tokens = max(self.max_graph_tokens, tokens)
+
+    def depth(self, frames: int) -> None:
+        self.max_path = max(self.max_path, frames)

@@ -153,6 +153,19 @@ class WalkOptions:
         except WalkOptionError as exc:
             raise exc.spelled(spelling) from None
 
+    @classmethod
+    def given(cls, options: "WalkOptions | None" = None, settings: Mapping[str, Any] | None = None,
+              spelling: Mapping[str, str] | None = None) -> "WalkOptions":
+        """The options an entry point was given: ``options`` (the same object when no keyword
+        setting is added), else built from the keyword ``settings`` (keywords beside
+        ``options`` replace its fields)."""
+        if options is None:
+            return cls.make(spelling, **(settings or {}))
+        if not isinstance(options, WalkOptions):
+            raise TypeError(f"options must be a dta.options.WalkOptions, got "
+                            f"{type(options).__name__}")
+        return options.replace(spelling, **settings) if settings else options
+
     def replace(self, spelling: Mapping[str, str] | None = None, **changes) -> "WalkOptions":
         """A copy with ``changes`` (validated like :meth:`make`)."""
         return type(self).make(spelling, **{**self.as_dict(), **changes})

@@ -44,6 +44,7 @@ from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, token_weights
 from dta.model.context_parallel import context_parallel_of, parallelize_context
 from dta.model.models import make_truly_float64
+from dta.options import WalkOptions
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients, forward_logprobs, validate_for_model
 
@@ -70,7 +71,7 @@ class VerifyReport:
     truly_float64: bool
     adam_eps: float
     logprobs_sequences: int = 0  # sequences whose training-walk log-probs were compared
-    packing: str = "auto"  # the DFS side's pack policy and cap
+    packing: str = WalkOptions.default("packing")  # the DFS side's pack policy and cap
     pack_tokens: int = 0
     packs: int = 0  # packs (decoder calls) of the training walk
     nodes: int = 0  # tree nodes walked
@@ -140,23 +141,21 @@ def _adamw_step(model, lr: float, eps: float) -> tuple[dict, dict]:
 
 
 def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: str = "token_mean",
-           policy: str = "retain", temperature: float = 1.0, logits_chunk: int = 1024,
            lr: float = 1e-3, adam_eps: float | None = None,
-           truly_float64: bool = True, progress: bool = False, packing: str = "auto",
-           pack_tokens: int | None = None, router_aux_loss_coef: float = 0.0,
-           context_parallel_group=None, **walk_kw) -> VerifyReport:
+           truly_float64: bool = True, progress: bool = False,
+           options: WalkOptions | None = None, context_parallel_group=None,
+           **settings) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed.
-    With `progress`, a bar per side counts the tokens trained. packing / pack_tokens: the DFS
-    side's pack policy and cap (``dta.planning.packs``; default: the walker's, the cost
-    model's plan under ``default_cap``);
-    walk_kw: the walker's other options (``block_tokens``, ...; :class:`dta.walk.Walker`),
-    used by the training and the forward-only walks. router_aux_loss_coef: both sides add
-    each sequence's router load-balancing loss (docs/moe.md); a batch's ``routed_experts``
+    With `progress`, a bar per side counts the tokens trained. options / settings: the DFS
+    side's walk settings (:class:`dta.options.WalkOptions`, or its fields as keywords: policy,
+    packing, pack_tokens, block_tokens, ...), used by the training and the forward-only walks;
+    the reference takes their ``temperature`` and ``router_aux_loss_coef`` (both sides add
+    each sequence's router load-balancing loss, docs/moe.md); a batch's ``routed_experts``
     are replayed on both sides. Frozen parameters (a LoRA model's
     base) must end without a gradient on both sides. context_parallel_group: the DFS side
     walks with its K/V spread over this group (``dta.model.context_parallel``; every rank of
     the group calls ``verify`` with the same model and batch); the reference runs alone."""
-    walk_kw = dict(walk_kw, packing=packing, pack_tokens=pack_tokens)
+    walk = WalkOptions.given(options, settings)
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     is_f64 = next(model.parameters()).dtype == torch.float64
@@ -169,21 +168,18 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     sent = cp.sent_bytes if cp is not None else 0
 
     with _bar(progress, "DFS (unique tokens)") as bar:
-        dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, policy=policy,
-                                   temperature=temperature, logits_chunk=logits_chunk,
-                                   record=True, progress=bar,
-                                   router_aux_loss_coef=router_aux_loss_coef, **walk_kw)
+        dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, options=walk,
+                                   record=True, progress=bar)
     with _bar(progress, "unpacked (tokens)") as bar:
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
-                                 temperature=temperature, progress=bar,
-                                 router_aux_loss_coef=router_aux_loss_coef)
+                                 temperature=walk.temperature, progress=bar,
+                                 router_aux_loss_coef=walk.router_aux_loss_coef)
 
     # the training walk: on the sequences it walks whole (those with a loss term)
     walked = [bool(w.any()) for w in token_weights(batch, reduction)]
     lp_errs = [_lp_err(a, b) for a, b, k in zip(dfs.walk.logprobs, ref.logprobs, walked) if k]
     # a forward-only walk: every sequence, every position
-    fwd = forward_logprobs(dfs_model, batch, temperature=temperature, logits_chunk=logits_chunk,
-                           **walk_kw)
+    fwd = forward_logprobs(dfs_model, batch, options=walk)
     lp_errs += [_lp_err(a, b) for a, b in zip(fwd.logprobs, ref.logprobs)]
     lp_err = worst(lp_errs)
     grad_errs = []
@@ -213,7 +209,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         loss_err = math.nan
     stats = dfs.tree
     return VerifyReport(
-        dtype=str(next(model.parameters()).dtype).replace("torch.", ""), policy=policy,
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""), policy=walk.policy,
         reduction=reduction, sequences=stats.sequences, total_tokens=stats.total_tokens,
         unique_tokens=stats.unique_tokens, sharing_ratio=stats.sharing_ratio,
         parameters=sum(p.numel() for p in model.parameters()), logprobs_rel_err=lp_err,
@@ -221,7 +217,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         update_rel_err=upd_err,
         loss_dfs=dfs.loss, loss_ref=ref.loss, max_live_graphs=dfs.walk.max_live_graphs,
         tree_depth=stats.depth, truly_float64=bool(is_f64 and truly_float64), adam_eps=adam_eps,
-        logprobs_sequences=int(sum(walked)), packing=packing, pack_tokens=dfs.walk.plan["cap"],
+        logprobs_sequences=int(sum(walked)), packing=walk.packing, pack_tokens=dfs.walk.plan["cap"],
         packs=dfs.walk.packs, nodes=dfs.walk.nodes, block_tokens=dfs.walk.plan["block_tokens"],
         blocks_cut=dfs.walk.plan["blocks_cut"],
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),

@@ -48,7 +48,7 @@ instead of attending over the whole path again.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,9 +57,10 @@ from dta.model.attention import native_gqa, taped
 from dta.model.head import HeadQueue, LMHead
 from dta.model.lora import check_peft_model
 from dta.model.modeling import ModelInterface, NodeState, check_router_aux_loss
-from dta.objective import NodeTerms, Objective, Recorder
+from dta.objective import NodeTerms, Objective, Recorder, WalkResult
+from dta.options import POLICIES, WalkOptions
 from dta.model.packmask import mask_support, pack_mask
-from dta.planning.blocks import DEFAULT_BLOCK_TOKENS, check_block_tokens, cut_blocks
+from dta.planning.blocks import cut_blocks
 from dta.planning.index import PlanningError
 from dta.planning.packs import PackCost, PackLayout, PackPlan, default_cap, plan_packs
 from dta.model.router_aux import router_aux
@@ -67,7 +68,7 @@ from dta.model.routing import NodeRouting, check_shared_routing
 from dta.model.split_attention import Tape
 from dta.tree import PrefixTree
 
-POLICIES = ("retain", "recompute")
+__all__ = ["Walker", "WalkResult", "WalkOptions", "POLICIES", "Retain", "Recompute"]
 
 
 @dataclass
@@ -82,31 +83,12 @@ class Frame:
 
 
 @dataclass
-class WalkResult:
-    loss: float = 0.0  # the router's aux loss included (``aux_loss``)
-    aux_loss: float = 0.0  # the router's load-balancing loss, coef and weights applied
-    nodes: int = 0  # nodes forwarded (first time)
-    tokens: int = 0  # tokens forwarded (first time)
-    recomputed_tokens: int = 0  # tokens forwarded again at pop (recompute policy)
-    max_live_graphs: int = 0  # most pack graphs alive at once
-    max_graph_tokens: int = 0  # most tokens whose graphs are alive at once
-    max_call_tokens: int = 0  # longest decoder call (recompute: pops included)
-    max_path: int = 0  # deepest stack of K/V frames
-    packs: int = 0
-    masked_packs: int = 0  # packs with branches (forwarded with a tree mask)
-    forward_calls: int = 0  # decoder calls (recompute: pops included)
-    backward_calls: int = 0  # autograd.backward calls
-    head_calls: int = 0  # LM-head evaluations (flushes)
-    plan: dict = field(default_factory=dict)
-    logprobs: list | None = None  # per sequence [n] (index j predicts token j; 0 at j=0)
-    entropy: list | None = None
-    vocab_min: list | None = None
-    vocab_max: list | None = None
-
-    def calls(self) -> dict:
-        return dict(packs=self.packs, masked_packs=self.masked_packs, nodes=self.nodes,
-                    forward_calls=self.forward_calls, backward_calls=self.backward_calls,
-                    head_calls=self.head_calls)
+class Waiting:
+    """A leaf pack pushed, waiting for the head flush that gives its ∂L/∂hidden."""
+    hidden: torch.Tensor  # with its graph
+    job: object  # its head rows
+    tokens: int
+    aux: list  # the router aux loss's (output, gradient) pairs
 
 
 def _from_output(hidden, dhidden):
@@ -117,74 +99,98 @@ def _from_output(hidden, dhidden):
     return dhidden if dhidden is not None else torch.zeros_like(hidden)
 
 
+# ----------------------------------------------------------------- memory policies --
+class Retain:
+    """*retain*: each pack keeps its graph while it is on the path (a leaf pack until its
+    head flush); pop backpropagates the graph it kept."""
+    keeps_graph = True
+    flush_each_leaf = False
+
+    def tape_for(self, is_leaf: bool):
+        return None
+
+    def kept(self, hidden, state):
+        return hidden, state
+
+    def alive(self, path: list[Frame], waiting: list[Waiting]) -> list[int]:
+        """Tokens of the graphs alive besides a pack being pushed."""
+        return [f.layout.tokens for f in path] + [w.tokens for w in waiting]
+
+    def graph_at_pop(self, frame: Frame, reforward):
+        """(hidden, state, routing read at this forward or None): the pack's graph."""
+        return (*frame.graph, None)
+
+
+class Recompute:
+    """*recompute*: a pack keeps only its detached K/V (and, where the attention over the
+    path is split, a tape of it); pop re-forwards it with grad. One graph is alive at a time,
+    so a leaf pack is backpropagated at once."""
+    keeps_graph = False
+    flush_each_leaf = True
+
+    def tape_for(self, is_leaf: bool):
+        return None if is_leaf else Tape()
+
+    def kept(self, hidden, state):
+        return None
+
+    def alive(self, path: list[Frame], waiting: list[Waiting]) -> list[int]:
+        return []
+
+    def graph_at_pop(self, frame: Frame, reforward):
+        return reforward(frame.layout, frame.tape)
+
+
+MEMORY = {"retain": Retain, "recompute": Recompute}
+
+
 class Walker:
     """Walks a PrefixTree with a Hugging Face causal LM whose forward takes a K/V cache.
 
-    packing: a pack policy of :func:`dta.planning.packs.plan_packs` (``node`` walks node by
-    node, ``tree`` forwards the whole tree in one masked call); pack_tokens: the cap of a pack
-    (None: :func:`dta.planning.packs.default_cap`, by memory policy and the longest sequence);
-    head_rows: queued head rows that force a flush (default ``logits_chunk``; 0: every pack's
-    head at its push); pack_cost: the cost model of ``auto`` (default: the model's FLOPs);
-    native_gqa: run ``sdpa`` models on ``dta_sdpa`` during the walk (``dta.model.attention``: SDPA's
-        grouped-query path, and forwards over cached keys split at the cache boundary).
-    block_tokens: the longest piece of a node forwarded in one call (``dta.planning.blocks``;
-    default 2,048; None or 0: nodes are never cut); packs are capped at it too.
-    router_aux_loss_coef: > 0 adds the router's load-balancing loss of every sequence, as
-    per-sequence training does (``dta/model/router_aux.py``, docs/moe.md); 0 (default): off.
-    router_aux_loss: with the coefficient 0, "refuse" (default) raises at ``train`` when a MoE
-    config asks for the load-balancing loss; "exclude" trains the policy loss without it (see
-    ``dta.model.modeling.check_router_aux_loss``). A record's ``routed_experts`` are replayed in
-    every MoE layer (``dta/model/routing.py``). The walker does not probe the model: the
-    trainer's entry points (``dta.train``) run ``dta.selfcheck`` before they build one.
+    ``options``: the walk's settings (:class:`dta.options.WalkOptions`: memory policy,
+    packing, pack and block tokens, head rows, logits chunk, temperature, router aux loss,
+    attention backend); or give them as keywords (``Walker(model, policy="recompute")``),
+    which builds the WalkOptions (keywords beside ``options`` replace its fields). A record's
+    ``routed_experts`` are replayed in every MoE layer (``dta/model/routing.py``). The walker
+    does not probe the model: the trainer's entry points (``dta.train``) run ``dta.selfcheck``
+    once they have built one.
     """
 
-    def __init__(self, model, *, policy: str = "retain", logits_chunk: int = 1024,
-                 temperature: float = 1.0, router_aux_loss: str = "refuse",
-                 router_aux_loss_coef: float = 0.0,
-                 packing: str = "auto", pack_tokens: int | None = None,
-                 block_tokens: int | None = DEFAULT_BLOCK_TOKENS, head_rows: int | None = None,
-                 pack_cost: PackCost | None = None, native_gqa: bool = True):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown memory policy {policy!r}; choose one of {POLICIES}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        check_router_aux_loss(model, "exclude")  # validates the option's value only
-        if not router_aux_loss_coef >= 0:
-            raise ValueError(f"router_aux_loss_coef must be >= 0, got {router_aux_loss_coef}")
+    def __init__(self, model, options: WalkOptions | None = None, **settings):
+        options = WalkOptions.given(options, settings)
         check_peft_model(model)  # LoRA only, no dropout (dta/model/lora.py)
-        self.model, self.policy, self.router_aux_loss = model, policy, router_aux_loss
+        self.model, self.options = model, options
+        self.memory = MEMORY[options.policy]()
         self.io = ModelInterface(model)
-        self.router_aux_loss_coef = float(router_aux_loss_coef)
-        if self.router_aux_loss_coef > 0:
-            self.io.moe.require(f"router_aux_loss_coef={router_aux_loss_coef}")
-        self.head = LMHead(model, temperature=temperature, chunk=logits_chunk)
+        if options.router_aux_loss_coef > 0:
+            self.io.moe.require(f"router_aux_loss_coef={options.router_aux_loss_coef:g}")
+        self.head = LMHead(model, temperature=options.temperature, chunk=options.logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # per-token loss fields (old log-probs, advantages, weights) in the log-probs' dtype, as
+        # per-sequence training keeps them: float32 for a half-precision model (dta/fidelity.py)
+        self.terms_dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
         # a model whose attention cannot take a tree mask gets single-path packs only
-        self.packing = packing
         self.mask_support = mask_support(model)
         self.branches = self.mask_support[0] is not None
-        self.block_tokens = check_block_tokens(block_tokens)
-        self.pack_tokens = None if pack_tokens is None else \
-            min(int(pack_tokens), self.block_tokens or int(pack_tokens))
-        self.head_rows = int(logits_chunk if head_rows is None else head_rows)
-        self.pack_cost = pack_cost or PackCost.from_config(model.config)
-        self.native_gqa = native_gqa
+        self.pack_cost = options.pack_cost or PackCost.from_config(model.config)
+        self._routing_checked = None  # (batch, tree) whose shared routing was checked
 
     def plan(self, tree: PrefixTree, active: np.ndarray | None = None) -> PackPlan:
         """The pack plan of ``tree`` cut into blocks: ``plan.tree`` is the tree walked."""
-        cut, origin = cut_blocks(tree, self.block_tokens)
-        cap = self.pack_tokens
+        o = self.options
+        cut, origin = cut_blocks(tree, o.block_tokens)
+        cap = o.pack_cap
         if cap is None:
-            cap = default_cap(tree, self.policy)
-            cap = min(cap, self.block_tokens or cap)
-        plan = plan_packs(cut, self.packing, cap=cap, cost=self.pack_cost,
+            cap = default_cap(tree, o.policy)
+            cap = min(cap, o.block_tokens or cap)
+        plan = plan_packs(cut, o.packing, cap=cap, cost=self.pack_cost,
                           active=None if active is None else active[origin],
                           branches=self.branches)
         longest = max((p.tokens for p in plan.packs), default=0)
-        if self.block_tokens and longest > self.block_tokens:  # the 'tree' policy: no cap
-            raise PlanningError(f"pack policy {self.packing!r} forwards {longest} tokens in one "
-                                f"call, more than block_tokens={self.block_tokens}; use "
+        if o.block_tokens and longest > o.block_tokens:  # the 'tree' policy: no cap
+            raise PlanningError(f"pack policy {o.packing!r} forwards {longest} tokens in one "
+                                f"call, more than block_tokens={o.block_tokens}; use "
                                 "block_tokens=0 (no cut) or another pack policy")
         return plan
 
@@ -238,157 +244,54 @@ class Walker:
 
     def _terms(self, tree, layout: PackLayout, objective: Objective, record: bool) -> NodeTerms:
         return NodeTerms.concat([
-            (objective.terms(tree, int(u), self.device, self.dtype, record=record),
+            (objective.terms(tree, int(u), self.device, self.terms_dtype, record=record),
              int(layout.offsets[i])) for i, u in enumerate(layout.tree_nodes)])
+
+    def _check_routing(self, batch, tree: PrefixTree) -> None:
+        """One routing per shared token, before anything is forwarded: once per batch and
+        tree (a sequence loss walks them twice: forward, then train)."""
+        if self._routing_checked is None or self._routing_checked[0] is not batch \
+                or self._routing_checked[1] is not tree:
+            check_shared_routing(batch, tree)
+            self._routing_checked = (batch, tree)
 
     # ---------------------------------------------------------------------- the walk --
     def train(self, tree: PrefixTree, objective: Objective, *, record: bool = False,
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
-        check_router_aux_loss(self.model, "exclude" if self.router_aux_loss_coef > 0
-                              else self.router_aux_loss)
-        check_shared_routing(objective.batch, tree)  # before anything is forwarded
+        o = self.options
+        check_router_aux_loss(self.model, "exclude" if o.router_aux_loss_coef > 0
+                              else o.router_aux_loss)
+        self._check_routing(objective.batch, tree)
         with self._walking():
-            return self._train(tree, objective, record, progress)
+            plan = self.plan(tree, self._active(tree, objective, o.router_aux_loss_coef > 0))
+            walk = TrainingWalk(self, plan, objective, record, self._stats(plan, tree))
+            for kind, i in plan.walk():
+                walk.push(i) if kind == "push" else walk.pop(i)
+                if progress is not None and kind == "push":
+                    progress(plan.packs[i].tokens)
+            return walk.finish()
 
     @contextlib.contextmanager
     def _walking(self):
         """A walk's scope: attention on SDPA's native grouped-query path, and the head's
         logits workspace released when the walk ends (also when it raises)."""
         try:
-            with native_gqa(self.model, self.native_gqa), self.io.walking():
+            with native_gqa(self.model, self.options.native_gqa), self.io.walking():
                 yield
         finally:
             self.head.release()
-
-    def _train(self, tree, objective, record, progress) -> WalkResult:
-        res = WalkResult()
-        plan = self.plan(tree, self._active(tree, objective, self.router_aux_loss_coef > 0))
-        tree, res.plan = plan.tree, self._stats(plan, tree)
-        rec = Recorder(tree, self.device, self.dtype) if record else None
-        routes = NodeRouting(objective.batch, tree, self.device)
-        aux = router_aux(self.router_aux_loss_coef, tree, objective, self.io.moe)
-        need_ent = objective.loss.uses_entropy
-        queue = HeadQueue()
-        path: list[Frame] = []
-        waiting: list[tuple] = []  # leaf packs: (hidden with graph, head job, tokens, aux pairs)
-
-        def evaluate(hidden, terms):
-            """One LM-head call over the queued rows: loss value and ∂L/∂hidden."""
-            out = self.head.evaluate(hidden, terms, lambda *a: objective.node_loss(terms, *a),
-                                     need_entropy=need_ent, entropy=record)
-            res.head_calls += 1
-            if rec is not None:
-                rec.add(terms, out.logp, out.entropy)
-            if out.loss is not None:
-                res.loss += out.loss
-            return out.dhidden
-
-        def backward(outs, grads):
-            # an output nothing trainable reached this time (a frozen base, an expert's
-            # adapter no token was routed to) has no gradient to pass on
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward(*map(list, zip(*pairs)))
-                res.backward_calls += 1
-            self.io.collect_embedding_grads()
-
-        def flush():
-            """Evaluate the queued head rows, then leaf() every waiting leaf pack."""
-            queue.flush(evaluate)
-            if waiting:
-                leaf([(h, job.dhidden, extra) for h, job, _, extra in waiting])
-                waiting.clear()
-
-        def leaf(done):
-            """Backpropagate leaf packs (their own loss only) in one backward call."""
-            pairs = [(h, _from_output(h, d)) for h, d, x in done if d is not None or x] + \
-                [p for *_, x in done for p in x]
-            backward([o for o, _ in pairs], [g for _, g in pairs])
-
-        def push(i):
-            pack, layout = plan.packs[i], plan.layout(i)
-            is_leaf = not pack.children
-            res.packs += 1
-            res.masked_packs += not layout.chain
-            res.nodes += len(pack.nodes)
-            res.tokens += layout.tokens
-            res.forward_calls += 1
-            terms = self._terms(tree, layout, objective, record)
-            # a leaf pack with nothing to backpropagate (no head row, no aux loss: e.g. only
-            # the AReaL adapter's wrap label of a strict prefix) keeps no graph
-            graph = not terms.empty or aux.capture if is_leaf else self.policy == "retain"
-            tape = Tape() if self.policy == "recompute" and not is_leaf else None
-            with torch.set_grad_enabled(graph or self.policy == "retain"):
-                hidden, state, routed = self._forward(tree, layout, path, routes, aux.capture, tape)
-            aux_pairs = aux.pushed(i, layout, path, routed, is_leaf)  # the router's aux loss
-            job = queue.add(hidden, terms)
-            kept = [f.layout.tokens for f in path] + [w[2] for w in waiting] \
-                if self.policy == "retain" else []  # graphs alive besides this one
-            res.max_live_graphs = max(res.max_live_graphs, len(kept) + 1)
-            res.max_graph_tokens = max(res.max_graph_tokens, layout.tokens + sum(kept))
-            res.max_call_tokens = max(res.max_call_tokens, layout.tokens)
-            if is_leaf:
-                waiting.append((hidden, job, layout.tokens, aux_pairs))
-                # recompute keeps one graph alive: its leaf packs do not wait for a flush
-                if self.policy == "recompute" or queue.rows >= self.head_rows \
-                        or sum(w[2] for w in waiting) >= max(self.head_rows, 1):
-                    flush()
-                return
-            leaves = self.io.state_leaves(state)  # leaves where a gradient can flow
-            graph = (hidden, state) if self.policy == "retain" else None
-            path.append(Frame(i, layout, leaves, job, graph, tape))
-            res.max_path = max(res.max_path, len(path))
-            if self.head_rows <= 0:
-                flush()
-
-        def pop(i):
-            flush()  # the pack's own head rows, and its leaf packs' backward passes
-            frame = path.pop()
-            if self.policy == "recompute":  # re-forward with grad; the head is not re-run,
-                # the attention over the path is taken back from the tape
-                hidden, state, routed = self._forward(tree, frame.layout, path, routes,
-                                                      aux.capture, frame.tape)
-                res.recomputed_tokens += frame.layout.tokens
-                res.forward_calls += 1
-                res.max_live_graphs = max(res.max_live_graphs, 1)
-                res.max_graph_tokens = max(res.max_graph_tokens, frame.layout.tokens)
-            else:
-                (hidden, state), routed = frame.graph, None
-            aux_pairs = aux.popped(frame.pack, routed)  # the router's aux loss
-            dhidden = frame.job.dhidden
-            outs, grads = ([hidden], [_from_output(hidden, dhidden)]) \
-                if dhidden is not None or aux_pairs else ([], [])
-            for out, grad in aux_pairs:
-                outs.append(out)
-                grads.append(grad)
-            # the K/V gradients its descendants left (context parallel: every rank's slice gathered)
-            for out, grad in self.io.state_grads(state, frame.state):
-                outs.append(out)
-                grads.append(grad)
-            backward(outs, grads)
-
-        for kind, i in plan.walk():
-            push(i) if kind == "push" else pop(i)
-            if progress is not None and kind == "push":
-                progress(plan.packs[i].tokens)
-        flush()
-        res.aux_loss = aux.value
-        res.loss += aux.value
-        if rec is not None:
-            res.logprobs, res.entropy = rec.split()
-        return res
 
     @torch.no_grad()
     def forward(self, tree: PrefixTree, batch, *, minmax: bool = False, progress=None) -> WalkResult:
         """Forward-only walk: per-sequence, per-token log-probs and entropy, K/V reused."""
         objective = Objective.record_only(batch)
-        rec = Recorder(tree, self.device, self.dtype, minmax=minmax)
-        res = WalkResult()
+        self._check_routing(batch, tree)
         plan = self.plan(tree)
-        tree, res.plan = plan.tree, self._stats(plan, tree)
+        res = WalkResult(plan=self._stats(plan, tree))
+        tree = plan.tree
+        rec = Recorder(tree, self.device, self.dtype, minmax=minmax)
         path: list[Frame] = []
-        check_shared_routing(batch, tree)
         routes = NodeRouting(batch, tree, self.device)
         with self._walking():
             for kind, i in plan.walk():
@@ -403,14 +306,10 @@ class Walker:
                     res.head_calls += 1
                     rec.add(terms, out.logp, out.entropy,
                             *((out.vocab_min, out.vocab_max) if minmax else ()))
-                res.packs += 1
-                res.forward_calls += 1
-                res.max_call_tokens = max(res.max_call_tokens, layout.tokens)
-                res.nodes += len(plan.packs[i].nodes)
-                res.tokens += layout.tokens
+                res.pushed(len(plan.packs[i].nodes), layout)
                 if plan.packs[i].children:
                     path.append(Frame(i, layout, self.io.detached(state), None))
-                    res.max_path = max(res.max_path, len(path))
+                    res.depth(len(path))
                 if progress is not None:
                     progress(layout.tokens)
         res.logprobs, res.entropy, *mm = rec.split()
@@ -419,7 +318,7 @@ class Walker:
         return res
 
     def _stats(self, plan: PackPlan, tree: PrefixTree) -> dict:
-        return {**plan.stats(), "block_tokens": self.block_tokens,
+        return {**plan.stats(), "block_tokens": self.options.block_tokens,
                 "blocks_cut": len(plan.tree) - len(tree)}  # pieces added by the cut
 
     @staticmethod
@@ -437,3 +336,114 @@ class Walker:
         active[0] = False
         return active
 
+
+
+class TrainingWalk:
+    """One training walk (:meth:`Walker.train`): the path of frames, the leaf packs waiting
+    for the LM head, the head's queue; what differs between the memory policies is behind
+    ``memory`` (:class:`Retain`, :class:`Recompute`), the router's aux loss behind ``aux``
+    (``dta/model/router_aux.py``), the counters in ``res`` (:class:`WalkResult`)."""
+
+    def __init__(self, walker: Walker, plan: PackPlan, objective: Objective, record: bool,
+                 stats: dict):
+        self.w, self.plan, self.tree, self.objective = walker, plan, plan.tree, objective
+        self.memory, self.record = walker.memory, record
+        self.res = WalkResult(plan=stats)
+        self.rec = Recorder(self.tree, walker.device, walker.dtype) if record else None
+        self.routes = NodeRouting(objective.batch, self.tree, walker.device)
+        self.aux = router_aux(walker.options.router_aux_loss_coef, self.tree, objective,
+                              walker.io.moe)
+        self.queue, self.path, self.waiting = HeadQueue(), [], []
+        self.flush_rows = walker.options.flush_rows
+
+    # ---------------------------------------------------------------- push, leaf, pop --
+    def push(self, i: int) -> None:
+        """Forward pack ``i`` once over its path's K/V; queue its head rows."""
+        pack, layout = self.plan.packs[i], self.plan.layout(i)
+        is_leaf = not pack.children
+        terms = self.w._terms(self.tree, layout, self.objective, self.record)
+        # a leaf pack with nothing to backpropagate (no head row, no aux loss: e.g. only
+        # the AReaL adapter's wrap label of a strict prefix) keeps no graph
+        needs_graph = is_leaf and (not terms.empty or self.aux.capture)
+        tape = self.memory.tape_for(is_leaf)
+        with torch.set_grad_enabled(self.memory.keeps_graph or needs_graph):
+            hidden, state, routed = self.forward(layout, tape)
+        aux = self.aux.pushed(i, layout, self.path, routed, is_leaf)
+        job = self.queue.add(hidden, terms)
+        self.res.pushed(len(pack.nodes), layout, self.memory.alive(self.path, self.waiting))
+        if is_leaf:
+            self.waiting.append(Waiting(hidden, job, layout.tokens, aux))
+            if self.memory.flush_each_leaf or self.queue.rows >= self.flush_rows or \
+                    sum(w.tokens for w in self.waiting) >= max(self.flush_rows, 1):
+                self.leaf()
+            return
+        leaves = self.w.io.state_leaves(state)  # where its descendants' K/V gradients land
+        self.path.append(Frame(i, layout, leaves, job, self.memory.kept(hidden, state), tape))
+        self.res.depth(len(self.path))
+        if self.flush_rows <= 0:
+            self.leaf()
+
+    def leaf(self) -> None:
+        """Evaluate the queued head rows, then backpropagate the waiting leaf packs (their
+        own loss only) in one backward call."""
+        self.queue.flush(self.evaluate)
+        done, self.waiting = self.waiting, []
+        if done:
+            pairs = [(w.hidden, _from_output(w.hidden, w.job.dhidden)) for w in done
+                     if w.job.dhidden is not None or w.aux]
+            self.backward(pairs + [p for w in done for p in w.aux])
+
+    def pop(self, i: int) -> None:
+        """After the packs below it: backpropagate the pack's own loss together with the K/V
+        gradients its descendants left in its leaves, then free it."""
+        self.leaf()  # the pack's own head rows, and its leaf packs' backward passes
+        frame = self.path.pop()
+        hidden, state, routed = self.memory.graph_at_pop(frame, self.reforward)
+        aux = self.aux.popped(frame.pack, routed)
+        dhidden = frame.job.dhidden
+        pairs = [(hidden, _from_output(hidden, dhidden))] if dhidden is not None or aux else []
+        pairs += aux
+        # the K/V gradients its descendants left (context parallel: every rank's slice gathered)
+        pairs += self.w.io.state_grads(state, frame.state)
+        self.backward(pairs)
+
+    def finish(self) -> WalkResult:
+        self.leaf()
+        self.res.aux_loss = self.aux.value
+        self.res.loss += self.aux.value
+        if self.rec is not None:
+            self.res.logprobs, self.res.entropy = self.rec.split()
+        return self.res
+
+    # ------------------------------------------------------------- model, head, autograd --
+    def forward(self, layout: PackLayout, tape: Tape | None):
+        return self.w._forward(self.tree, layout, self.path, self.routes, self.aux.capture, tape)
+
+    def reforward(self, layout: PackLayout, tape: Tape | None):
+        """recompute: the pack forwarded again with grad at its pop; the head is not re-run,
+        the attention over the path is taken back from the tape."""
+        out = self.forward(layout, tape)
+        self.res.reforwarded(layout.tokens)
+        return out
+
+    def evaluate(self, hidden, terms):
+        """One LM-head call over the queued rows: loss value and ∂L/∂hidden."""
+        out = self.w.head.evaluate(hidden, terms,
+                                   lambda *a: self.objective.node_loss(terms, *a),
+                                   need_entropy=self.objective.loss.uses_entropy,
+                                   entropy=self.record)
+        self.res.head_calls += 1
+        if self.rec is not None:
+            self.rec.add(terms, out.logp, out.entropy)
+        if out.loss is not None:
+            self.res.loss += out.loss
+        return out.dhidden
+
+    def backward(self, pairs) -> None:
+        # an output nothing trainable reached this time (a frozen base, an expert's
+        # adapter no token was routed to) has no gradient to pass on
+        pairs = [(o, g) for o, g in pairs if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            self.res.backward_calls += 1
+        self.w.io.collect_embedding_grads()

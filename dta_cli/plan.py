@@ -25,6 +25,8 @@ METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dta.options import WalkOptions
+
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, metavar="NAME",
                      help="generated batch, e.g. tau2-airline (default when no --input)")
@@ -45,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a Hugging Face config.json path, or 'tokens' (default: qwen3-1.7b)")
     parser.add_argument("--art-sharing", action="store_true",
                         help="stop sharing before the first trainable token (ART's accounting)")
-    parser.add_argument("--min-shared", type=int, default=1, metavar="N",
-                        help="do not share segments shorter than N tokens (default: 1)")
+    min_shared = WalkOptions.default("min_shared")  # the walk's (dta/options.py)
+    parser.add_argument("--min-shared", type=int, default=min_shared, metavar="N",
+                        help=f"do not share segments shorter than N tokens (default: {min_shared})")
     mem = parser.add_argument_group("memory (with --workers W)")
     mem.add_argument("--memory", action="store_true",
                      help="per-rank memory of each sharding mode for --model at W workers "
@@ -137,8 +140,10 @@ def _memory(args, tree) -> dict:
                                                      args.lora_targets.split(",") if t.strip()])
     modes = MODES if not adapters else tuple(m for m in MODES if m != "fsdp")
     budget = None if args.budget_gib is None else args.budget_gib * GIB
-    if args.block_tokens is not None and args.block_tokens < 0:
-        raise ValueError(f"--block-tokens must be >= 0 (0: no cut), got {args.block_tokens}")
+    if args.block_tokens is not None:  # a walk setting: validated as the walker does
+        from dta.options import WalkOptions
+
+        WalkOptions.make({"block_tokens": "--block-tokens"}, block_tokens=args.block_tokens)
     policies = POLICY_ORDER if args.policy == "auto" else (args.policy,)
     cps = _context_parallel(args.context_parallel, args.workers, CONTEXT_PARALLEL)
     blocks = BLOCKS if args.block_tokens is None else (args.block_tokens or None,)

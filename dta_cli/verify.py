@@ -3,10 +3,17 @@ from __future__ import annotations
 
 from dta_cli.common import add_model_arguments, add_workload_arguments, emit_json
 
+# the walk settings `dta verify` takes, as its flags (dta.options.WalkOptions field -> flag)
+FLAGS = {"policy": "--policy", "packing": "--packing", "pack_tokens": "--pack-tokens",
+         "block_tokens": "--block-tokens", "router_aux_loss_coef": "--router-aux-loss"}
+
 
 def add_arguments(p) -> None:
     import argparse
 
+    from dta.options import PACKINGS, POLICIES, WalkOptions
+
+    walk = WalkOptions()  # the defaults (dta/options.py)
     add_model_arguments(p)
     p.add_argument("--matrix", action=argparse.BooleanOptionalAction, default=True,
                    help="with --family: the family's tested configuration (dta/model/families.py: a "
@@ -15,27 +22,28 @@ def add_arguments(p) -> None:
     add_workload_arguments(p)
     p.add_argument("--loss", default="ppo", choices=["nll", "ppo", "ppo-decoupled"])
     p.add_argument("--reduction", default="token_mean", choices=["token_mean", "seq_mean", "sum"])
-    p.add_argument("--policy", default="retain", choices=["retain", "recompute"])
-    from dta.planning.packs import POLICIES
-
-    p.add_argument("--packing", default="auto", choices=list(POLICIES),
-                   help="the DFS side's pack policy (dta/planning/packs.py; default: auto, the "
-                        "cost model's plan)")
+    p.add_argument("--policy", default=walk.policy, choices=list(POLICIES),
+                   help=f"the DFS side's memory policy (default: {walk.policy})")
+    p.add_argument("--packing", default=walk.packing, choices=list(PACKINGS),
+                   help=f"the DFS side's pack policy (dta/planning/packs.py; default: "
+                        f"{walk.packing}; auto: the cost model's plan)")
     p.add_argument("--pack-tokens", type=int, default=None,
                    help="the cap of a pack in tokens (default: the walker's, by memory policy: "
                         "dta.planning.packs.default_cap)")
     p.add_argument("--block-tokens", type=int, default=None,
                    help="the longest piece of a node the DFS side forwards in one call "
-                        "(dta/planning/blocks.py; default: the walker's, 2,048; 0: no cut)")
+                        f"(dta/planning/blocks.py; default: the walker's, {walk.block_tokens:,}; "
+                        "0: no cut)")
     p.add_argument("--max-sequences", type=int, default=None,
                    help="verify only the first N sequences (the unpacked side is slow)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="exit 1 when max relative error exceeds it (default: 1e-10 for "
                         "float64, 1e-4 for float32)")
     moe = p.add_argument_group("MoE (docs/moe.md)")
-    moe.add_argument("--router-aux-loss", type=float, default=0.0, metavar="COEF",
+    moe.add_argument("--router-aux-loss", type=float, default=walk.router_aux_loss_coef,
+                     metavar="COEF",
                      help="add each sequence's router load-balancing loss times COEF on both "
-                          "sides (default 0: off)")
+                          f"sides (default {walk.router_aux_loss_coef:g}: off)")
     moe.add_argument("--replay", action="store_true",
                      help="replay synthesized routings (random experts per token and MoE "
                           "layer, the same on a shared prefix) on both sides, unless the "
@@ -60,13 +68,20 @@ def run(args) -> int:
 
     from dta.batch import Batch
     from dta.losses import NLL, PPO
+    from dta.options import WalkOptionError, WalkOptions
     from dta.train import forward_logprobs
     from dta.verify import verify
     from dta_cli.common import load_records, make_model
     from dta_cli.context_parallel import check_size, verify_on_group
 
     check_size(args.context_parallel)  # before anything is built
-
+    given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in FLAGS.items()}
+    if given["block_tokens"] is None:
+        del given["block_tokens"]  # the walker's default
+    try:  # the DFS side's walk settings, before anything is built
+        walk = WalkOptions.make(FLAGS, **given)
+    except WalkOptionError as e:
+        raise SystemExit(f"dta verify: {e}") from None
     model = make_model(args)
     if args.lora:
         from dta.model.lora import apply_lora
@@ -86,8 +101,6 @@ def run(args) -> int:
     if args.max_sequences:
         records = records[: args.max_sequences]
     batch = Batch.from_records(records)
-    if args.router_aux_loss < 0:
-        raise SystemExit(f"dta verify: --router-aux-loss must be >= 0, got {args.router_aux_loss}")
     if args.replay and batch.routed_experts is None:
         from dta.model.routing import MoERouters, RoutingError, synthetic_routing
 
@@ -113,18 +126,9 @@ def run(args) -> int:
                                              for o in batch.fields["old_logprobs"]]
         if "advantages" not in batch.fields:
             batch.fields["advantages"] = [np.ones(len(s)) for s in batch.input_ids]
-    if args.pack_tokens is not None and args.pack_tokens < 1:
-        raise SystemExit(f"dta verify: --pack-tokens must be a positive number of tokens, got "
-                         f"{args.pack_tokens}")
-    if args.block_tokens is not None and args.block_tokens < 0:
-        raise SystemExit(f"dta verify: --block-tokens must be 0 (no cut) or a positive number of "
-                         f"tokens, got {args.block_tokens}")
-    blocks = {} if args.block_tokens is None else {"block_tokens": args.block_tokens or None}
     if args.context_parallel > 1:  # the DFS side on a group of gloo ranks
         verify = verify_on_group(args.context_parallel)
-    report = verify(model, batch, loss, reduction=args.reduction, policy=args.policy,
-                    progress=True, packing=args.packing, pack_tokens=args.pack_tokens,
-                    router_aux_loss_coef=args.router_aux_loss, **blocks)
+    report = verify(model, batch, loss, reduction=args.reduction, progress=True, options=walk)
     tol = args.tolerance or (1e-10 if report.dtype == "float64" else 1e-4)
     ok = report.passed(tol)  # NaN/inf anywhere: a failure
     d = report.as_dict()

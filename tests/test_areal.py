@@ -377,7 +377,7 @@ def test_train_batch_matches_reference_float64(model_dir, records, eager_areal, 
     cfg = engine_config(model_dir, n)
     # blocks of 7 tokens (actor.dta.block_tokens): every longer node is walked in pieces
     eng = new_engine(cfg, DTAOptions(policy="recompute", dtype="float64", block_tokens=7))
-    assert eng._walker().block_tokens == 7
+    assert eng._walker().options.block_tokens == 7
     assert next(eng.model.parameters()).dtype == torch.float64
     make_truly_float64(eng.model)
     ref_model = load_model(model_dir, dtype="float64")

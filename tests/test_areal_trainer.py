@@ -159,7 +159,7 @@ def test_dta_block_is_validated_like_every_key(tmp_path, smoke_model):
         config(tmp_path, smoke_model, "t", "actor.dta.sharding=zero3")
     with pytest.raises(ConfigKeyError, match="polcy"):
         config(tmp_path, smoke_model, "t", "+actor.dta.polcy=recompute")
-    with pytest.raises(ValueError, match="unknown DTA policy"):
+    with pytest.raises(ValueError, match="actor.dta.policy: 'keep'"):
         config(tmp_path, smoke_model, "t", "actor.dta.policy=keep")
 
 

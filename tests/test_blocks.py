@@ -14,7 +14,8 @@ import torch
 
 from dta.model.families import WINDOW
 from dta.model.models import build_model, make_truly_float64
-from dta.planning.blocks import check_block_tokens, cut_blocks
+from dta.options import WalkOptions
+from dta.planning.blocks import cut_blocks
 from dta.planning.index import PlanningError
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients, forward_logprobs
@@ -63,9 +64,9 @@ def test_no_cut_and_bad_block_values():
     for block in (None, 0, 10_000):
         cut, origin = cut_blocks(tree, block)
         assert cut is tree and np.array_equal(origin, np.arange(len(tree)))
-    for bad in (-1, 2.5, True, "8"):
+    for bad in (-1, 2.5, True, "8"):  # refused by the walk's settings (dta/options.py)
         with pytest.raises(ValueError, match="block_tokens"):
-            check_block_tokens(bad)
+            WalkOptions(block_tokens=bad)
 
 
 # --------------------------------------------------------------- float64 exactness --

@@ -146,7 +146,8 @@ def test_block_tokens_config_key():
         with pytest.raises(ConfigError, match="walker.block_tokens"):
             load_config(None, [f"walker.block_tokens={bad}"])
     cfg = load_config(None, ["walker.block_tokens=auto"])
-    assert resolve(cfg, SHAPES["qwen3-8b"])[:2] == ("replicate", 2048)  # no budget: 2048
+    mode, walk, _ = resolve(cfg, SHAPES["qwen3-8b"])
+    assert (mode, walk.block_tokens) == ("replicate", 2048)  # no budget: the walker's default
     cfg = load_config(None, ["train.sharding=fsdp", "train.memory_budget_gib=80",
                              "ray.num_workers=8", "walker.policy=recompute",
                              "model.dtype=bfloat16"])
@@ -160,8 +161,10 @@ def test_block_tokens_config_key():
         def length(self, u):
             return 5534
 
-    mode, block, report = resolve(cfg, SHAPES["qwen3-14b"], Tree())
+    mode, walk, report = resolve(cfg, SHAPES["qwen3-14b"], Tree())
+    block = walk.block_tokens
     assert mode == "fsdp" and 0 < block < 5534 and report["block_tokens"] == block
+    assert walk.policy == "recompute"  # the config's other walk settings, in the same object
 
 
 def test_hybrid_shape_prices_gdn_states_instead_of_their_kv():

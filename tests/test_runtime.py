@@ -27,6 +27,7 @@ import torch
 
 from dta.batch import Batch, BatchError
 from dta.config.schema import load_config
+from dta.config.walk import walk_options
 from runtime.ray_runtime import (StepFailed, StreamingBatcher, Trainer, check_loopback,
                                  listening_addresses, start_or_join)
 from runtime.ray_runtime.cluster import ClusterError
@@ -153,7 +154,7 @@ def test_decoupled_loss_recomputes_the_proximal_logprobs():
     batch = BatchSource(cfg, 512).batch(0)
     assert "prox_logprobs" not in batch.fields
     model = build_replica(cfg)
-    filled = fill_recomputed(model, batch, ("prox_logprobs",), cfg)
+    filled = fill_recomputed(model, batch, ("prox_logprobs",), walk_options(cfg))
     with torch.no_grad():
         for i in (0, len(batch) - 1):
             ref, _ = sequence_logprobs(model, batch.input_ids[i])

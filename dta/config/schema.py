@@ -24,13 +24,13 @@ from omegaconf import II, DictConfig, OmegaConf
 from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, InterpolationResolutionError,
                               OmegaConfBaseException, ValidationError)
 
+from dta.config.errors import ConfigError
+from dta.config.walk import walk_options
+from dta.options import AUTO, WalkOptions
+
 __all__ = ["ModelConfig", "WorkloadConfig", "WalkerConfig", "LossConfig", "OptimizerConfig",
            "TrainConfig", "StreamConfig", "RayConfig", "NormConfig", "ActorConfig", "Config",
            "ConfigError", "load_config", "default_config", "to_yaml", "validate_config"]
-
-
-class ConfigError(ValueError):
-    """A bad configuration: the message names the offending key."""
 
 
 # -------------------------------------------------------------------------- sections --
@@ -67,17 +67,22 @@ class WorkloadConfig:
     sequences_per_step: int = 0  # with `path`: sequences per step (0: the whole file)
 
 
+_WALK = WalkOptions()  # the walk settings' defaults (dta/options.py), not repeated here
+
+
 @dataclass
 class WalkerConfig:
-    policy: str = "retain"  # retain | recompute
-    logits_chunk: int = 1024
+    """The walk's settings (dta.options.WalkOptions; dta.config.walk builds it from them)."""
+
+    policy: str = _WALK.policy  # retain | recompute
+    logits_chunk: int = _WALK.logits_chunk
     temperature: float = II("actor.temperature")
     reduction: str = "token_mean"  # token_mean | seq_mean | sum
-    min_shared: int = 1
+    min_shared: int = _WALK.min_shared
     # the longest piece of a node in one call (dta.planning.blocks): auto (the memory model's
-    # choice for train.memory_budget_gib when set or with train.sharding=auto, else 2048),
-    # 0 (nodes are never cut) or a number of tokens
-    block_tokens: Any = "auto"
+    # choice for train.memory_budget_gib when set or with train.sharding=auto, else the
+    # walker's default), 0 (nodes are never cut) or a number of tokens
+    block_tokens: Any = AUTO
 
 
 @dataclass
@@ -166,7 +171,7 @@ class ActorConfig:
     eps_clip: float = 0.2
     eps_clip_higher: Optional[float] = None
     c_clip: Optional[float] = None
-    temperature: float = 1.0
+    temperature: float = _WALK.temperature
     use_decoupled_loss: bool = False
     behav_imp_weight_cap: Optional[float] = None
     recompute_logprob: bool = False
@@ -181,7 +186,7 @@ class ActorConfig:
     kl_estimator: str = "k1"
     # MoE: the router's load-balancing loss of every sequence, computed exactly (docs/moe.md);
     # 0 = off (a model config that asks for it is then refused)
-    router_aux_loss_coef: float = 0.0
+    router_aux_loss_coef: float = _WALK.router_aux_loss_coef
 
 
 @dataclass
@@ -275,8 +280,9 @@ def to_yaml(cfg) -> str:
 
 # ---------------------------------------------------------------------- validation --
 # Allowed values. They mirror the library's registries (dta.model.models.FAMILIES / SIZES / DTYPES,
-# dta.walk.POLICIES, dta.losses.REDUCTIONS / LOSSES; tests/test_config.py checks that they
-# agree) so that loading a config does not import torch.
+# dta.losses.REDUCTIONS / LOSSES; tests/test_config.py checks that they agree) so that loading
+# a config does not import torch. The walk's settings are validated by dta.options.WalkOptions
+# (dta.config.walk.walk_options), naming their keys.
 CHOICES: dict[str, tuple] = {
     "model.family": ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "phi3",
                      "gemma", "gemma2", "gemma3", "granite", "cohere", "starcoder2", "olmo2",
@@ -284,7 +290,6 @@ CHOICES: dict[str, tuple] = {
     "model.size": ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b"),
     "model.dtype": ("float32", "float64", "bfloat16", "float16"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
-    "walker.policy": ("retain", "recompute"),
     "walker.reduction": ("token_mean", "seq_mean", "sum"),
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
@@ -302,9 +307,6 @@ _RANGES: dict[str, tuple] = {
     "optimizer.eps": (lambda v: v > 0, "> 0"),
     "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"),
     "optimizer.max_grad_norm": (lambda v: v > 0, "> 0 (or null: no clipping)"),
-    "walker.logits_chunk": (lambda v: v >= 1, ">= 1"),
-    "walker.temperature": (lambda v: v > 0, "> 0"),
-    "walker.min_shared": (lambda v: v >= 1, ">= 1"),
     "loss.eps_clip": (lambda v: v > 0, "> 0"),
     "loss.eps_clip_high": (lambda v: v > 0, "> 0"),
     "loss.dual_clip": (lambda v: v > 1, "> 1"),
@@ -313,7 +315,6 @@ _RANGES: dict[str, tuple] = {
     "actor.eps_clip_higher": (lambda v: v > 0, "> 0"),
     "actor.c_clip": (lambda v: v > 1, "> 1"),
     "actor.temperature": (lambda v: v > 0, "> 0"),
-    "actor.router_aux_loss_coef": (lambda v: v >= 0, ">= 0"),
     "actor.behav_imp_weight_cap": (lambda v: v > 1, "> 1"),
     "actor.group_size": (lambda v: v >= 1, ">= 1"),
     "actor.ppo_n_minibatches": (lambda v: v >= 1, ">= 1"),
@@ -378,10 +379,7 @@ def validate_config(cfg) -> None:
     if _get(cfg, "loss.name") == "nll" and _get(cfg, "loss.decoupled"):
         raise ConfigError("bad value for config key 'loss.decoupled': the nll loss has no "
                           "decoupled form (set loss.name=ppo or actor.use_decoupled_loss=false)")
-    block = _get(cfg, "walker.block_tokens")
-    if block != "auto" and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
-        raise ConfigError(f"bad value for config key 'walker.block_tokens': {block!r} must be "
-                          "auto, 0 (no cut) or a positive number of tokens")
+    walk_options(cfg)  # the walk settings (dta.options.WalkOptions), naming their keys
     if _get(cfg, "model.lora.r") and _get(cfg, "train.sharding") == "fsdp":
         raise ConfigError("bad value for config key 'train.sharding': fsdp with LoRA "
                           "(model.lora.r > 0) is not supported; use replicate or zero1 (the "

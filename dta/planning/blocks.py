@@ -23,33 +23,14 @@ else changes, so the walk needs no branch for blocks:
   as whole nodes do.
 
 The pack planner runs on the cut tree with its cap at most ``block_tokens``, so no pack (a
-call) is longer than a block either. Integers and numpy only.
+call) is longer than a block either. Integers and numpy only. ``block_tokens`` is a walk
+setting: its default and validation are :class:`dta.options.WalkOptions`'.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from dta.tree import PrefixTree
-
-DEFAULT_BLOCK_TOKENS = 2048  # AReaL-DTA's examples' dta_block_size
-
-
-def check_block_tokens(block_tokens) -> int | None:
-    """``None`` or 0: no cut; else a positive number of tokens. Raises on anything else."""
-    if block_tokens is None:
-        return None
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, (int, np.integer)) \
-            or block_tokens < 0:
-        raise ValueError(f"block_tokens must be a positive number of tokens, or None/0 for no "
-                         f"cut; got {block_tokens!r}")
-    return int(block_tokens) or None
-
-
-def block_tokens_of(cfg) -> int | None:
-    """A run config's ``walker.block_tokens`` as the walker takes it: ``auto`` not resolved
-    by the memory model (``runtime.sharding.auto``) is :data:`DEFAULT_BLOCK_TOKENS`; 0: None."""
-    value = cfg.walker.block_tokens
-    return DEFAULT_BLOCK_TOKENS if value == "auto" else check_block_tokens(int(value))
 
 
 def piece_counts(tree: PrefixTree, block_tokens: int | None) -> np.ndarray:
@@ -62,8 +43,9 @@ def piece_counts(tree: PrefixTree, block_tokens: int | None) -> np.ndarray:
 
 def cut_blocks(tree: PrefixTree, block_tokens: int | None) -> tuple[PrefixTree, np.ndarray]:
     """(the cut tree, ``origin``): ``origin[v]`` is the node of ``tree`` piece ``v`` belongs
-    to. No node longer than ``block_tokens``: ``tree`` itself and the identity."""
-    block_tokens = check_block_tokens(block_tokens)
+    to. No node longer than ``block_tokens``: ``tree`` itself and the identity.
+    ``block_tokens``: a walk setting (validated by :class:`dta.options.WalkOptions`); None: no
+    cut."""
     counts = piece_counts(tree, block_tokens)
     m = len(tree)
     if int(counts.sum()) == m:

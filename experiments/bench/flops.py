@@ -168,7 +168,7 @@ def dfs_node_flops(batch, c, opts):
 
 def _pack_plan(batch: Batch, c: Coefs, opts, policy: str = "retain"):
     """The pack plan the walker makes (same tree, active nodes, cost model and cap)."""
-    from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
+    from dta.options import WalkOptions
     from dta.planning.packs import DEFAULT_CALL_TOKENS, PackCost, default_cap, plan_packs
 
     tree = PrefixTree(batch.input_ids)
@@ -181,8 +181,9 @@ def _pack_plan(batch: Batch, c: Coefs, opts, policy: str = "retain"):
             active[tree.parent[u]] = True
     active[0] = False
     cost = PackCost(c.token, c.attention, DEFAULT_CALL_TOKENS * c.token)
-    cap = opts.get("pack_tokens") or min(default_cap(tree, policy), DEFAULT_BLOCK_TOKENS)
-    return plan_packs(tree, opts.get("packing") or "auto", cap=int(cap),
+    walk = WalkOptions()  # the walker's defaults
+    cap = opts.get("pack_tokens") or min(default_cap(tree, policy), walk.block_tokens)
+    return plan_packs(tree, opts.get("packing") or walk.packing, cap=int(cap),
                       cost=cost, active=active)
 
 

@@ -16,7 +16,7 @@ import math
 from areal.api.cli_args import (MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig,
                                 RejectionSamplingConfig)
 
-from dta.planning.blocks import block_tokens_of
+from dta.config.walk import walk_options
 from runtime.areal.options import DTAOptions
 
 __all__ = ["actor_config_from_dta"]
@@ -83,9 +83,7 @@ def actor_config_from_dta(cfg, *, experiment_name: str = "dta", trial_name: str 
         mask_no_eos_with_zero=bool(actor.mask_no_eos_with_zero),
         discount=float(actor.discount), gae_lambda=float(actor.gae_lambda), adv_norm=adv_norm,
         kl_ctl=float(actor.kl_ctl), kl_estimator=str(actor.kl_estimator))
-    options = DTAOptions(policy=str(cfg.walker.policy), logits_chunk=int(cfg.walker.logits_chunk),
-                         min_shared=int(cfg.walker.min_shared),
-                         block_tokens=block_tokens_of(cfg),
-                         dtype=None if dtype in _AREAL_DTYPES else dtype,
-                         sharding=None if cfg.train.sharding == "auto" else str(cfg.train.sharding))
+    options = DTAOptions.of(walk_options(cfg), dtype=None if dtype in _AREAL_DTYPES else dtype,
+                            sharding=None if cfg.train.sharding == "auto" else
+                            str(cfg.train.sharding))
     return config, options

@@ -91,6 +91,9 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
                                       f"(peft_type={config.peft_type!r})")
         self.policy = self.dta.policy or ("recompute" if config.gradient_checkpointing
                                           else "retain")
+        # the walk's settings, built once (the sharded layout may add what its mode needs)
+        self.walk = self.dta.walk_options(policy=self.policy,
+                                          temperature=float(config.temperature))
         self.model = None
         self.optimizer = None
         self.lr_scheduler = None
@@ -252,6 +255,8 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
                                     compute_dtype=compute, policy=self.policy,
                                     group=self.parallel.dp_group)
         self.model, self.optimizer = self.layout.model, self.layout.optimizer
+        if self.layout.walk_options:
+            self.walk = self.walk.replace(**self.layout.walk_options)
         self.model_config = self.model.config
         self.tokenizer = local_tokenizer(self.config.path)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, oc, ft_spec)
@@ -360,7 +365,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         if output_seqlens is None:
             output_seqlens = lengths
         batch = self._walk_batch(ids, routing=routing)
-        tree = PrefixTree(batch.input_ids, min_shared=self.dta.min_shared)
+        tree = PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
         with self._walk_session():
             res = self._walker().forward(tree, batch)
         self._record_tree(ids, tree, res.tokens)

@@ -1,13 +1,22 @@
-"""``DTAOptions``: the walker's options, beside AReaL's ``TrainEngineConfig``."""
+"""``DTAOptions``: the walker's options, beside AReaL's ``TrainEngineConfig``.
+
+An OmegaConf-structured block of AReaL's config (``actor.dta``), so plain fields; their
+defaults are :class:`dta.options.WalkOptions`' and :meth:`DTAOptions.walk_options` turns them
+into the walk's settings, validated there (errors name ``actor.dta.<field>``)."""
 from __future__ import annotations
 
 import dataclasses
 
-from dta.walk import POLICIES
+from dta.options import WalkOptions
 
 __all__ = ["DTAOptions", "SHARDING_MODES"]
 
 SHARDING_MODES = ("replicate", "zero1", "fsdp")
+_WALK = WalkOptions()  # the defaults, written once in dta/options.py
+# WalkOptions field -> how an AReaL config spells it
+SPELLING = {"policy": "actor.dta.policy", "logits_chunk": "actor.dta.logits_chunk",
+            "min_shared": "actor.dta.min_shared", "block_tokens": "actor.dta.block_tokens",
+            "temperature": "actor.temperature"}
 
 
 @dataclasses.dataclass
@@ -21,8 +30,8 @@ class DTAOptions:
     min_shared: the shortest prefix worth sharing in the tree.
     block_tokens: the longest piece of a node forwarded in one call (``dta.planning.blocks``):
         a longer node is walked as a chain of blocks, so under ``recompute`` one block's graph
-        is alive at a time. Default 2,048 (AReaL-DTA's ``dta_block_size``); null or 0: nodes
-        are never cut.
+        is alive at a time. Default: the walker's (AReaL-DTA's ``dta_block_size``); null or 0:
+        nodes are never cut.
     dtype: the model's and the optimizer's dtype, overriding ``config.dtype`` and
         ``config.optimizer_dtype`` (e.g. ``float64`` for verification, which AReaL rejects).
     sharding: how the data-parallel ranks hold the model (``runtime.sharding``):
@@ -35,21 +44,29 @@ class DTAOptions:
     """
 
     policy: str | None = None
-    logits_chunk: int = 1024
-    min_shared: int = 1
-    block_tokens: int | None = 2048
+    logits_chunk: int = _WALK.logits_chunk
+    min_shared: int = _WALK.min_shared
+    block_tokens: int | None = _WALK.block_tokens
     dtype: str | None = None
     sharding: str | None = None
 
     def __post_init__(self):
-        if self.policy is not None and self.policy not in POLICIES:
-            raise ValueError(f"unknown DTA policy {self.policy!r}; choose one of {POLICIES}")
         if self.sharding is not None and self.sharding not in SHARDING_MODES:
             raise ValueError(f"unknown DTA sharding {self.sharding!r}; choose one of "
                              f"{SHARDING_MODES} (or leave it unset: fsdp:dN shards)")
-        if self.block_tokens is not None and (isinstance(self.block_tokens, bool)
-                                              or self.block_tokens < 0):
-            raise ValueError(f"block_tokens must be >= 0 (0 or null: no cut), got "
-                             f"{self.block_tokens!r}")
-        if self.logits_chunk < 1 or self.min_shared < 1:
-            raise ValueError("logits_chunk and min_shared must be >= 1")
+        self.walk_options()  # the walk settings' validation, naming actor.dta.<field>
+
+    @classmethod
+    def of(cls, walk: WalkOptions, **others) -> "DTAOptions":
+        """The block holding ``walk``'s settings (those AReaL's config has a key for)."""
+        return cls(policy=walk.policy, logits_chunk=walk.logits_chunk,
+                   min_shared=walk.min_shared, block_tokens=walk.block_tokens, **others)
+
+    def walk_options(self, *, policy: str | None = None, **settings) -> WalkOptions:
+        """The walk's settings: these fields, ``policy`` when this block leaves it unset (the
+        engine's choice), and ``settings`` (e.g. AReaL's ``temperature``)."""
+        values = dict(logits_chunk=self.logits_chunk, min_shared=self.min_shared,
+                      block_tokens=self.block_tokens, **settings)
+        if self.policy is not None or policy is not None:
+            values["policy"] = self.policy if self.policy is not None else policy
+        return WalkOptions.make(SPELLING, **values)

@@ -26,7 +26,7 @@ __all__ = ["WalksMixin"]
 
 
 class WalksMixin:
-    """The walks (needs ``model``, ``config``, ``dta``, ``policy``, ``device``,
+    """The walks (needs ``model``, ``config``, ``walk``: the engine's WalkOptions, ``device``,
     ``parallel``)."""
 
     # AReaL (after 1.0.4) hands R3 routing to an engine with ``_r3_enabled`` through these
@@ -78,7 +78,7 @@ class WalksMixin:
         ``train``, accumulate the exact gradient of the scaled sum by a training walk."""
         batch = self._walk_batch(ids, scales, routing)
         walker = self._walker()
-        tree = PrefixTree(batch.input_ids, min_shared=self.dta.min_shared)
+        tree = PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
         fwd = walker.forward(tree, batch, minmax=True)
         temperature = float(self.config.temperature)
         lengths = [len(s) for s in ids]
@@ -110,14 +110,10 @@ class WalksMixin:
         return values or [torch.zeros((), device=self.device)]
 
     def _walker(self) -> Walker:
-        options = self.layout.walk_options if self.layout is not None else {}
-        return checked_walker(self.model, policy=self.policy,
-                              logits_chunk=self.dta.logits_chunk,
-                              temperature=float(self.config.temperature),
-                              block_tokens=self.dta.block_tokens, **options)
+        return checked_walker(self.model, self.walk)
 
     def _record_tree(self, ids, walked: PrefixTree, forwarded: int, loss: float | None = None):
-        stats = PrefixTree(ids, min_shared=self.dta.min_shared).stats()
+        stats = PrefixTree(ids, min_shared=self.walk.min_shared).stats()
         self._last = dict(tree_token_ratio=float(stats.sharing_ratio),
                           tree_total_tokens=float(stats.total_tokens),
                           tree_unique_tokens=float(stats.unique_tokens),

@@ -26,7 +26,9 @@ from typing import Callable
 
 from dta.batch import Batch, BatchError
 from dta.config.schema import as_dict
+from dta.config.walk import walk_options
 from dta.losses import batch_totals
+from dta.options import AUTO, WalkOptions
 from dta.planning.workers import WorkerPlan, assign_workers, default_cost_model
 from dta.tree import PrefixTree
 from runtime.checkpoints import checkpoint as ckpt
@@ -49,6 +51,9 @@ class Trainer:
         self.fault = parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
         self.log = log or (lambda msg: None)
         self.vocab_size, self.max_positions, self.hf_config = model_limits(cfg)
+        # the walk settings, built once from the config (walker.block_tokens=auto: the
+        # memory model may choose the block in resolve_sharding); every worker gets this object
+        self.walk: WalkOptions = walk_options(cfg)
         self.sharding_report: dict | None = None
         self.required = required_fields(cfg)
         self.cost_model = default_cost_model(self.hf_config)
@@ -97,20 +102,21 @@ class Trainer:
         from omegaconf import OmegaConf
 
         from runtime.sharding.auto import needs_budget, resolve
-        if not needs_budget(self.cfg) and self.cfg.walker.block_tokens != "auto":
+        if not needs_budget(self.cfg) and self.cfg.walker.block_tokens != AUTO:
             return str(self.cfg.train.sharding)
         tree = PrefixTree(batch.input_ids) if batch is not None else None
         try:
-            mode, block, report = resolve(self.cfg, self.hf_config, tree)
+            mode, self.walk, report = resolve(self.cfg, self.hf_config, tree)
         except ValueError as exc:
             raise TrainingError(str(exc)) from None
         cfg = OmegaConf.create(as_dict(self.cfg))
         if str(cfg.train.sharding) == "auto":
             self.sharding_report = report
             self.log(f"train.sharding=auto -> {mode}")
-        if cfg.walker.block_tokens == "auto":
+        block = self.walk.block_tokens or 0
+        if cfg.walker.block_tokens == AUTO:
             self.log(f"walker.block_tokens=auto -> {block or 'no cut'}")
-        cfg.train.sharding, cfg.walker.block_tokens = mode, block
+        cfg.train.sharding, cfg.walker.block_tokens = mode, block  # what ran, in checkpoints
         self.cfg = cfg
         return mode
 
@@ -137,7 +143,7 @@ class Trainer:
     def _start_workers(self) -> None:
         self._generation += 1
         self.group = start_workers(self.cfg, self.num_workers, fault=self.fault,
-                                   generation=self._generation)
+                                   generation=self._generation, walk=self.walk)
         self.broken = None
         self.log(f"{self.num_workers} workers ({self.backend}, "
                  f"{'GPU' if self.backend == 'nccl' else 'CPU'}) ready")
@@ -175,7 +181,7 @@ class Trainer:
                               required=self.required)
 
     def plan(self, batch: Batch, tree: PrefixTree | None = None) -> WorkerPlan:
-        tree = tree or PrefixTree(batch.input_ids, min_shared=int(self.cfg.walker.min_shared))
+        tree = tree or PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
         return assign_workers(tree, self.num_workers, self.cost_model)
 
     # ---------------------------------------------------------------------- step --
@@ -192,7 +198,7 @@ class Trainer:
 
             warn_no_trained_token(len(batch), step)
         t0 = time.perf_counter()
-        tree = PrefixTree(batch.input_ids, min_shared=int(self.cfg.walker.min_shared))
+        tree = PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
         plan = self.plan(batch, tree)
         totals = batch_totals(batch)
         board, bar = self._step_bar(step, plan)

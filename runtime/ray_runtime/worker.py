@@ -32,7 +32,8 @@ from dta.config.schema import from_dict, loss_kwargs
 from dta.losses import Totals, batch_totals, make_loss
 from dta.model.models import build_model, load_model
 from dta.model.models import resolve_dtype
-from dta.planning.blocks import block_tokens_of
+from dta.config.walk import walk_options
+from dta.options import WalkOptions
 from dta.train import accumulate_gradients, forward_logprobs
 from runtime.ray_runtime.host import interface_of, node_id, node_ip, peak_memory, reset_peak_memory
 from runtime.sharding import make_strategy, master_dtype_for
@@ -80,15 +81,14 @@ def recompute_fields(cfg, loss) -> tuple[str, ...]:
     return tuple(out)
 
 
-def fill_recomputed(model, batch: Batch, names, cfg) -> Batch:
-    """Set ``names`` of ``batch`` to the model's current log-probs (no graph)."""
+def fill_recomputed(model, batch: Batch, names, walk: WalkOptions) -> Batch:
+    """Set ``names`` of ``batch`` to the model's current log-probs (no graph), walked with
+    the run's walk settings."""
     missing = [n for n in names if n not in batch.fields or n == "old_logprobs"]
     if not missing:
         return batch
     with torch.no_grad():
-        res = forward_logprobs(model, batch, temperature=float(cfg.walker.temperature),
-                               logits_chunk=int(cfg.walker.logits_chunk),
-                               block_tokens=block_tokens_of(cfg))
+        res = forward_logprobs(model, batch, options=walk)
     lps = [np.asarray(lp.detach().double().cpu()) for lp in res.logprobs]
     fields = dict(batch.fields)
     for n in missing:
@@ -119,9 +119,11 @@ class DFSWorker:
     """A model replica + optimizer + one rank. Methods are called by the driver."""
 
     def __init__(self, rank: int, world_size: int, cfg_dict: dict, *, use_gpu: bool = False,
-                 fault: dict | None = None):
+                 fault: dict | None = None, walk: WalkOptions | None = None):
         self.rank, self.world_size = int(rank), int(world_size)
         self.cfg = from_dict(cfg_dict)
+        # the run's walk settings: the driver's (auto resolved there), else the config's
+        self.walk = walk if walk is not None else walk_options(self.cfg)
         threads = int(self.cfg.ray.torch_threads) or max(1, round(self.cfg.ray.cpus_per_worker))
         torch.set_num_threads(threads)
         self.device = torch.device("cuda", 0) if use_gpu and torch.cuda.is_available() \
@@ -153,8 +155,11 @@ class DFSWorker:
         mode = self.mode if self.world_size > 1 else "replicate"  # one rank: nothing to shard
         self.strategy = make_strategy(mode, self.model, optimizer_factory(self.cfg.optimizer),
                                       compute_dtype=self.compute_dtype,
-                                      policy=str(self.cfg.walker.policy))
+                                      policy=self.walk.policy)
         self.model = self.strategy.model
+        needs = getattr(self.strategy, "walk_options", {})  # what the mode asks of the walk
+        if needs:
+            self.walk = self.walk.replace(**needs)
 
     @property
     def optimizer(self):
@@ -238,22 +243,15 @@ class DFSWorker:
         self.strategy.zero_grad()
         if batch is not None and len(batch):
             batch = _writable(batch)
-            batch = fill_recomputed(self.model, batch, self.recompute, self.cfg)
-            w = self.cfg.walker
+            batch = fill_recomputed(self.model, batch, self.recompute, self.walk)
             reporter = None
             if board is not None:
                 from runtime.ray_runtime.progress import Reporter
 
                 reporter = Reporter(board, int(step), self.rank)
-            res = accumulate_gradients(self.model, batch, self.loss, reduction=w.reduction,
-                                       totals=totals, policy=w.policy,
-                                       temperature=float(w.temperature),
-                                       logits_chunk=int(w.logits_chunk),
-                                       min_shared=int(w.min_shared), progress=reporter,
-                                       block_tokens=block_tokens_of(self.cfg),
-                                       router_aux_loss_coef=float(
-                                           self.cfg.actor.router_aux_loss_coef),
-                                       **getattr(self.strategy, "walk_options", {}))
+            res = accumulate_gradients(self.model, batch, self.loss,
+                                       reduction=str(self.cfg.walker.reduction), totals=totals,
+                                       options=self.walk, progress=reporter)
             if reporter is not None:
                 reporter.flush()
             stats.update(sequences=len(batch), tokens=res.tree.total_tokens,

@@ -7,11 +7,14 @@ the workers) by :func:`dta.planning.memory.plan_memory`: the cheapest mode (leas
 communication: replicate, then zero1, then fsdp) under the configured walker policy, then the
 largest block (``walker.block_tokens=auto``; a given block is priced as it is). With a fixed
 mode the budget, when one is set, still chooses an ``auto`` block; with neither an ``auto``
-mode nor a budget, an ``auto`` block is 2,048 tokens.
+mode nor a budget, an ``auto`` block is the walker's default. The run's walk settings come out
+as one :class:`dta.options.WalkOptions` (``dta.config.walk.walk_options``: the one place
+``auto`` becomes a block), which the driver hands to every worker unchanged.
 """
 from __future__ import annotations
 
-from dta.planning.blocks import DEFAULT_BLOCK_TOKENS
+from dta.config.walk import walk_options
+from dta.options import AUTO, WalkOptions
 from dta.planning.memory import BLOCKS, GIB, MODES, batch_extent, lora_params, plan_memory
 
 
@@ -30,16 +33,17 @@ def needs_budget(cfg) -> bool:
     """Whether the memory model decides something: an ``auto`` mode, or an ``auto`` block
     with a budget given."""
     return str(cfg.train.sharding) == "auto" or (
-        cfg.walker.block_tokens == "auto" and cfg.train.memory_budget_gib is not None)
+        cfg.walker.block_tokens == AUTO and cfg.train.memory_budget_gib is not None)
 
 
-def resolve(cfg, hf_config, tree=None) -> tuple[str, int, dict]:
-    """(mode, block_tokens (0: no cut), report) for ``cfg``."""
+def resolve(cfg, hf_config, tree=None) -> tuple[str, WalkOptions, dict]:
+    """(mode, the run's walk settings, report) for ``cfg``."""
     W = int(cfg.ray.num_workers)
     auto_mode = str(cfg.train.sharding) == "auto"
     block = cfg.walker.block_tokens
+    walk = walk_options(cfg)  # an auto block: the default, unless the memory model chooses
     if not needs_budget(cfg):
-        return str(cfg.train.sharding), DEFAULT_BLOCK_TOKENS if block == "auto" else int(block), {}
+        return str(cfg.train.sharding), walk, {}
     budget = cfg.train.memory_budget_gib
     budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
     path, call = batch_extent(tree) if tree is not None else (0, 0)
@@ -48,11 +52,10 @@ def resolve(cfg, hf_config, tree=None) -> tuple[str, int, dict]:
     adapters = lora_params(hf_config, int(lora.r), list(lora.target_modules)) if int(lora.r) else 0
     plan = plan_memory(hf_config, W, budget, modes=MODES if auto_mode else (str(cfg.train.sharding),),
                        adapter_params=adapters,
-                       path_tokens=path, call_tokens=call, policies=(str(cfg.walker.policy),),
-                       blocks=(BLOCKS if tree is not None else (DEFAULT_BLOCK_TOKENS,))
-                       if block == "auto" else (int(block) or None,),
-                       compute_dtype=str(cfg.model.dtype),
-                       logits_chunk=int(cfg.walker.logits_chunk))
+                       path_tokens=path, call_tokens=call, policies=(walk.policy,),
+                       blocks=BLOCKS if tree is not None and block == AUTO
+                       else (walk.block_tokens,),
+                       compute_dtype=str(cfg.model.dtype), logits_chunk=walk.logits_chunk)
     chosen = plan.chosen
     report = {"budget_bytes": int(budget), "usable_bytes": int(plan.budget), "path_tokens": path,
               "call_tokens": call, "estimates": [r.as_dict() for r in plan.tried],
@@ -62,4 +65,6 @@ def resolve(cfg, hf_config, tree=None) -> tuple[str, int, dict]:
         what = "no mode fits" if auto_mode else f"train.sharding={cfg.train.sharding} does not fit"
         raise ValueError(f"train.sharding={cfg.train.sharding}, walker.block_tokens={block}: "
                          f"{what} train.memory_budget_gib ({plan.message()})")
-    return chosen.mode, chosen.block_tokens or 0, report
+    if block == AUTO:
+        walk = walk_options(cfg, resolved_block=chosen.block_tokens or 0)
+    return chosen.mode, walk, report
