@@ -164,7 +164,8 @@ def test_piece_attention_is_the_masked_softmax():
 
 
 def test_refusals():
-    """No group, a one-rank group: nothing applied; an eager-attention model: refused."""
+    """No group: nothing applied; a ContextParallel given explicitly is used even for one rank
+    (the benchmark's C = 1 baseline); an eager-attention model: refused."""
     from dta.model.context_parallel import (ContextParallel, ContextParallelError,
                                             context_parallel_of, parallelize_context)
     from dta.model.models import build_model
@@ -173,7 +174,8 @@ def test_refusals():
     assert context_parallel_of(parallelize_context(model, None)) is None
     one = ContextParallel.__new__(ContextParallel)
     one.size, one.rank = 1, 0
-    assert context_parallel_of(parallelize_context(model, one)) is None
+    assert context_parallel_of(parallelize_context(model, one)) is one
+    assert context_parallel_of(parallelize_context(model, None)) is None
     two = ContextParallel.__new__(ContextParallel)
     two.size, two.rank = 2, 0
     eager = build_model("llama", "tiny", attn_implementation="eager")

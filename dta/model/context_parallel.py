@@ -60,13 +60,17 @@ class ContextParallel:
         self.rank = dist.get_rank(group)
         self.sent_bytes = 0
         self.collectives = 0
+        self.path_bytes = 0  # this rank's stored K/V slices and their gradients, alive now
+        self.path_bytes_peak = 0
 
     @classmethod
     def of(cls, group) -> "ContextParallel | None":
         """None for no group (or a group of one rank: nothing to spread)."""
         if group is None:
             return None
-        cp = group if isinstance(group, ContextParallel) else cls(group)
+        if isinstance(group, ContextParallel):  # given explicitly: used even for one rank
+            return group
+        cp = cls(group)
         return cp if cp.size > 1 else None
 
     # ------------------------------------------------------------------ rows --
@@ -108,7 +112,26 @@ class ContextParallel:
         parts = [x.detach()[:, :, lo:hi].clone() for x in layer]
         if requires_grad is not None:
             parts = [x.requires_grad_(need) for x, need in zip(parts, requires_grad)]
+        for x in parts:
+            self._count(x)
+            if x.requires_grad:
+                x.register_post_accumulate_grad_hook(self._count_grad)
         return ShardedState(parts, lo, hi, n)
+
+    def _count(self, t: torch.Tensor) -> None:
+        """Count ``t`` in :attr:`path_bytes` until it is freed."""
+        n = t.numel() * t.element_size()
+        self.path_bytes += n
+        self.path_bytes_peak = max(self.path_bytes_peak, self.path_bytes)
+        weakref.finalize(t, self._free, n)
+
+    def _free(self, n: int) -> None:
+        self.path_bytes -= n
+
+    def _count_grad(self, leaf: torch.Tensor) -> None:
+        if getattr(leaf, "_dta_counted", None) is not leaf.grad:  # a new gradient tensor
+            leaf._dta_counted = leaf.grad
+            self._count(leaf.grad)
 
     def state_grads(self, full: tuple, leaves: "ShardedState") -> list[tuple]:
         """(output, gradient) pairs of a popped pack's attention layer: the gradients its
