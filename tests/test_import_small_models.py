@@ -246,37 +246,57 @@ def _tiny_model(path: Path) -> str:
     return str(path)
 
 
-def _bench(calls: Path, model: str, out: Path, capsys, *extra) -> dict:
+def _bench(calls: Path, out: Path, capsys, *model) -> dict:
     modes = "padded,microbatch,treemask,dfs-node,dfs-retain,dfs-recompute"
-    rc = dta(["bench", "--input", str(calls), "--model", model, "--repeats", "1",
-              "--in-process", "--warmup", "none", "--threads", "2", "--pad-batch", "1",
-              "--modes", modes, "--out", str(out), "--json", *extra])
+    rc = dta(["bench", "--input", str(calls), *model, "--repeats", "1", "--in-process",
+              "--warmup", "none", "--threads", "2", "--pad-batch", "1", "--modes", modes,
+              "--out", str(out), "--json"])
     text, err = capsys.readouterr()
     assert rc == 0, err[-3000:]
     d = _read_json_line(text)
     assert set(d["modes"]) == set(modes.split(","))
     for m, v in d["modes"].items():
         assert v["status"] == "ok" and v["grad_rel_err"] <= 1e-4, (m, v)
+    assert d["loss"] == "nll" and d["ideal_speedup"] > 1
     return d
 
 
-def test_bench_on_imported_small_model_turns(imported, tmp_path, capsys):
-    """`dta bench --input` on the imported fixture, reduced for the default suite to what
-    --max-tokens keeps of it (the first episode, 8 calls with an empty and... turns of the
-    first task's first trial): every mode within 1e-4 of one sequence at a time."""
-    records, calls = imported
-    first = [r for r in records if r["episode"] == records[0]["episode"]]
-    budget = sum(len(r["input_ids"]) for r in first)
-    d = _bench(calls, _tiny_model(tmp_path / "model"), tmp_path / "b", capsys,
-               "--max-tokens", str(budget))
-    assert d["sequences"] == len(first) and d["input_cut"]["kept_sequences"] == len(first)
-    assert d["loss"] == "nll" and d["ideal_speedup"] > 1
+def test_bench_on_imported_small_model_turns(tok, tok_dir, tmp_path, capsys):
+    """`dta bench --input` on an import of the fixture, reduced for the default suite: task
+    48's trial 1 through its second call (an empty turn first) and trial 2 (text + tool call,
+    a whitespace-only turn), the policy cut to 600 characters and only the tool they call
+    (``tool_defs``), so that a call is ~1K tokens instead of ~6K: every mode within 1e-4 of
+    one sequence at a time. The full-length calls are the slow test below."""
+    from dta.records.jsonl import read_jsonl
+
+    raw = json.loads(FIXTURE.read_text())
+    one, two = [s for s in raw["simulations"] if s["task_id"] == "48" and s["trial"] in (1, 2)]
+    one["messages"] = one["messages"][:6]  # the greeting, the empty turn, one more call
+    raw["simulations"] = [one, two]
+    env = raw["info"]["environment_info"]
+    env["policy"] = env["policy"][:600]
+    used = {c["name"] for s in raw["simulations"] for m in s["messages"]
+            for c in m.get("tool_calls") or []}
+    env["tool_defs"] = [t for t in json.loads(SCHEMAS.read_text())["airline"]["agent"]
+                        if t["function"]["name"] in used]
+    src, calls = tmp_path / "reduced.json", tmp_path / "calls.jsonl"
+    src.write_text(json.dumps(raw))
+    assert dta(["import", "--from", "tau2", str(src), "--tokenizer", tok_dir, "--out",
+                str(calls)]) == 0
+    records = read_jsonl(str(calls))
+    assert len(records) == 8 and max(len(r["input_ids"]) for r in records) < 2000
+    assert sum(_trained(tok, r) == "<|im_end|>" for r in records) == 1  # the empty turn
+    capsys.readouterr()
+    d = _bench(calls, tmp_path / "b", capsys, "--model-size", "tiny", "--vocab-size", str(VOCAB))
+    assert d["sequences"] == 8
 
 
 @pytest.mark.slow
-def test_bench_on_whole_imported_fixture(imported, tmp_path, capsys):
-    """The same on the whole import: 93 calls, 12 episodes, 3 groups (the default suite runs
-    the first episode only)."""
+def test_bench_on_full_length_import(imported, tmp_path, capsys):
+    """The same on the full-length import (τ²'s whole policy and 14 airline tools: 5.6-7K
+    tokens a call), as much as --max-tokens keeps of it: the first episode, 8 calls."""
     records, calls = imported
-    d = _bench(calls, _tiny_model(tmp_path / "model"), tmp_path / "b", capsys)
-    assert d["sequences"] == len(records) == 93
+    first = [r for r in records if r["episode"] == records[0]["episode"]]
+    d = _bench(calls, tmp_path / "b", capsys, "--model", _tiny_model(tmp_path / "model"),
+               "--max-tokens", str(sum(len(r["input_ids"]) for r in first)))
+    assert d["sequences"] == len(first) == 8
