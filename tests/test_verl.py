@@ -29,13 +29,12 @@ with warnings.catch_warnings():
     import runtime.verl  # noqa: E402,F401
     from tensordict import TensorDict  # noqa: E402
     from verl.trainer.config import CheckpointConfig  # noqa: E402
-    from verl.utils import tensordict_utils as tu  # noqa: E402
     from verl.workers.config import ActorConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
     from verl.workers.engine.base import EngineRegistry  # noqa: E402
     from verl.workers.utils.losses import ppo_loss  # noqa: E402
-    from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
     from runtime.verl import DTAEngineConfig, use_cpu_platform  # noqa: E402
+    from runtime.verl.records import records_to_verl  # noqa: E402
 
 from dta.model.models import build_model, make_truly_float64  # noqa: E402
 from experiments.workloads import make_workload  # noqa: E402
@@ -133,49 +132,17 @@ def make_engine(backend: str, path: str, dtype: str, *, clip_grad: float = 1.0, 
 
 def verl_batch(records, *, old_logprobs=None, noise_seed: int = 0, dtype=torch.float32,
                rows=None, micro_batch_size: int | None = None) -> TensorDict:
-    """The records as verl's trainer hands them to an engine: left-padded prompts (the tokens
-    before the first trained one), right-padded responses with ``response_mask`` (the loss
-    mask), ``advantages`` (GRPO, per token) and ``old_log_probs`` (given, or 0 plus noise),
-    through verl's own ``left_right_2_no_padding``."""
+    """The records as verl's trainer hands them to an engine (``records_to_verl``), with
+    ``old_log_probs`` given or drawn around the tiny model's log-probs (-6.2 +- 0.3), so the
+    clipped ratios differ from 1 both ways."""
     recs = [records[i] for i in (rows if rows is not None else range(len(records)))]
-    prompts, responses, masks, advs = [], [], [], []
-    for r in recs:
-        ids = np.asarray(r["input_ids"], dtype=np.int64)
-        lm = np.asarray(r["loss_mask"], dtype=np.int64)
-        start = int(np.argmax(lm > 0))
-        prompts.append(ids[:start])
-        responses.append(ids[start:])
-        masks.append(lm[start:])
-        advs.append(np.full(len(ids) - start, float(np.asarray(r["advantages"])[start])))
-    B = len(recs)
-    P, R = max(map(len, prompts)), max(map(len, responses))
-    input_ids = torch.zeros(B, P + R, dtype=torch.long)
-    attention = torch.zeros(B, P + R, dtype=torch.long)
-    response_mask = torch.zeros(B, R, dtype=torch.long)
-    advantages = torch.zeros(B, R, dtype=dtype)
-    for i in range(B):
-        p, s = prompts[i], responses[i]
-        input_ids[i, P - len(p):P] = torch.as_tensor(p)
-        input_ids[i, P:P + len(s)] = torch.as_tensor(s)
-        attention[i, P - len(p):P + len(s)] = 1
-        response_mask[i, :len(s)] = torch.as_tensor(masks[i])
-        advantages[i, :len(s)] = torch.as_tensor(advs[i])
-    position_ids = torch.clip(torch.cumsum(attention, dim=-1) - 1, min=0)
     if old_logprobs is None:
+        R = max(len(r["input_ids"]) - int(np.argmax(np.asarray(r["loss_mask"]) > 0))
+                for r in recs)
         g = torch.Generator().manual_seed(noise_seed)
-        old_logprobs = -6.0 + 0.3 * torch.randn(B, R, generator=g, dtype=torch.float64)
-    td = TensorDict(dict(prompts=input_ids[:, :P], responses=input_ids[:, P:],
-                         input_ids=input_ids, attention_mask=attention,
-                         position_ids=position_ids, response_mask=response_mask,
-                         advantages=advantages, old_log_probs=old_logprobs.to(dtype)),
-                    batch_size=[B])
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=TEMPERATURE, calculate_entropy=True,
-                         use_remove_padding=True, use_dynamic_bsz=False,
-                         micro_batch_size_per_gpu=micro_batch_size or B,
-                         max_token_len_per_gpu=None, use_fused_kernels=False,
-                         global_batch_size=B)
-    return td
+        old_logprobs = -6.0 + 0.3 * torch.randn(len(recs), R, generator=g, dtype=torch.float64)
+    return records_to_verl(recs, temperature=TEMPERATURE, old_logprobs=old_logprobs,
+                           dtype=dtype, micro_batch_size=micro_batch_size)
 
 
 def grpo(agg_mode: str, *, entropy_coeff: float = 0.01):
