@@ -30,7 +30,8 @@ LAYERS = {
     "dta.context_parallel": 5, "dta.selfcheck": 5,
     "dta.train": 6,
     "dta.verify": 7,
-    "dta": 8,  # dta/__init__.py: the public names, re-exported lazily
+    "dta.fidelity": 8,
+    "dta": 9,  # dta/__init__.py: the public names, re-exported lazily
     # the runtime: storage and errors, then DCP and sharding, then the runtimes and adapters
     "runtime.errors": 0, "runtime.checkpoints": 0,
     "runtime.dcp": 1,
@@ -57,7 +58,7 @@ MODULES = _modules()
 
 def imported_modules(path: str):
     """(line, module) of every absolute import in the file, at any depth (lazy ones too);
-    ``from a import b`` also yields ``a.b`` (``b`` may be a module)."""
+    ``from a import b`` yields ``a.b`` when that is a module of the project, else ``a``."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     for node in ast.walk(tree):
@@ -65,9 +66,9 @@ def imported_modules(path: str):
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            yield node.lineno, node.module
             for alias in node.names:
-                yield node.lineno, f"{node.module}.{alias.name}"
+                sub = f"{node.module}.{alias.name}"
+                yield node.lineno, sub if sub in MODULES else node.module
 
 
 def _project_module(name: str) -> str | None:
