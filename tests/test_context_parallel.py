@@ -10,7 +10,8 @@ unrelated trees). Walked node by node in blocks of 5 tokens (blocks shorter than
 ranks splitting 1..5-row packs unevenly, some ranks holding no row of a pack) and in packs of
 up to 12 tokens (masked packs). Default suite: C = 2 and 3 on a few families (one spawned
 group per test); ``slow``: C = 2, 3, 4 x llama, qwen3, mistral, qwen3_moe (replay + aux loss),
-qwen3_5 (Gated DeltaNet) x both policies x both walks.
+qwen3_5 (Gated DeltaNet) x both policies x both walks, and LoRA and the opaque sequence-level
+loss on C = 2, 3.
 """
 import hashlib
 
@@ -27,7 +28,7 @@ MOE = {"qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "qwen3_next"}
 COEF = 0.01
 
 
-def _model_and_batch(family: str):
+def _model_and_batch(family: str, lora: bool = False):
     from dta.batch import Batch
     from dta.model.models import build_model, make_truly_float64
     from dta.train import forward_logprobs
@@ -35,6 +36,11 @@ def _model_and_batch(family: str):
     from tests.test_families import window_sequences
 
     model = build_model(family, "tiny", dtype="float64", seed=0, matrix=True)
+    if lora:  # adapters on q and v only: the keys of the first layer need no gradient
+        from dta.model.lora import apply_lora
+
+        model = apply_lora(model, r=2, alpha=4.0, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)
     make_truly_float64(model)
     seqs = window_sequences() + hard_sequences()
     if family in MOE:  # replayed routing (not the router's own choice) and the aux loss
@@ -63,17 +69,19 @@ def run_cases(group, cases):
     from dta.train import accumulate_gradients
     from dta.verify import verify
 
+    from tests.cases import SEQUENCE_LOSS
+
     out = []
-    for family, policy, walk in cases:
+    for family, policy, walk, *extra in cases:
         cp = ContextParallel(group)
-        model, batch = _model_and_batch(family)
+        model, batch = _model_and_batch(family, lora="lora" in extra)
+        loss = SEQUENCE_LOSS if "sequence_loss" in extra else PPO(eps_clip=0.2, dual_clip=3.0)
         kw = dict(WALKS[walk], router_aux_loss_coef=COEF if family in MOE else 0.0)
-        report = verify(model, batch, PPO(eps_clip=0.2, dual_clip=3.0), policy=policy,
-                        context_parallel_group=cp, **kw)
+        report = verify(model, batch, loss, policy=policy, context_parallel_group=cp, **kw)
         sent = cp.sent_bytes
         dfs = parallelize_context(copy.deepcopy(model), cp)
-        accumulate_gradients(dfs, batch, PPO(eps_clip=0.2, dual_clip=3.0), policy=policy, **kw)
-        out.append(dict(case=(family, policy, walk), report=report.as_dict(),
+        accumulate_gradients(dfs, batch, loss, policy=policy, **kw)
+        out.append(dict(case=(family, policy, walk, *extra), report=report.as_dict(),
                         packs=report.packs, sent=sent, digest=_digest(dfs)))
     return out
 
@@ -108,6 +116,16 @@ FAMILIES = ["llama", "qwen3", "mistral", "qwen3_moe", "qwen3_5"]
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_grid(size):
     check(size, [(f, p, w) for f in FAMILIES for p in ("retain", "recompute") for w in WALKS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
+def test_lora_and_sequence_loss(size):
+    """LoRA (a frozen base: some K/V need no gradient) and the opaque sequence-level loss
+    (a forward-only walk first, then the linearized training walk), both on the group."""
+    check(size, [("qwen3", "recompute", "blocks", "lora"), ("llama", "retain", "packs", "lora"),
+                 ("qwen3", "recompute", "blocks", "sequence_loss"),
+                 ("mistral", "retain", "packs", "sequence_loss")])
 
 
 # --------------------------------------------------------------- one process --
