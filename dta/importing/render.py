@@ -158,7 +158,7 @@ def _through(tok, ctx, i: int, tools, eot: str, where: str, where_i: str) -> str
     in for it)."""
     nxt = dict(ctx[i + 1], content=PROBE)
     text = _render(tok, ctx[:i + 1] + [nxt], tools, False, where)
-    at = text.find(PROBE)
+    at = text.rfind(PROBE)  # the last message's content: after everything else
     if at < 0:
         raise Unrenderable(where, "template-error", "the template does not render the content "
                            f"of message {i + 1}")
