@@ -29,6 +29,9 @@ def test_verl_extra_installed_where_required():
 
         import runtime.verl  # noqa: F401
     assert md.version("verl") == "0.9.1", "runtime/verl was checked against verl 0.9.1"
+    # `import verl` loads runtime.verl in every verl process (Ray workers too): its plugin
+    plugins = {ep.name: ep.value for ep in md.entry_points(group="verl.plugins")}
+    assert plugins.get("dta") == "runtime.verl", plugins
     registered = EngineRegistry._engines["language_model"]["dta"]
     assert set(registered) == {"cuda", "cpu"}
     assert registered["cpu"] is runtime.verl.DTAEngineWithLMHead

@@ -32,16 +32,17 @@ _DTYPES = {"fp32": "float32", "32": "float32", "bf16": "bfloat16", "fp16": "floa
 @dataclass
 class DTAEngineConfig(FSDPEngineConfig):
     """``FSDPEngineConfig`` plus ``dta``: the walk's options (``dta.options.WalkOptions``
-    fields but ``temperature``). ``strategy`` defaults to ``dta``."""
+    fields but ``temperature``). In verl's config: ``actor_rollout_ref.actor.fsdp_config.
+    _target_=runtime.verl.DTAEngineConfig`` and ``+...fsdp_config.dta.<option>=<value>``."""
 
     strategy: str = "dta"
     dta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        EngineConfig.__post_init__(self)  # FSDPEngineConfig's own accepts fsdp strategies only
-        if self.strategy != "dta":
-            raise ValueError(f"DTAEngineConfig.strategy={self.strategy!r}: the dta engine's "
-                             "config has strategy 'dta'")
+        # FSDPEngineConfig's own check accepts fsdp strategies only; verl's actor config
+        # writes its ``strategy`` into the engine config after building it (FSDPActorConfig),
+        # so the engine itself checks for ``dta`` (check_engine_config)
+        EngineConfig.__post_init__(self)
         walk_options(self)  # the walk's options are checked when the config is built
 
 

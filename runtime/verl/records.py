@@ -23,10 +23,15 @@ __all__ = ["records_to_verl"]
 def records_to_verl(records: Iterable[Mapping], *, temperature: float = 1.0,
                     old_logprobs: torch.Tensor | None = None, dtype=torch.float32,
                     calculate_entropy: bool = True, use_remove_padding: bool = True,
-                    micro_batch_size: int | None = None) -> TensorDict:
+                    micro_batch_size: int | None = None,
+                    max_token_len: int | None = None) -> TensorDict:
     """One verl actor batch of ``records`` (see the module doc). ``old_logprobs``: ``[B, R]``
     over the padded responses (default: each record's ``logprobs``, 0 where it has none);
-    ``micro_batch_size``: verl's ``micro_batch_size_per_gpu`` (default: the whole batch)."""
+    ``micro_batch_size``: verl's ``micro_batch_size_per_gpu`` (default: the whole batch);
+    ``max_token_len``: verl's dynamic micro-batching instead (``use_dynamic_bsz`` with
+    ``max_token_len_per_gpu``)."""
+    if micro_batch_size is not None and max_token_len is not None:
+        raise ValueError("give micro_batch_size or max_token_len, not both")
     recs = list(records)
     prompts, responses, masks, advs, olds = [], [], [], [], []
     for i, r in enumerate(recs):
@@ -75,8 +80,9 @@ def records_to_verl(records: Iterable[Mapping], *, temperature: float = 1.0,
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, temperature=float(temperature),
                          calculate_entropy=calculate_entropy,
-                         use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
+                         use_remove_padding=use_remove_padding,
+                         use_dynamic_bsz=max_token_len is not None,
                          micro_batch_size_per_gpu=micro_batch_size or B,
-                         max_token_len_per_gpu=None, use_fused_kernels=False,
+                         max_token_len_per_gpu=max_token_len, use_fused_kernels=False,
                          global_batch_size=B)
     return td
