@@ -263,8 +263,8 @@ def _bench(calls: Path, out: Path, capsys, *model) -> dict:
 
 def test_bench_on_imported_small_model_turns(tok, tok_dir, tmp_path, capsys):
     """`dta bench --input` on an import of the fixture, reduced for the default suite: task
-    48's trial 1 through its second call (an empty turn first) and trial 2 (text + tool call,
-    a whitespace-only turn), the policy cut to 600 characters and only the tool they call
+    48's trial 1 through its second call (an empty turn first) and trial 2 through its fifth
+    (text + tool call, then a whitespace-only turn), the policy cut to 600 characters and only the tool they call
     (``tool_defs``), so that a call is ~1K tokens instead of ~6K: every mode within 1e-4 of
     one sequence at a time. The full-length calls are the slow test below."""
     from dta.records.jsonl import read_jsonl
@@ -272,6 +272,7 @@ def test_bench_on_imported_small_model_turns(tok, tok_dir, tmp_path, capsys):
     raw = json.loads(FIXTURE.read_text())
     one, two = [s for s in raw["simulations"] if s["task_id"] == "48" and s["trial"] in (1, 2)]
     one["messages"] = one["messages"][:6]  # the greeting, the empty turn, one more call
+    two["messages"] = two["messages"][:12]  # through the whitespace-only turn's reply
     raw["simulations"] = [one, two]
     env = raw["info"]["environment_info"]
     env["policy"] = env["policy"][:600]
@@ -284,11 +285,11 @@ def test_bench_on_imported_small_model_turns(tok, tok_dir, tmp_path, capsys):
     assert dta(["import", "--from", "tau2", str(src), "--tokenizer", tok_dir, "--out",
                 str(calls)]) == 0
     records = read_jsonl(str(calls))
-    assert len(records) == 8 and max(len(r["input_ids"]) for r in records) < 2000
+    assert len(records) == 7 and max(len(r["input_ids"]) for r in records) < 2000
     assert sum(_trained(tok, r) == "<|im_end|>" for r in records) == 1  # the empty turn
     capsys.readouterr()
     d = _bench(calls, tmp_path / "b", capsys, "--model-size", "tiny", "--vocab-size", str(VOCAB))
-    assert d["sequences"] == 8
+    assert d["sequences"] == 7
 
 
 @pytest.mark.slow
