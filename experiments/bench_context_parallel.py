@@ -22,7 +22,7 @@ equal C = 1's (float32 relative L2 <= 1e-5); bytes sent per block within 10 % be
 path lengths. On 2 cores C ranks share the cores, so step times are not a speed claim (each
 rank repeats the block's projections and MLP: the docs state that cost).
 
-    python -m experiments.bench_context_parallel [--json] [--prompt 1024 --rollout 6144]
+    python -m experiments.bench_context_parallel [--json] [--prompt 1024 --rollout 4096]
 """
 from __future__ import annotations
 
@@ -86,11 +86,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--prompt", type=int, default=1024)
-    p.add_argument("--rollout", type=int, default=6144)
+    p.add_argument("--rollout", type=int, default=4096)
     p.add_argument("--short", type=int, default=None,
                    help="the second rollout length (default: --rollout / 2)")
     p.add_argument("--rollouts", type=int, default=2)
-    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--block", type=int, default=512)
     p.add_argument("--model", default="small")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
