@@ -170,6 +170,38 @@ def test_templates_that_render_empty_turns_differently(tok_dir, imported, tmp_pa
             assert a["loss_mask"] == b["loss_mask"].tolist(), (name, a["episode"], a["call"])
 
 
+def test_template_that_writes_an_empty_think_block_on_the_last_message(tok, tok_dir, tmp_path):
+    """A Qwen3-style template writes an empty think block on the last assistant message only
+    (what a non-thinking generation starts with) and none in context: each call trains the
+    block, an empty turn exactly the block and its end-of-turn token, later calls are fed it
+    as generated, and calls still chain as prefixes."""
+    from dta.importing import import_file
+    from experiments.chat_tokenizer import CHAT_TEMPLATE
+
+    old = ("{%- if message.reasoning_content %}"
+           "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}")
+    assert old in CHAT_TEMPLATE
+    qwen3ish = CHAT_TEMPLATE.replace(old, (
+        "{%- if message.reasoning_content or loop.last %}"
+        "{{- '<think>\\n' + (message.reasoning_content or '') + '\\n</think>\\n\\n' }}"))
+    got = import_file("tau2", FIXTURE, _variant(tok_dir, tmp_path / "q3", qwen3ish))
+    assert not got.skipped and len(got.records) == 93
+    block = "<think>\n\n</think>\n\n"
+    raw = json.loads(FIXTURE.read_text())
+    messages = [m for s in raw["simulations"] for _, m in _generated(s)]
+    previous = None
+    for r, m in zip(got.records, messages):
+        text = _trained(tok, r)
+        assert text.startswith(block), text[:40]
+        if not m["content"] and not m["tool_calls"]:
+            assert text == block + "<|im_end|>"
+        if previous is not None and previous["episode"] == r["episode"]:
+            assert r["input_ids"][:len(previous["input_ids"])] == previous["input_ids"]
+            fed = tok.decode(r["input_ids"][:len(previous["input_ids"])])
+            assert fed.count(block) == previous["call"] + 1  # every earlier call's block
+        previous = r
+
+
 def test_unrenderable_conversation_fails_or_is_skipped(tok, tok_dir, imported, tmp_path, capsys):
     """A conversation the template cannot render (a system message in the middle: the ChatML
     template raises) fails the import in one line naming the file, simulation, task and
