@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         for e in got.skipped:
             print(f"    {e}")
     if got.without_calls:
-        print(f"  {len(got.without_calls)} conversations have no generated agent message "
+        n = len(got.without_calls)
+        print(f"  {n} conversation{'s have' if n > 1 else ' has'} no generated agent message "
               f"(no record): {', '.join(got.without_calls[:5])}"
               + (" ..." if len(got.without_calls) > 5 else ""))
     s, t = _spread(lengths), _spread(trained)

@@ -213,8 +213,9 @@ def test_unrenderable_conversation_fails_or_is_skipped(tok, tok_dir, imported, t
 
     records, _ = imported
     raw = json.loads(FIXTURE.read_text())
-    sim = raw["simulations"][4]
+    sim, cut = raw["simulations"][4], raw["simulations"][7]
     sim["messages"].insert(5, {"role": "system", "content": "Note: the agent was restarted."})
+    cut["messages"] = cut["messages"][:2]  # the greeting and the user: no generated message
     bad = tmp_path / "broken.json"
     bad.write_text(json.dumps(raw))
     out = tmp_path / "calls.jsonl"
@@ -234,9 +235,11 @@ def test_unrenderable_conversation_fails_or_is_skipped(tok, tok_dir, imported, t
     assert where in s["skipped"]["conversations"][0]["where"]
     assert s["conversations"] == 12 and s["imported_conversations"] == 11
     assert "skipped (--skip-invalid): 1 of 12 conversations: 1 template-error" in text
+    assert s["without_calls"] == [f"{bad} simulation 7 (task {cut['task_id']})"]
+    assert "1 conversation has no generated agent message (no record)" in text
     kept = read_jsonl(str(out))
-    want = [r for r in records if r["episode"] != sim["id"]]
-    assert len(kept) == s["records"] == len(want) == len(records) - len(_generated(sim))
+    want = [r for r in records if r["episode"] not in (sim["id"], cut["id"])]
+    assert len(kept) == s["records"] == len(want)
     assert all(a["input_ids"].tolist() == b["input_ids"].tolist() for a, b in zip(kept, want))
 
     # two reasons: a template that prints a line in front once any tool result exists

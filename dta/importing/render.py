@@ -93,7 +93,8 @@ def _render(tok, messages, tools, generation_prompt: bool, where: str) -> str:
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                        add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja errors, raise_exception() in the template
-        raise Unrenderable(where, "template-error", "the chat template failed: "
+        raise Unrenderable(where, "template-error", "the chat template failed (on the "
+                           "conversation through this message): "
                            f"{' '.join(str(e).split())[:300]}") from None
     if not isinstance(text, str):
         raise Unrenderable(where, "template-error", "the chat template did not render text")
