@@ -147,7 +147,7 @@ class DTAEngine(BaseEngine):
         ``optimizer_config.clip_grad``, step -- or skip on a non-finite norm. Returns the
         norm before clipping."""
         params = self._trainable()
-        if dist.get_world_size() > 1:
+        if dist.get_world_size() > 1:  # one flat all-reduce (on the device: NCCL)
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -177,8 +177,9 @@ class DTAEngine(BaseEngine):
                                       "reference policy's log-probs)")
         rows = vb.sequences(data)
         if "loss_mask" in data.keys():
-            vb.batch_normalizers(data, rows, self.get_data_parallel_group())
-        mbs = vb.one_sequence_batches(data)
+            vb.batch_normalizers(data, rows, self.get_data_parallel_group(), self.device)
+        # each row's micro-batch on the engine's device, as verl's engines move theirs
+        mbs = [mb.to(self.device) for mb in vb.one_sequence_batches(data)]
         options = self.options.replace(temperature=vb.temperature_of(data))
         max_positions = getattr(model.config, "max_position_embeddings", None)
         batch = vb.walk_batch(rows, max_positions=max_positions)
