@@ -270,3 +270,33 @@ def test_the_areal_adapter_has_no_literal_walk_default():
             text = f.read()
         for value in (walk.block_tokens, walk.logits_chunk):
             assert not re.search(rf"(?<![\w.]){value}(?![\w.])", text), (name, value)
+
+
+def test_each_check_runs_once_per_step(tiny, monkeypatch):
+    """A sequence loss walks the batch twice (forward, then train): the PEFT check, the
+    routing checks and the shared-routing check still run once per step."""
+    from dta import train, walk
+    from dta.train import DFSTrainer
+    from tests.cases import SEQUENCE_LOSS
+
+    from dta.selfcheck import ensure_self_check
+
+    ensure_self_check(tiny)  # once per model (cached): its probe walker is not the step's
+    calls = {}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*a, **k)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in ((walk, "check_peft_model"), (walk, "check_shared_routing"),
+                         (train, "check_routing"), (walk, "check_router_aux_loss")):
+        counted(module, name)
+    trainer = DFSTrainer(tiny, torch.optim.SGD(tiny.parameters(), lr=0.0), SEQUENCE_LOSS,
+                         reduction="sum")
+    trainer.step(_batch(tiny.config.vocab_size))
+    assert calls == {"check_peft_model": 1, "check_shared_routing": 1, "check_routing": 1,
+                     "check_router_aux_loss": 1}, calls
