@@ -236,6 +236,18 @@ def test_dta_matches_verl_fsdp_every_agg_mode(model_dir, records, world1, fp64_v
         assert abs(ld - lf) <= tol * abs(lf), f"{mode}: loss {ld} vs {lf}"
         assert len(gf) == len(list(fsdp.module.parameters()))
         assert_close_dicts(gd, gf, tol, f"{mode}: gradients")
+    # normalizers the caller left unset: verl takes them from each micro-batch (here the whole
+    # batch), the dta engine from the whole batch before splitting it into rows
+    from verl.utils import tensordict_utils as tu
+
+    unset = td.clone()
+    tu.assign_non_tensor(unset, global_batch_size=None)
+    del unset["max_response_len"]
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        lf, gf = forward_backward(fsdp, unset, grpo(mode))
+        ld, gd = forward_backward(dta, unset, grpo(mode))
+        assert abs(ld - lf) <= tol * abs(lf), f"{mode}, normalizers unset: loss {ld} vs {lf}"
+        assert_close_dicts(gd, gf, tol, f"{mode}, normalizers unset: gradients")
     # one update (the last mode's gradients): AdamW + clipping, same parameters after
     for engine in (fsdp, dta):
         engine.optimizer_step()
