@@ -242,8 +242,8 @@ def test_template_not_a_prefix(tok, tok_dir, tmp_path, capsys):
     counted = _variant(tok_dir, tmp_path / "a", "{{- messages | length }}" + CHAT_TEMPLATE)
     _one_line_error(capsys, ["import", "--from", "openai", conv, "--tokenizer", counted,
                              "--out", str(out)],
-                    "conv.jsonl line 1 (conversation e1) message 1",
-                    "does not render a prefix")
+                    "conv.jsonl line 1 (conversation e1) message 3",
+                    "does not render a prefix", "rewrites the history at character 0")
     assert not out.exists()
     last_only = _variant(tok_dir, tmp_path / "b", CHAT_TEMPLATE.replace(
         "{%- if message.reasoning_content %}", "{%- if message.reasoning_content and loop.last %}"))

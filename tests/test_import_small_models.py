@@ -200,6 +200,15 @@ def test_template_that_writes_an_empty_think_block_on_the_last_message(tok, tok_
             fed = tok.decode(r["input_ids"][:len(previous["input_ids"])])
             assert fed.count(block) == previous["call"] + 1  # every earlier call's block
         previous = r
+    # consecutive generated messages: the first is last (think block) when the second's
+    # prompt is rendered without it... and in context after it; both calls still chain
+    conv = tmp_path / "two.jsonl"
+    conv.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"},
+                                             {"role": "assistant", "content": "sure"},
+                                             {"role": "assistant", "content": "done"}]}) + "\n")
+    a, b = import_file("openai", conv, str(tmp_path / "q3")).records
+    assert b["input_ids"][:len(a["input_ids"])] == a["input_ids"]
+    assert [_trained(tok, r) for r in (a, b)] == [block + "sure<|im_end|>", block + "done<|im_end|>"]
 
 
 def test_unrenderable_conversation_fails_or_is_skipped(tok, tok_dir, imported, tmp_path, capsys):

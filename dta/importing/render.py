@@ -128,16 +128,32 @@ def _completion(tok, ctx, msg, prompt: str, tools, eot: str, where: str) -> str:
     content = msg.get("content") or ""
     verbatim = not content or (content.strip() and content in full[len(prompt):])
     if full.startswith(prompt) and verbatim:
-        text = full[len(prompt):]
-    else:  # the template drops, trims or rewrites the content: render a stand-in there
-        probe = _render(tok, ctx + [dict(msg, content=PROBE)], tools, False, where)
-        if not probe.startswith(prompt) or PROBE not in probe[len(prompt):]:
-            at = _diverge(prompt, full)
-            raise Unrenderable(where, "not-after-generation-prompt",
-                               "the template does not render a prefix of this call: the "
-                               "conversation through this message does not start with its "
-                               f"generation prompt (differs at character {at})")
-        text = probe[len(prompt):].replace(PROBE, content, 1)
+        return _generated_text(full[len(prompt):], msg, eot, where)
+    # the template drops, trims or rewrites the content: render a stand-in there
+    probe = _render(tok, ctx + [dict(msg, content=PROBE)], tools, False, where)
+    if probe.startswith(prompt) and PROBE in probe[len(prompt):]:
+        return _generated_text(probe[len(prompt):].replace(PROBE, content, 1), msg, eot, where)
+    # the history renders differently with the message after it (e.g. a message before it
+    # rendered as the last one in the prompt): the message is what follows the history's
+    # last end-of-turn token and the generation prompt's own text after it
+    at, end = probe.rfind(PROBE), prompt.rfind(eot)
+    hist = probe.rfind(eot, 0, at) if at >= 0 and end >= 0 else -1
+    tail = prompt[end + len(eot):]
+    if hist >= 0 and probe.startswith(tail, hist + len(eot)):
+        hist += len(eot)
+        if verbatim and full[:hist] == probe[:hist] and full.startswith(tail, hist):
+            return _generated_text(full[hist + len(tail):], msg, eot, where)
+        return _generated_text(probe[hist + len(tail):].replace(PROBE, content, 1), msg, eot,
+                               where)
+    raise Unrenderable(where, "not-after-generation-prompt",
+                       "the template does not render a prefix of this call: the conversation "
+                       "through this message does not start with its generation prompt "
+                       f"(differs at character {_diverge(prompt, full)})")
+
+
+def _generated_text(text: str, msg, eot: str, where: str) -> str:
+    """``text`` (the message's rendering after its generation prompt) through its end-of-turn
+    token, checked to hold the message's reasoning."""
     end = text.rfind(eot)
     if end < 0:
         raise Unrenderable(where, "no-end-of-turn", "the template renders no end-of-turn token "
@@ -150,20 +166,30 @@ def _completion(tok, ctx, msg, prompt: str, tools, eot: str, where: str) -> str:
     return text
 
 
-def _through(tok, ctx, i: int, tools, eot: str, where: str, where_i: str) -> str:
+def _through(tok, ctx, i: int, j: int, generated: set, tools, eot: str, where: str,
+             where_i: str) -> str:
     """The rendering of ``ctx`` up to the end of message ``i``'s turn (through its end-of-turn
-    token) as the template renders it with the next message after it: what the next call's
-    prompt (at ``where``) must start with; the text after it is new to the model. The history
-    before message ``i`` must render as it did without the later messages (the earlier calls
-    were fed that); message ``i`` itself may render differently (its generated tokens stand
-    in for it)."""
-    nxt = dict(ctx[i + 1], content=PROBE)
-    text = _render(tok, ctx[:i + 1] + [nxt], tools, False, where)
-    at = text.rfind(PROBE)  # the last message's content: after everything else
+    token) as the template renders it with the next message after it (the next call, message
+    ``j``, when that follows at once): what the next call's prompt (at ``where``) must start
+    with; the text after it is new to the model. The history before message ``i`` must
+    render as it did without the later messages (the earlier calls were fed that); message
+    ``i`` itself may render differently (its generated tokens stand in for it), and so may
+    generated messages right before it."""
+    if j == i + 1:  # the next call's prompt: message i, then the generation prompt
+        nxt = None
+        text = _render(tok, ctx[:j], tools, True, where)
+        at = len(text)
+    else:
+        nxt = dict(ctx[i + 1], content=PROBE)
+        text = _render(tok, ctx[:i + 1] + [nxt], tools, False, where)
+        at = text.rfind(PROBE)  # the last message's content: after everything else
     if at < 0:
         raise Unrenderable(where, "template-error", "the template does not render the content "
-                           f"of message {i + 1}")
-    before = _render(tok, ctx[:i], tools, False, where) if i else ""
+                           "of the message after the previous call")
+    start = i
+    while start and start - 1 in generated:
+        start -= 1
+    before = _render(tok, ctx[:start], tools, False, where) if start else ""
     end = before.rfind(eot)
     before = before[:end + len(eot)] if end >= 0 else before
     if not text.startswith(before):
@@ -176,7 +202,8 @@ def _through(tok, ctx, i: int, tools, eot: str, where: str, where_i: str) -> str
     if cut < 0 or cut + len(eot) <= len(before):
         # no end-of-turn after message i: only right if the template renders nothing for it
         # (e.g. drops an empty turn), i.e. the rendering is the same without it
-        if _render(tok, ctx[:i] + [nxt], tools, False, where) != text:
+        if (_render(tok, ctx[:i], tools, True, where) if nxt is None else
+                _render(tok, ctx[:i] + [nxt], tools, False, where)) != text:
             raise Unrenderable(where_i, "no-end-of-turn", "in context, the template renders "
                                f"the message without the end-of-turn token {eot!r}")
     return text[:cut + len(eot)] if cut >= 0 else ""
@@ -191,13 +218,15 @@ def conversation_records(conv: Conversation, tok, *, thinking: str = "keep") -> 
     ids: list[int] = []
     out = []
     prev = None  # (index, where) of the previous generated message
-    for call, i in enumerate(conv.generated()):
+    generated = conv.generated()
+    for call, i in enumerate(generated):
         where = f"{conv.where} message {_source_index(conv, i)}"
         prompt = _render(tok, ctx[:i], conv.tools, True, where)
         if prev is None:
             new = prompt
         else:
-            head = _through(tok, ctx, prev[0], conv.tools, eot, where, prev[1])
+            head = _through(tok, ctx, prev[0], i, set(generated), conv.tools, eot, where,
+                            prev[1])
             if not prompt.startswith(head):
                 raise Unrenderable(where, "history-rewritten",
                                    "the template does not render a prefix of this call: its "
