@@ -236,6 +236,16 @@ def test_dta_matches_verl_fsdp_every_agg_mode(model_dir, records, world1, fp64_v
         assert abs(ld - lf) <= tol * abs(lf), f"{mode}: loss {ld} vs {lf}"
         assert len(gf) == len(list(fsdp.module.parameters()))
         assert_close_dicts(gd, gf, tol, f"{mode}: gradients")
+    # the walk's options from the engine config: recompute, nodes cut into blocks of 16 tokens
+    if dtype == "fp64":
+        cut = make_engine("dta", model_dir, dtype,
+                          dta=dict(policy="recompute", block_tokens=16, packing="node"))
+        assert (cut.options.policy, cut.options.block_tokens) == ("recompute", 16)
+        lf, gf = forward_backward(fsdp, td, grpo("token-mean"))
+        lc, gc = forward_backward(cut, td, grpo("token-mean"))
+        assert abs(lc - lf) <= tol * abs(lf)
+        assert_close_dicts(gc, gf, tol, "recompute, blocks of 16: gradients")
+        assert cut.last["dta_forwarded_tokens"] > dta.last["dta_forwarded_tokens"]  # re-forwards
     # normalizers the caller left unset: verl takes them from each micro-batch (here the whole
     # batch), the dta engine from the whole batch before splitting it into rows
     from verl.utils import tensordict_utils as tu
