@@ -60,6 +60,9 @@ def add_arguments(p) -> None:
     p.add_argument("--context-parallel", type=int, default=1, metavar="C",
                    help="walk the DFS side on C local gloo ranks (CPU) that store the path's "
                         "K/V spread over the group (docs/context-parallel.md; default 1)")
+    from dta_cli import fidelity
+
+    fidelity.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -128,6 +131,10 @@ def run(args) -> int:
             batch.fields["advantages"] = [np.ones(len(s)) for s in batch.input_ids]
     if args.context_parallel > 1:  # the DFS side on a group of gloo ranks
         verify = verify_on_group(args.context_parallel)
+    if args.against:  # bf16 fidelity against the float64 truth (dta/fidelity.py)
+        from dta_cli import fidelity
+
+        return fidelity.run(args, model, batch, loss, walk)
     report = verify(model, batch, loss, reduction=args.reduction, progress=True, options=walk)
     tol = args.tolerance or (1e-10 if report.dtype == "float64" else 1e-4)
     ok = report.passed(tol)  # NaN/inf anywhere: a failure

@@ -1,5 +1,14 @@
 #!/usr/bin/env bash
-# The benchmark on the lent GPU (one H200; at most 10 minutes per command): a τ²-airline
+# The GPU run (one H200; at most 10 minutes per command), three stages in one results folder:
+#  1. checks (experiments/gpu_checks.py): the split attention through every kernel backend
+#     against one masked SDPA call (bf16, float32), `dta verify` float32 exactness and bf16
+#     fidelity against float64 on Qwen3-0.6B- and Qwen3.5-shaped random-init models, the
+#     GDN kernel's self-check, and no dense mask over cached keys (CHECKS_S seconds at most);
+#  2. the benchmark below;
+#  3. the blocks memory run (experiments/bench_blocks.py, what the budget leaves, >= 30 s);
+# then one JSON line (also gpu.json) with each stage's verdict and figures.
+#
+# The benchmark: a τ²-airline
 # per-call batch in bf16 on Qwen3-0.6B- and Qwen3-1.7B-shaped random-init models, with sdpa,
 # flex_attention (the DFS packs' tree masks as FlexAttention block masks) and, where flash-attn
 # is installed, flash_attention_2 (packs with branches cannot take a mask there: only the
@@ -12,9 +21,12 @@
 #   experiments/bench/gpu.sh [DEST]     DEST default: $OUT (the device tool's folder), else
 #                                       results/gpu-<date>
 # Knobs (environment): SIZES ATTNS MODES SCALE DTYPE DEVICE REPEATS BUDGET_S MIN_LEFT_S
-#   PAD_BATCH MICROBATCH_TOKENS TREE_TOKENS PACK_TOKENS PYTHON.
+#   PAD_BATCH MICROBATCH_TOKENS TREE_TOKENS PACK_TOKENS PYTHON; CHECK_SIZE CHECK_FAMILIES
+#   CHECKS_S; BLOCKS (the block settings) BLOCKS_SIZE BLOCKS_SCALE BLOCKS_S (reserved; 0: no
+#   blocks run).
 # CPU check of this script (what tests/test_bench_gpu_script.py runs):
-#   DEVICE=cpu SIZES=tiny SCALE=tiny DTYPE=float32 REPEATS=1 experiments/bench/gpu.sh /tmp/g
+#   DEVICE=cpu SIZES=tiny SCALE=tiny DTYPE=float32 REPEATS=1 CHECK_FAMILIES=qwen3 \
+#     BLOCKS="0 4096" BLOCKS_SIZE=tiny BLOCKS_SCALE=0.05 experiments/bench/gpu.sh /tmp/g
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 DEST=${1:-${OUT:-results/gpu-$(date +%Y%m%d-%H%M%S)}}
@@ -30,6 +42,13 @@ PAD_BATCH=${PAD_BATCH:-8}       # padded mode: [8, S_max] batches
 MICROBATCH_TOKENS=${MICROBATCH_TOKENS:-16384}
 TREE_TOKENS=${TREE_TOKENS:-32768}
 PACK_TOKENS=${PACK_TOKENS:-2048}  # a GPU pays more per call: bigger packs
+if [ "$DEVICE" = cpu ]; then CHECK_SIZE=${CHECK_SIZE:-tiny}; else CHECK_SIZE=${CHECK_SIZE:-qwen3-0.6b}; fi
+CHECK_FAMILIES=${CHECK_FAMILIES:-qwen3,qwen3_5}
+CHECKS_S=${CHECKS_S:-150}
+BLOCKS=${BLOCKS:-"0 2048 1024"}
+BLOCKS_SIZE=${BLOCKS_SIZE:-small}
+BLOCKS_SCALE=${BLOCKS_SCALE:-1}
+BLOCKS_S=${BLOCKS_S:-100}
 mkdir -p "$DEST"
 start=$(date +%s)
 
@@ -48,6 +67,16 @@ print(json.dumps(info))
 EOF
 cat "$DEST/env.json"
 
+echo "== checks ($CHECK_SIZE: $CHECK_FAMILIES)"
+timeout --kill-after=10 "$CHECKS_S" "$PY" -m experiments.gpu_checks --device "$DEVICE" \
+    --size "$CHECK_SIZE" --families "$CHECK_FAMILIES" --out "$DEST/checks" --json \
+    > "$DEST/checks.log" 2>&1
+checks_rc=$?
+tail -n 1 "$DEST/checks.log" > "$DEST/checks.json"
+grep -E '^(attention|PASS|FAIL|qwen)' "$DEST/checks.log" | sed 's/^/   /'
+echo "   checks rc=$checks_rc"
+BENCH_END=$(( BUDGET_S - BLOCKS_S ))  # the benchmark leaves the blocks run its time
+
 if [ -z "${ATTNS:-}" ]; then
     ATTNS=sdpa
     [ "$DEVICE" != cpu ] && ATTNS="sdpa flex_attention"
@@ -63,7 +92,7 @@ fi
 status=0
 for attn in $ATTNS; do
     for size in $SIZES; do
-        left=$(( BUDGET_S - ($(date +%s) - start) ))
+        left=$(( BENCH_END - ($(date +%s) - start) ))
         name="$size-$attn"
         if [ "$left" -lt "$MIN_LEFT_S" ]; then
             echo "skip $name: ${left}s left" | tee -a "$DEST/skipped.txt"
@@ -89,9 +118,33 @@ for attn in $ATTNS; do
     done
 done
 
+blocks_rc=skipped
+left=$(( BUDGET_S - ($(date +%s) - start) ))
+if [ "$BLOCKS_S" -gt 0 ] && [ "$left" -ge 30 ]; then
+    echo "== blocks (${left}s left): $BLOCKS"
+    # shellcheck disable=SC2086
+    timeout --kill-after=10 "$left" "$PY" -m experiments.bench_blocks --device "$DEVICE" \
+        --blocks $BLOCKS --size "$BLOCKS_SIZE" --scale "$BLOCKS_SCALE" --repeats 1 --out "$DEST/blocks" --json \
+        > "$DEST/blocks.log" 2>&1
+    blocks_rc=$?
+    tail -n 1 "$DEST/blocks.log" > "$DEST/blocks.json"
+    echo "   blocks rc=$blocks_rc"
+else
+    echo "skip blocks: ${left}s left" | tee -a "$DEST/skipped.txt"
+fi
+
 {
-    echo "# GPU benchmark ($(date -u +%Y-%m-%dT%H:%MZ)), $(cat "$DEST/env.json")"
+    echo "# GPU run ($(date -u +%Y-%m-%dT%H:%MZ)), $(cat "$DEST/env.json")"
+    echo
+    echo '## checks'
+    echo '```'
+    grep -E '^(attention|PASS|FAIL|qwen)' "$DEST/checks.log"
+    echo '```'
     for f in "$DEST"/*/results.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
 } > "$DEST/summary.md"
+"$PY" -m experiments.gpu_summary "$DEST" "$checks_rc" "$blocks_rc" \
+    "$(( $(date +%s) - start ))" > "$DEST/gpu.json"
 echo "done in $(( $(date +%s) - start ))s: $DEST/summary.md"
+cat "$DEST/gpu.json"
+[ "$checks_rc" -ne 0 ] && status=$checks_rc
 exit $status

@@ -1,0 +1,33 @@
+"""experiments/bench/gpu.sh, on CPU with tiny sizes (the script's header cites this file): the
+checks stage (split attention per backend, float32 verify, bf16 fidelity, no dense mask over
+cached keys), the benchmark and the blocks run complete and end in one JSON line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.test_bench_run import ROOT, _env, check_summary
+
+
+def test_gpu_script_cpu_path(tmp_path):
+    env = dict(_env(), DEVICE="cpu", SIZES="tiny", SCALE="tiny", DTYPE="float32", REPEATS="1",
+               MODES="microbatch,treemask,dfs-retain", PYTHON=sys.executable, BUDGET_S="400",
+               CHECK_FAMILIES="qwen3", BLOCKS="0 4096", BLOCKS_SIZE="tiny", BLOCKS_SCALE="0.05")
+    proc = subprocess.run(["bash", str(ROOT / "experiments/bench/gpu.sh"), str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line == json.loads((tmp_path / "gpu.json").read_text())
+    assert line["env"]["device"] == "cpu" and line["checks_rc"] == 0 and line["checks_passed"]
+    checks = line["checks"]
+    assert checks["dense_path_masks"] == 0 and len(checks["attention"]) == 8
+    assert all(r["ok"] and r["kernels"] == ["cpu_flash", "cpu_flash"] for r in checks["attention"])
+    (m,) = checks["models"]
+    assert m["verify_float32"]["passed"] and m["fidelity_bf16"]["passed"]
+    d = json.loads((tmp_path / "tiny-sdpa.json").read_text())
+    check_summary(d, ["microbatch", "treemask", "dfs-retain"])
+    assert line["bench"]["tiny-sdpa"]["headline"] == d["headline"]
+    assert line["blocks_rc"] == 0 and len(line["blocks"]["results"]) == 2 and "none" in line["blocks"]["results"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## checks" in summary and ("tiny-sdpa" in summary or "qwen3-tiny" in summary)
