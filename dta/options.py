@@ -29,6 +29,8 @@ __all__ = ["WalkOptions", "WalkOptionError", "POLICIES", "PACKINGS", "ROUTER_AUX
 
 POLICIES = ("retain", "recompute")  # memory policies (dta/walk.py: Retain, Recompute)
 ROUTER_AUX_LOSS = ("refuse", "exclude")  # dta.model.modeling.check_router_aux_loss
+# the split attention's kernels (dta.model.attention_kernels: the table's rows per device)
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 # ``block_tokens`` as a run config may give it: the memory model's choice for the budget when
 # one is set (runtime.sharding.auto), else the field's default (dta.config.walk.walk_options)
 AUTO = "auto"
@@ -83,6 +85,10 @@ class WalkOptions:
     native_gqa: the attention backend of the walk: True runs ``sdpa`` models on ``dta_sdpa``
         (``dta.model.attention``: SDPA's grouped-query path, and forwards over cached keys
         split at the cache boundary); False leaves the model's own attention.
+    attention_backend: the split attention's kernels under ``native_gqa``
+        (``dta.model.attention_kernels``): ``auto`` takes each device row's first available
+        kernel, ``torch`` only torch's own ops, ``flash_attn`` requires flash-attn for the
+        unmasked and causal pieces on CUDA (docs/gpu.md).
     min_shared: the shortest prefix worth sharing in the prefix tree (``dta.tree``).
     pack_cost: the cost model of ``packing=auto`` (None: the model's FLOPs,
         :meth:`dta.planning.packs.PackCost.from_config`).
@@ -98,6 +104,7 @@ class WalkOptions:
     router_aux_loss: str = "refuse"
     router_aux_loss_coef: float = 0.0
     native_gqa: bool = True
+    attention_backend: str = "auto"
     min_shared: int = 1
     pack_cost: PackCost | None = None
 
@@ -136,6 +143,7 @@ class WalkOptions:
         if not isinstance(self.native_gqa, (bool, np.bool_)):
             bad("native_gqa", "true or false")
         object.__setattr__(self, "native_gqa", bool(self.native_gqa))
+        choice("attention_backend", ATTENTION_BACKENDS)
         if self.pack_cost is not None and not isinstance(self.pack_cost, PackCost):
             bad("pack_cost", "a dta.planning.packs.PackCost (or None: the model's FLOPs)")
 

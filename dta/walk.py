@@ -277,7 +277,8 @@ class Walker:
         """A walk's scope: attention on SDPA's native grouped-query path, and the head's
         logits workspace released when the walk ends (also when it raises)."""
         try:
-            with native_gqa(self.model, self.options.native_gqa), self.io.walking():
+            with native_gqa(self.model, self.options.native_gqa,
+                            self.options.attention_backend), self.io.walking():
                 yield
         finally:
             self.head.release()

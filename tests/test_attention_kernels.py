@@ -165,3 +165,21 @@ def test_flex_forward_over_pack_block_masks_equals_sdpa():
     with pytest.raises(NotImplementedError, match="backward on CPU"):
         qg = q.clone().requires_grad_()
         flex.forward(qg, kq, vq, flex.prepare(own, q.dtype), 0.25)
+
+
+def test_the_backend_is_a_walk_setting():
+    """``attention_backend`` (dta.options.WalkOptions) picks the kernels of the walk: torch's own
+    ops instead of flash-attn on the CUDA rows, the same gradients; a bad name is refused."""
+    from dta.options import WalkOptionError, WalkOptions
+
+    with pytest.raises(WalkOptionError, match="attention_backend"):
+        WalkOptions(attention_backend="fast")
+    model, batch, ref, g_ref = _pieces_of_the_walk("llama")
+    with ak.stand_in("cuda") as calls:
+        model.zero_grad(set_to_none=True)
+        res = accumulate_gradients(model, batch, LOSS, packing="subtrees", pack_tokens=20,
+                                   attention_backend="torch")
+    assert calls["cuda_flash"] > 0 and calls["flash_attn"] == 0, dict(calls)
+    assert abs(res.loss - ref.loss) <= 1e-10 * abs(ref.loss)
+    assert _worst(_grads(model), g_ref) <= 1e-10
+    assert ak.backend == "auto"  # the walk's setting does not outlive the walk

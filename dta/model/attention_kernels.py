@@ -58,9 +58,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dta.options import ATTENTION_BACKENDS, WalkOptions
+
 aten = torch.ops.aten
 KINDS = ("none", "causal", "tree")
-BACKENDS = ("auto", "torch", "flash_attn")
+BACKENDS = ATTENTION_BACKENDS  # the walk setting's choices (dta.options: defined and validated there)
 FLEX_BUCKET = 128  # the pack's own keys are padded to a multiple of this for FlexAttention
 
 
@@ -343,9 +345,11 @@ def device_type(t: torch.Tensor) -> str:
     return _device_override.get(t.device.type, t.device.type)
 
 
-def kernel_for(device: str, dtype: torch.dtype, kind: str, backend: str = "auto") -> Kernel | None:
+def kernel_for(device: str, dtype: torch.dtype, kind: str, backend: str | None = None) -> Kernel | None:
     """The kernel for a piece of mask ``kind`` on ``device`` in ``dtype``; None: no row (the
-    caller keeps the single masked call). ``backend`` as :data:`BACKENDS` says."""
+    caller keeps the single masked call). ``backend`` as :data:`BACKENDS` says (None: the
+    walk's, :data:`backend`)."""
+    backend = globals()["backend"] if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"attention kernels: unknown backend {backend!r}; one of {', '.join(BACKENDS)}")
     for k in TABLE.get((device, dtype, kind), ()):
@@ -361,7 +365,7 @@ def kernel_for(device: str, dtype: torch.dtype, kind: str, backend: str = "auto"
     return None
 
 
-def kernels_of(t: torch.Tensor, tree: bool, backend: str = "auto") -> tuple | None:
+def kernels_of(t: torch.Tensor, tree: bool, backend: str | None = None) -> tuple | None:
     """(kernel of the cached keys, kernel of the pack's own keys) for queries ``t``, or None."""
     dev = device_type(t)
     cached = kernel_for(dev, t.dtype, "none", backend)
@@ -370,7 +374,7 @@ def kernels_of(t: torch.Tensor, tree: bool, backend: str = "auto") -> tuple | No
 
 
 # the backend of the walk running now (``dta.model.attention.native_gqa`` sets it)
-backend = "auto"
+backend = WalkOptions.default("attention_backend")
 
 
 @contextlib.contextmanager

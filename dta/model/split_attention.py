@@ -224,14 +224,15 @@ def _pieces_of(joined: torch.Tensor, pieces) -> tuple | None:
 
 def split_attention(query, key, value, split: Split, scale: float | None,
                     key_pieces=None, value_pieces=None, tape: Tape | None = None,
-                    backend: str = "auto") -> torch.Tensor | None:
+                    backend: str | None = None) -> torch.Tensor | None:
     """``softmax(q Kᵀ·scale + mask) V`` for ``split``'s mask, [B, H, T, D]; None when the
     kernel table has no row for the queries' device and dtype (the caller keeps one masked
     call). ``key_pieces`` / ``value_pieces``: the tensors ``key`` / ``value`` were concatenated
     from (along the positions); when given, the backward keeps those instead of ``key`` and
     ``value`` and hands each its own gradient -- the joined copy of the path's K/V is then
     freed after the forward. ``tape``: keep the result (a forward without grad), or take it
-    back (once the tape has ``recorded``). ``backend``: :data:`dta.model.attention_kernels.BACKENDS`."""
+    back (once the tape has ``recorded``). ``backend``: :data:`dta.model.attention_kernels.BACKENDS`
+    (None: the walk's)."""
     kernels = kernels_of(query, split.own is not None, backend)
     if kernels is None:
         return None
