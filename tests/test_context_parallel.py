@@ -199,3 +199,30 @@ def test_refusals():
     eager = build_model("llama", "tiny", attn_implementation="eager")
     with pytest.raises(ContextParallelError, match="attention implementation 'sdpa'"):
         parallelize_context(eager, two)
+
+
+# ------------------------------------------------------------------------ the CLI --
+def test_cli_verify_refuses_a_bad_group_size(capsys):
+    from dta_cli.main import main
+
+    with pytest.raises(SystemExit, match="--context-parallel must be an integer >= 1"):
+        main(["verify", "--family", "qwen3", "--context-parallel", "0"])
+
+
+@pytest.mark.slow
+def test_cli_verify_context_parallel(capsys):
+    """The issue's command, and a walk that spreads a path over 3 ranks."""
+    import json
+
+    from dta_cli.main import main
+
+    assert main(["verify", "--family", "qwen3", "--dtype", "float64", "--context-parallel", "2",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["passed"] and got["context_parallel"] == 2 and got["max_rel_err"] <= TOL
+    assert main(["verify", "--family", "qwen3", "--dtype", "float64", "--context-parallel", "3",
+                 "--packing", "node", "--block-tokens", "16", "--policy", "recompute",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["passed"] and got["context_parallel"] == 3 and got["max_rel_err"] <= TOL
+    assert got["context_parallel_sent_bytes"] > 0
