@@ -45,6 +45,8 @@ KEY_USE: dict[str, str] = {
     "train.log_dir": "metrics log", "train.export_hf": "save_pretrained at the end",
     "train.sharding": "sharding mode (runtime.sharding)",
     "train.memory_budget_gib": "memory budget of sharding=auto (dta.planning.memory)",
+    "train.context_parallel": "ranks per tree: context-parallel groups of the workers "
+                              "(runtime.ray_runtime.worker, dta.model.context_parallel)",
     "ray.address": "cluster", "ray.num_workers": "workers", "ray.cpus_per_worker": "workers",
     "ray.gpus_per_worker": "workers", "ray.placement": "workers' placement group",
     "ray.object_store_memory": "local instance",

@@ -124,6 +124,10 @@ class TrainConfig:
     # memory_budget_gib, by dta.planning.memory).
     sharding: str = "replicate"
     memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
+    # Ranks per tree (docs/context-parallel.md): each group of this many workers walks the same
+    # trees with their K/V spread over the group; the data-parallel size is ray.num_workers /
+    # context_parallel (trees are balanced over the data-parallel groups). 1: off.
+    context_parallel: int = 1
 
 
 @dataclass
@@ -328,6 +332,7 @@ _RANGES: dict[str, tuple] = {
     "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
     "train.keep_last": (lambda v: v >= 0, ">= 0 (0: keep all)"),
     "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
+    "train.context_parallel": (lambda v: v >= 1, ">= 1 (ranks per tree; 1: off)"),
     "stream.target_sequences": (lambda v: v >= 0, ">= 0"),
     "stream.target_tokens": (lambda v: v >= 0, ">= 0"),
     "workload.sequences_per_step": (lambda v: v >= 0, ">= 0"),
@@ -384,6 +389,14 @@ def validate_config(cfg) -> None:
         raise ConfigError("bad value for config key 'train.sharding': fsdp with LoRA "
                           "(model.lora.r > 0) is not supported; use replicate or zero1 (the "
                           "adapters' gradients and optimizer state are small)")
+    cp, workers = int(_get(cfg, "train.context_parallel")), int(_get(cfg, "ray.num_workers"))
+    if workers % cp:
+        raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} does not "
+                          f"divide ray.num_workers={workers} (the data-parallel size is "
+                          "ray.num_workers / train.context_parallel)")
+    if cp > 1 and _get(cfg, "train.sharding") != "replicate":
+        raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} runs with "
+                          f"train.sharding=replicate only (got {_get(cfg, 'train.sharding')!r})")
     address = _get(cfg, "ray.address")
     if address is not None and not str(address).strip():
         raise ConfigError("bad value for config key 'ray.address': empty (use null for a "

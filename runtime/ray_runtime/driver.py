@@ -180,9 +180,16 @@ class Trainer:
         return batch.validate(vocab_size=self.vocab_size, max_positions=self.max_positions,
                               required=self.required)
 
+    @property
+    def context_parallel(self) -> int:
+        """Ranks per tree (train.context_parallel): ranks [g·C, (g+1)·C) form group g."""
+        return int(self.cfg.train.context_parallel)
+
     def plan(self, batch: Batch, tree: PrefixTree | None = None) -> WorkerPlan:
+        """Trees balanced over the data-parallel groups (ray.num_workers / context_parallel):
+        the ranks of a context-parallel group walk the same share."""
         tree = tree or PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
-        return assign_workers(tree, self.num_workers, self.cost_model)
+        return assign_workers(tree, self.num_workers // self.context_parallel, self.cost_model)
 
     # ---------------------------------------------------------------------- step --
     def step(self, batch: Batch, step: int | None = None) -> StepStats:
@@ -203,7 +210,8 @@ class Trainer:
         totals = batch_totals(batch)
         board, bar = self._step_bar(step, plan)
         refs = {}
-        for rank, (w, ids) in enumerate(zip(self.workers, plan.workers)):
+        for rank, w in enumerate(self.workers):
+            ids = plan.workers[rank // self.context_parallel]  # its data-parallel group's share
             part = batch.subset(ids) if ids else None
             refs[w.step.remote(step, part, totals, board)] = rank
         try:

@@ -88,4 +88,17 @@ def summarize(history: list[StepStats], trainer=None) -> dict:
             out["placement"] = group.placement.strategy if group.placement else None
             out["rendezvous"] = group.rendezvous
         out["completed_steps"] = trainer.completed_steps
+        cp = getattr(trainer, "context_parallel", 1)  # docs/context-parallel.md
+        if isinstance(cp, int):
+            W = len(history[0].workers)
+            out["context_parallel"] = cp
+            out["data_parallel"] = W // cp
+            out["context_parallel_groups"] = [list(range(g * cp, (g + 1) * cp))
+                                              for g in range(W // cp)]
+            sent: dict[int, int] = {}  # per rank, the run's bytes sent by the path attention
+            for s in history:
+                for w in s.workers:
+                    sent[w["rank"]] = sent.get(w["rank"], 0) + int(
+                        w.get("context_parallel_sent_bytes", 0))
+            out["context_parallel_sent_bytes"] = [sent[r] for r in sorted(sent)]
     return out

@@ -34,6 +34,7 @@ from dta.model.models import build_model, load_model
 from dta.model.models import resolve_dtype
 from dta.config.walk import walk_options
 from dta.options import WalkOptions
+from dta.model.context_parallel import context_parallel_of, parallelize_context
 from dta.train import accumulate_gradients, forward_logprobs
 from runtime.ray_runtime.host import interface_of, node_id, node_ip, peak_memory, reset_peak_memory
 from runtime.sharding import make_strategy, master_dtype_for
@@ -219,8 +220,23 @@ class DFSWorker:
             dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                     world_size=self.world_size, timeout=timeout)
         self.group = True
+        self._context_parallel()
         self._build_strategy()
         return self.info()
+
+    def _context_parallel(self) -> None:
+        """train.context_parallel = C > 1: ranks [g·C, (g+1)·C) walk the same trees with their
+        K/V spread over them (docs/context-parallel.md); every rank creates every group (a
+        collective), in the same order, and keeps its own."""
+        import torch.distributed as dist
+
+        C = int(self.cfg.train.context_parallel)
+        self.cp_rank = self.rank % C
+        if C == 1:
+            return
+        groups = [dist.new_group(list(range(g * C, (g + 1) * C)))
+                  for g in range(self.world_size // C)]
+        parallelize_context(self.model, groups[self.rank // C])
 
     # --------------------------------------------------------------- step --
     def step(self, step: int, batch: Batch | None, totals: Totals, board=None) -> dict:
@@ -249,9 +265,12 @@ class DFSWorker:
                 from runtime.ray_runtime.progress import Reporter
 
                 reporter = Reporter(board, int(step), self.rank)
+            cp = context_parallel_of(self.model)
+            sent = cp.sent_bytes if cp is not None else 0
             res = accumulate_gradients(self.model, batch, self.loss,
                                        reduction=str(self.cfg.walker.reduction), totals=totals,
                                        options=self.walk, progress=reporter)
+            stats["context_parallel_sent_bytes"] = cp.sent_bytes - sent if cp is not None else 0
             if reporter is not None:
                 reporter.flush()
             stats.update(sequences=len(batch), tokens=res.tree.total_tokens,
@@ -259,6 +278,11 @@ class DFSWorker:
                          recomputed_tokens=res.walk.recomputed_tokens, loss=float(res.loss),
                          max_live_graphs=res.walk.max_live_graphs,
                          max_call_tokens=res.walk.max_call_tokens)
+            if getattr(self, "cp_rank", 0):  # context parallel: the group's first rank alone
+                for p in self.model.parameters():  # gives the (identical) gradient and the
+                    p.grad = None  # figures summed over ranks; the others give nothing
+                stats.update(loss=0.0, tokens=0, unique_tokens=0)
+        stats["context_parallel_rank"] = getattr(self, "cp_rank", 0)
         t1 = time.perf_counter()
         if self.fault and self.fault["rank"] == self.rank and self.fault["step"] == int(step):
             os._exit(1)  # fault injection: die after accumulating, before the all-reduce
