@@ -150,11 +150,11 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.parallel.rank
+        return self.parallel.data_parallel_rank
 
     @property
     def data_parallel_world_size(self) -> int:
-        return self.parallel.world_size
+        return self.parallel.data_parallel_size
 
     def current_data_parallel_head(self) -> int:
         return self.parallel.head
@@ -187,8 +187,14 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             torch.cuda.set_device(self.device)
         compute = resolve_dtype(self.dta.dtype or self.config.dtype)
         storage = resolve_dtype(self.dta.dtype or self.config.optimizer_dtype)
-        self.sharding = resolve_sharding(self.dta.sharding, self.world_size,
+        # context parallel (fsdp:dNcC): the ranks of a group hold one replica between them;
+        # the layout is that of the N data-parallel groups
+        self.sharding = resolve_sharding(self.dta.sharding, self.parallel.data_parallel_size,
                                          trains=self.optimizer_config is not None)
+        if self.parallel.context_parallel > 1 and self.sharding != "replicate":
+            raise NotImplementedError(
+                f"DTATrainEngine with context parallel size {self.parallel.context_parallel} "
+                f"runs replicated (actor.dta.sharding=replicate), not {self.sharding}")
         if self.use_lora and self.sharding == "fsdp":
             raise NotImplementedError("DTATrainEngine with use_lora=True runs replicated or "
                                       "zero1 (actor.dta.sharding=replicate | zero1), not fsdp: "
@@ -325,7 +331,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self.optimizer_zero_grad()
         ids, mbs, routing, _ = self._sequences(input_, self.device)
         # replicas average the ranks' gradients (× DP size, as FSDPEngine); shards sum them
-        multiplier = self.world_size if self.layout is None else 1
+        multiplier = self.parallel.data_parallel_size if self.layout is None else 1
         scales = self._loss_scales(mbs, loss_weight_fn, multiplier=multiplier)
         self._walk(ids, mbs, loss_fn, scales, train=True, routing=routing)
         stats = self.optimizer_step()

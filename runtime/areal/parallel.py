@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 __all__ = ["DataParallel", "init_default_group", "strategy_of"]
 
-_REFUSED = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-            "expert_parallel_size")
+_REFUSED = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
 
 
 def strategy_of(backend, parallel_strategy=None):
     """AReaL's ``ParallelStrategy`` from an explicit one or the ``backend`` string
-    (``"fsdp:d2"``); refuses model parallelism, which the DFS walker does not do."""
+    (``"fsdp:d2"``); refuses model parallelism, which the DFS walker does not do. Context
+    parallelism (``fsdp:d1c2``) is the walker's: each group of ``c`` ranks walks the same trees
+    with their K/V spread over it (docs/context-parallel.md)."""
     strategy = parallel_strategy
     if strategy is None and isinstance(backend, str) and ":" in backend:
         from areal.api.alloc_mode import ModelAllocation
@@ -69,6 +70,8 @@ class DataParallel:
 
     def __init__(self):
         self.rank, self.world_size = 0, 1
+        self.context_parallel = 1  # ranks per tree (AReaL's ``c``)
+        self.cp_group = None  # this rank's context-parallel group (None: c = 1)
         self.dp_group = self.mp_group = self.cpu_group = None
         self.own_global_group = False
         self.ready = False
@@ -77,11 +80,17 @@ class DataParallel:
         strategy = strategy_of(backend, parallel_strategy)
         if init_default_group():
             self.own_global_group = True
+        self.context_parallel = int(getattr(strategy, "context_parallel_size", 1) or 1)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world % self.context_parallel:
+            raise ValueError(f"context-parallel size {self.context_parallel} (from {backend!r}) "
+                             f"does not divide the {world} process(es) running")
         self._make_groups()
         dp = getattr(strategy, "data_parallel_size", None)
-        if dp not in (None, self.world_size):
+        if dp not in (None, self.data_parallel_size):
             raise ValueError(f"data-parallel size {dp} (from {backend!r}) differs from the "
-                             f"{self.world_size} process(es) running")
+                             f"{self.world_size} process(es) running / context-parallel size "
+                             f"{self.context_parallel}")
         self.ready = True
 
     def ensure_group(self) -> None:
@@ -97,30 +106,56 @@ class DataParallel:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.dp_group = dist.group.WORLD
             self.cpu_group = dist.new_group(backend="gloo")
-            for r in range(self.world_size):  # every rank creates every group
-                group = dist.new_group([r])
-                if r == self.rank:
-                    self.mp_group = group
+            C = self.context_parallel
+            if C == 1:
+                for r in range(self.world_size):  # every rank creates every group
+                    group = dist.new_group([r])
+                    if r == self.rank:
+                        self.mp_group = group
+                return
+            # context parallel: ranks [g·C, (g+1)·C) walk the same trees (their model-parallel
+            # group, headed by g·C); the ranks with the same place in their groups are a
+            # data-parallel group (the gradient average)
+            for g in range(self.world_size // C):
+                group = dist.new_group(list(range(g * C, (g + 1) * C)))
+                if g == self.rank // C:
+                    self.mp_group = self.cp_group = group
+            for i in range(C):
+                group = dist.new_group(list(range(i, self.world_size, C)))
+                if i == self.rank % C:
+                    self.dp_group = group
 
     @property
     def head(self) -> int:
-        """The rank that heads this rank's replica: itself (no model parallelism)."""
-        return self.rank
+        """The rank that heads this rank's replica: itself, or the first rank of its
+        context-parallel group."""
+        return self.rank - self.rank % self.context_parallel
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.context_parallel
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.context_parallel
 
     def prepare_model(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """Place the model for training: a full replica on ``device``."""
-        return model.to(device)
+        """Place the model for training: a full replica on ``device`` (context parallel:
+        walking with its K/V spread over this rank's group)."""
+        from dta.model.context_parallel import parallelize_context
+
+        return parallelize_context(model.to(device), self.cp_group)
 
     def reduce_gradients(self, params) -> None:
         """Average the gradients of ``params`` over the data-parallel ranks (a parameter
         without a gradient contributes zeros)."""
-        if self.dp_group is None or self.world_size == 1:
+        if self.dp_group is None or self.data_parallel_size == 1:
             return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.dp_group)
-            p.grad.div_(self.world_size)
+            p.grad.div_(self.data_parallel_size)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks, in place (no-op on one process)."""
