@@ -212,6 +212,6 @@ def test_packs_walk_recurrent_models_in_packs():
     model = hybrid_model("qwen3_5", dtype="float32")
     tree = PrefixTree(hybrid_sequences())
     for packing in ("node", "siblings", "subtrees", "auto", "tree"):
-        assert Walker(model, packing=packing).packing == packing
+        assert Walker(model, packing=packing).options.packing == packing
     plan = Walker(model, packing="auto").plan(tree)
     assert len(plan) < len(tree) - 1 and plan.stats()["masked_packs"] >= 1
