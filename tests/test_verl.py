@@ -103,7 +103,7 @@ def engine_kw(dtype: str, **extra) -> dict:
 
 
 def make_engine(backend: str, path: str, dtype: str, *, clip_grad: float = 1.0, lr: float = LR,
-                dta: dict | None = None, remove_padding: bool = True):
+                dta: dict | None = None, remove_padding: bool = True, **engine):
     """verl's engine for ``backend`` from the registry (``fsdp2``: verl's own FSDP engine, built
     directly: verl registers it for cuda / npu only), initialized."""
     from verl.workers.config import FSDPEngineConfig
@@ -114,12 +114,12 @@ def make_engine(backend: str, path: str, dtype: str, *, clip_grad: float = 1.0, 
     optim = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, weight_decay=0.01,
                                 lr_warmup_steps=0, total_training_steps=10)
     if backend == "dta":
-        cfg = DTAEngineConfig(**engine_kw(dtype), dta=dict(dta or {}))
+        cfg = DTAEngineConfig(**{**engine_kw(dtype), **engine}, dta=dict(dta or {}))
         engine = EngineRegistry.new("language_model", "dta", model_config=model,
                                     engine_config=cfg, optimizer_config=optim,
                                     checkpoint_config=CheckpointConfig())
     else:
-        cfg = FSDPEngineConfig(strategy=backend, **engine_kw(dtype))
+        cfg = FSDPEngineConfig(strategy=backend, **{**engine_kw(dtype), **engine})
         engine = FSDPEngineWithLMHead(model_config=model, engine_config=cfg,
                                       optimizer_config=optim, checkpoint_config=CheckpointConfig())
     with warnings.catch_warnings():

@@ -87,6 +87,15 @@ def test_lora_gradients_reference_policy_and_export_match_verl(model_dir, record
 def test_bad_batches_are_refused_naming_the_row(model_dir, records, world1):
     from verl.utils import tensordict_utils as tu
 
+    from runtime.verl import DTAEngineConfig
+
+    with pytest.raises(ValueError, match="unknown walk setting engine_config.dta.bogus"):
+        DTAEngineConfig(dta={"bogus": 1})
+    with pytest.raises(ValueError, match="engine_config.dta.block_tokens"):
+        DTAEngineConfig(dta={"block_tokens": -1})
+    with pytest.raises(NotImplementedError, match="mixed_precision.param_dtype='bf16'"):
+        make_engine("dta", model_dir, "fp32", mixed_precision=dict(param_dtype="bf16"))
+
     engine = make_engine("dta", model_dir, "fp32")
     td = verl_batch(records, rows=[0, 1, 2])
     shifted = td.clone()
@@ -99,3 +108,7 @@ def test_bad_batches_are_refused_naming_the_row(model_dir, records, world1):
     tu.assign_non_tensor(per_row, temperature=torch.tensor([0.8, 0.8, 1.0]))
     with pytest.raises(NotImplementedError, match="per-row temperatures"):
         engine.infer_batch(per_row)
+    pi2 = td.clone()
+    tu.assign_non_tensor(pi2, calculate_sum_pi_squared=True)
+    with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared"):
+        engine.infer_batch(pi2)

@@ -56,7 +56,7 @@ def walk_options(engine_config, *, gradient_checkpointing: bool = False) -> Walk
                          "(verl's rollout.temperature), not from the engine config")
     if "policy" not in given and gradient_checkpointing:
         given["policy"] = "recompute"
-    spelling = {name: f"engine_config.dta.{name}" for name in WalkOptions.names()}
+    spelling = {name: f"engine_config.dta.{name}" for name in (*WalkOptions.names(), *given)}
     return WalkOptions.make(spelling, **given)
 
 
