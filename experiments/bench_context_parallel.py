@@ -13,7 +13,10 @@ each rank reports:
   sampled every millisecond by ``experiments.peak_memory.PeakSampler``, over the state after
   loading and a 16-token warm-up step);
 * ``sent_bytes``: what it sent in the step's collectives (its contribution x (C − 1));
-* ``step_s``: the step's wall time (every rank runs the whole block computation: replicated).
+* ``step_s``: the step's wall time (every rank runs the whole block computation: replicated);
+* ``cpu_s``: the CPU seconds its process used in the step (one thread per rank): the work a
+  rank does, whatever the ranks sharing the cores -- about C=1's (the block's projections,
+  MLP and head replicated; the path attention divided), so the group spends about C times it.
 
 The same is run at a second path length (``--rollout`` halved, ``--short``) to show the
 bytes sent per block do not grow with the path (they follow the block's tokens). Checks:
@@ -60,14 +63,14 @@ def _rank(group, prompt: int, rollout: int, rollouts: int, block: int, size: str
     model.zero_grad(set_to_none=True)
     cp.path_bytes_peak, sent0 = cp.path_bytes, cp.sent_bytes
     sampler = PeakSampler().start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = accumulate_gradients(model, batch, NLL(), **kw)
-    step_s = time.perf_counter() - t0
+    step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     sampler.stop()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     return dict(rank=cp.rank, path_kv_bytes=cp.path_bytes_peak,
                 peak_alloc_bytes=sampler.allocated, peak_rss_bytes=sampler.rss,
-                sent_bytes=cp.sent_bytes - sent0, step_s=step_s, loss=res.loss,
+                sent_bytes=cp.sent_bytes - sent0, step_s=step_s, cpu_s=cpu_s, loss=res.loss,
                 forward_calls=res.walk.forward_calls, path_tokens=prompt + rollout,
                 grads=grads if cp.rank == 0 else None)
 
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
           f"prompt (and {short:,}), {args.model} model, float32, recompute, blocks of "
           f"{args.block:,}:")
     print(f"  {'C':>2} {'rollout':>8} {'path K/V+grad MiB':>18} {'x C=1':>6} {'peak MiB':>9} "
-          f"{'sent MiB/rank':>14} {'sent/call KiB':>14} {'step s':>7} {'grad rel':>9}")
+          f"{'sent MiB/rank':>14} {'sent/call KiB':>14} {'step s':>7} {'CPU s/rank':>10} "
+          f"{'grad rel':>9}")
     for rows in (long_rows, short_rows):
         b1 = next(r for r in rows if r["context_parallel"] == 1)["ranks"]
         for r in rows:
@@ -121,11 +125,13 @@ def main(argv=None) -> int:
             per_call = sent / max(ranks[0]["forward_calls"], 1)
             peak = max((x["peak_alloc_bytes"] or 0) for x in ranks)
             step = max(x["step_s"] for x in ranks)
+            cpu = max(x["cpu_s"] for x in ranks)
             row = dict(context_parallel=c, rollout=r["rollout"], path_tokens=ranks[0]["path_tokens"],
                        path_kv_bytes=[x["path_kv_bytes"] for x in ranks], path_kv_ratio=ratio,
                        peak_alloc_bytes=[x["peak_alloc_bytes"] for x in ranks],
                        sent_bytes=[x["sent_bytes"] for x in ranks],
                        sent_bytes_per_call=per_call, step_s=[x["step_s"] for x in ranks],
+                       cpu_s=[x["cpu_s"] for x in ranks],
                        forward_calls=ranks[0]["forward_calls"], grad_rel_err=rel)
             out.append(row)
             if c in TARGETS and ratio > TARGETS[c]:
@@ -134,7 +140,7 @@ def main(argv=None) -> int:
                 ok = False
             print(f"  {c:>2} {r['rollout']:>8,} {kv / 2**20:>18.2f} {ratio:>6.2f} "
                   f"{peak / 2**20:>9.1f} {sent / 2**20:>14.2f} {per_call / 1024:>14.1f} "
-                  f"{step:>7.2f} {'' if rel is None else f'{rel:.1e}':>9}")
+                  f"{step:>7.2f} {cpu:>10.2f} {'' if rel is None else f'{rel:.1e}':>9}")
     growth = {}
     for c in args.sizes:
         if c == 1:
