@@ -3,6 +3,7 @@
 installed verl is the one the engine was checked against and ``strategy: dta`` is registered.
 Imports nothing from verl at module level (it runs everywhere)."""
 import importlib.util
+import json
 import os
 
 import pytest
@@ -35,3 +36,26 @@ def test_verl_extra_installed_where_required():
     registered = EngineRegistry._engines["language_model"]["dta"]
     assert set(registered) == {"cuda", "cpu"}
     assert registered["cpu"] is runtime.verl.DTAEngineWithLMHead
+
+
+def test_import_verl_alone_registers_the_dta_engine():
+    """What a verl worker process (a Ray actor) does: ``import verl`` and nothing of DTA; the
+    plugin entry point registers strategy dta, and on a machine without an accelerator verl's
+    platform is the cpu one (verl's own detection would fall back to nvidia)."""
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("verl") is None:
+        pytest.skip("the optional verl extra is not installed")
+    code = ("import warnings; warnings.simplefilter('ignore'); import json, sys, verl, torch; "
+            "from verl.workers.engine.base import EngineRegistry; "
+            "from verl.utils.device import get_device_name; "
+            "print(json.dumps([sorted(EngineRegistry._engines['language_model']['dta']), "
+            "get_device_name(), torch.cuda.is_available(), 'runtime.verl' in sys.modules]))")
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    devices, device, cuda, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert devices == ["cpu", "cuda"] and loaded  # runtime.verl imported by verl itself
+    assert device == ("cuda" if cuda else "cpu")
