@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dta.model import attention_kernels as ak
+from dta.model.attention_standins import stand_in
 from dta.model.models import build_model, make_truly_float64
 from dta.model.packmask import DENSE_PATH_MASKS
 from dta.model.split_attention import Split, split_attention
@@ -62,7 +63,7 @@ def test_cuda_rows_split_equals_one_masked_call(tree, backend):
     mask = torch.cat([torch.ones(T, P, dtype=torch.bool), own], 1)[None, None]
     g = torch.randn(1, H, T, D, dtype=torch.float64)
     res = []
-    with ak.stand_in("cuda") as calls:
+    with stand_in("cuda") as calls:
         for fn in (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
                                                           enable_gqa=True),
                    lambda: split_attention(q, k, v, Split(P, own if tree else None), 0.3,
@@ -94,7 +95,7 @@ def test_walk_through_the_cuda_rows_float64(family):
     soft-capping runs eager attention: it falls back to the masked call and says so."""
     model, batch, ref, g_ref = _pieces_of_the_walk(family)
     DENSE_PATH_MASKS.clear()
-    with ak.stand_in("cuda") as calls, warnings.catch_warnings(record=True) as said:
+    with stand_in("cuda") as calls, warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for policy in ("retain", "recompute"):
             model.zero_grad(set_to_none=True)
@@ -175,7 +176,7 @@ def test_the_backend_is_a_walk_setting():
     with pytest.raises(WalkOptionError, match="attention_backend"):
         WalkOptions(attention_backend="fast")
     model, batch, ref, g_ref = _pieces_of_the_walk("llama")
-    with ak.stand_in("cuda") as calls:
+    with stand_in("cuda") as calls:
         model.zero_grad(set_to_none=True)
         res = accumulate_gradients(model, batch, LOSS, packing="subtrees", pack_tokens=20,
                                    attention_backend="torch")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dta.model import attention_kernels as ak
+from dta.model.attention_standins import stand_in
 from dta.model import gdn_kernels as gk
 from dta.model.models import build_model, make_truly_float64
 from dta.reference import unpacked_gradients
@@ -20,7 +21,7 @@ from tests.test_families import LOSS, family_batch
 def test_kernel_selection_by_device():
     cpu = torch.zeros(1)
     assert gk.segment_kernel(cpu) is None  # CPU: the pure-torch pack path
-    with ak.stand_in("cuda"):  # CPU tensors take the CUDA row
+    with stand_in("cuda"):  # CPU tensors take the CUDA row
         fla = gk.KERNELS["cuda"][0]
         assert fla.name == "fla"
         assert gk.segment_kernel(cpu) is (fla if fla.available() else None)
@@ -46,7 +47,7 @@ def test_walk_through_a_segment_kernel_float64():
         calls.append(1)
         return gk.hf_loop_op(*a, **k)
 
-    with ak.stand_in("cuda"), gk.stand_in(counted):
+    with stand_in("cuda"), gk.stand_in(counted):
         report = self_check(model)
         assert any("GDN kernel" in k for k in report.errors) and report.passed, report.errors
         for policy in ("recompute",):
@@ -66,7 +67,7 @@ def test_self_check_refuses_a_wrong_kernel():
         out, final = gk.hf_loop_op(*a, **k)
         return out * 0.98, final
 
-    with ak.stand_in("cuda"), gk.stand_in(wrong):
+    with stand_in("cuda"), gk.stand_in(wrong):
         with pytest.raises(SelfCheckError, match="GDN kernel stand-in"):
             self_check(model, raise_on_failure=True)
     assert self_check(model).passed  # CPU: no kernel to compare, the rest passes

@@ -47,13 +47,12 @@ its forward with autograd and feeds the merge's own chain rule back
 ``backend`` (:data:`BACKENDS`, the walk's attention-kernel setting): ``auto`` takes each
 row's first available kernel; ``torch`` only torch's own ops; ``flash_attn`` requires
 flash-attn for the unmasked and causal pieces. The CUDA kernels are unmeasured on a GPU
-(docs/gpu.md): on CPU, :func:`stand_in` runs the CUDA rows with CPU ops standing in for
-the CUDA ops -- the same code path up to the op call -- which is how the tests exercise them.
+(docs/gpu.md): on CPU, ``stand_in`` runs the CUDA rows with CPU ops standing in for
+the CUDA ops -- the same code path up to the op call -- which is how the tests exercise them
+(:mod:`dta.model.attention_standins`).
 """
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -86,7 +85,7 @@ def sum_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
 @dataclass
 class Kernel:
     """One kernel of the table. ``ops``: the calls into the device library (what
-    :func:`stand_in` replaces); everything else is the shared code path."""
+    ``attention_standins.stand_in`` replaces); everything else is the shared code path."""
 
     name: str
     kinds: tuple
@@ -195,17 +194,20 @@ class CudaSdpa(Kernel):
         return self.ops["bwd"](dout, q, k, v, out, lse, mask is CAUSAL, scale)
 
 
+# flash-attn >= 2.6's internal ops (the pair its own autograd function and ring-attention
+# implementations call): forward -> (out, softmax_lse [B, H, T] float32, S_dmask, rng_state)
 def _flash_attn_fwd(q, k, v, causal: bool, scale):  # [B, T, H, D]
-    from flash_attn.flash_attn_interface import flash_attn_func
+    from flash_attn.flash_attn_interface import _flash_attn_forward
 
-    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal,
-                                  return_attn_probs=True)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = _flash_attn_forward(q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
     return out, lse
 
 
 def _flash_attn_bwd(dout, q, k, v, out, lse, causal: bool, scale):  # [B, T, H, D]
     from flash_attn.flash_attn_interface import _flash_attn_backward
 
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, -1, -1,
                          0.0, None, False, None)
@@ -273,19 +275,6 @@ def _flex_op(q, k, v, mask: FlexMask, scale):
     return out[:, :, :mask.tokens], aux.lse[:, :, :mask.tokens]
 
 
-def math_op(q, k, v, mask: FlexMask, scale):
-    """FlexAttention's math, differentiable on any device (the stand-in of :func:`_flex_op`):
-    the same padding, the same mask."""
-    pad = (0, 0, 0, mask.padded - mask.tokens)
-    qp, kp, vp = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
-    kp, vp = repeat_kv(kp, q.shape[1] // k.shape[1]), repeat_kv(vp, q.shape[1] // k.shape[1])
-    s = (qp @ kp.transpose(-1, -2)) * (scale if scale is not None else qp.shape[-1] ** -0.5)
-    s = s.to(_lse_dtype(q.dtype)).masked_fill(~mask.own, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    out = ((s - lse[..., None]).exp().to(vp.dtype) @ vp)
-    return out[:, :, :mask.tokens], lse[:, :, :mask.tokens]
-
-
 class FlexTree(Kernel):
     """The pack's own keys under its tree mask: FlexAttention over a ``BlockMask``. The backward
     re-runs the forward with autograd and applies the merge's chain rule (module doc)."""
@@ -337,11 +326,11 @@ def _table() -> dict:
 
 
 TABLE = _table()
-_device_override: dict[str, str] = {}  # stand_in: a tensor's device type -> the row it takes
+_device_override: dict[str, str] = {}  # stand_in (tests): a device type -> the row it takes
 
 
 def device_type(t: torch.Tensor) -> str:
-    """The table row a tensor's device takes (:func:`stand_in` may redirect it)."""
+    """The table row a tensor's device takes (``attention_standins.stand_in`` may redirect it)."""
     return _device_override.get(t.device.type, t.device.type)
 
 
@@ -375,61 +364,6 @@ def kernels_of(t: torch.Tensor, tree: bool, backend: str | None = None) -> tuple
 
 # the backend of the walk running now (``dta.model.attention.native_gqa`` sets it)
 backend = WalkOptions.default("attention_backend")
-
-
-@contextlib.contextmanager
-def stand_in(device: str = "cuda", flex_op=None, as_dtype: torch.dtype = torch.bfloat16):
-    """Tests only: CPU tensors take ``device``'s rows of the table, each kernel's device ops
-    replaced by CPU ops of the same contract (flash-attn's [B, T, H, D] layout included;
-    FlexAttention by ``flex_op``, default :func:`math_op`, the same math differentiable on
-    CPU). Dtypes the device has no row for (float64 on CUDA) take ``as_dtype``'s row, so a
-    float64 run checks the bf16 path's code exactly. Yields a Counter of op calls by kernel
-    name. Restored on exit."""
-    from collections import Counter
-
-    calls: Counter = Counter()
-
-    def counted(name, fn):
-        def op(*a):
-            calls[name] += 1
-            return fn(*a)
-        return op
-
-    cpu_ops = {"cuda_flash": dict(fwd=lambda q, k, v, c, s: _cpu_fwd(q, k, v, c, None, s),
-                                  bwd=lambda d, q, k, v, o, l, c, s: _cpu_bwd(d, q, k, v, o, l, c, None, s)),
-               "flash_attn": dict(fwd=_standin_flash_attn_fwd, bwd=_standin_flash_attn_bwd),
-               "flex": dict(fwd=flex_op or math_op)}
-    cpu_ops["cuda_efficient"] = cpu_ops["cuda_flash"]
-    saved = []
-    for kernels in TABLE.values():
-        for k in kernels:
-            if k.name in cpu_ops and all(k is not s[0] for s in saved):
-                saved.append((k, k.ops))
-                k.ops = {n: counted(k.name, f) for n, f in cpu_ops[k.name].items()}
-    added = [(device, dt, kind) for dt in CPU_DTYPES for kind in KINDS
-             if (device, dt, kind) not in TABLE and (device, as_dtype, kind) in TABLE]
-    for key in added:
-        TABLE[key] = TABLE[(device, as_dtype, key[2])]
-    _device_override["cpu"] = device
-    try:
-        yield calls
-    finally:
-        _device_override.pop("cpu", None)
-        for key in added:
-            del TABLE[key]
-        for k, ops in saved:
-            k.ops = ops
-
-
-def _standin_flash_attn_fwd(q, k, v, causal, scale):  # [B, T, H, D], lse [B, H, T]
-    t = lambda x: x.transpose(1, 2)
-    out, lse = _cpu_fwd(t(q), t(k), t(v), causal, None, scale)
-    return t(out), lse
-
-
-def _standin_flash_attn_bwd(dout, q, k, v, out, lse, causal, scale):
-    t = lambda x: x.transpose(1, 2)
-    return tuple(t(g) for g in _cpu_bwd(t(dout), t(q), t(k), t(v), t(out), lse, causal, None, scale))
 
 
 def merge(o1, l1, o2, l2):

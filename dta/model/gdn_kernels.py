@@ -91,7 +91,7 @@ def hf_loop_op(query, key, value, g, beta, initial_state=None, output_final_stat
 @contextlib.contextmanager
 def stand_in(op=hf_loop_op, device: str = "cuda"):
     """Tests only: ``device``'s GDN kernel is ``op`` (run under
-    ``dta.model.attention_kernels.stand_in``, CPU tensors take that device's row)."""
+    ``dta.model.attention_standins.stand_in``, CPU tensors take that device's row)."""
     saved = KERNELS.get(device)
     KERNELS[device] = [SegmentKernel("stand-in", op)]
     try:
