@@ -357,9 +357,14 @@ def test_mask_forms_made_once_per_forward_and_split_is_exact(monkeypatch):
         layers = model.config.num_hidden_layers
         assert 0 < len(made) <= res.walk.forward_calls < layers * res.walk.forward_calls
         assert len(splits) > 0 and len(splits) % layers == 0
-        monkeypatch.setattr(attention, "split_of", lambda m, d: None)  # one masked call each
+        monkeypatch.setattr(attention, "split_of", lambda m, d: None)  # one masked call each:
+        monkeypatch.setattr(sa, "kernels_of", lambda *a: None)  # no kernel row for a pack view
+        from dta.model.packmask import DENSE_PATH_MASKS
+
+        DENSE_PATH_MASKS.clear()
         model.zero_grad(set_to_none=True)
         accumulate_gradients(model, batch, NLL(), packing="auto", pack_tokens=CAP)
+        assert DENSE_PATH_MASKS["cpu"] > 0  # the packs over cached keys took the dense mask
         assert rel(g_split, grads(model)) <= 1e-12, kv
         monkeypatch.undo()
 
