@@ -199,6 +199,8 @@ ALLOWED = {
                                                   "setting",
     ("dta/selfcheck.py", "temperature"): "the self-check probes the head at temperature 1",
     ("runtime/areal/smoke_engine.py", "temperature"): "the smoke rollout's greedy sampling",
+    ("runtime/verl/records.py", "temperature"): "a verl batch's own meta field (verl's "
+                                                "sampling temperature), not the walk's",
 }
 
 
