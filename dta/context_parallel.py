@@ -7,6 +7,7 @@ sends back its result; an exception on any rank is raised here with that rank's 
 """
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import tempfile
@@ -29,7 +30,9 @@ def _rank_main(rank: int, size: int, store_path: str, fn, args, results, threads
             out = fn(dist.group.WORLD, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        buf = io.BytesIO()  # bytes, not shared tensors: this process may exit before the
+        torch.save(out, buf)  # parent has read a tensor shared through a file descriptor
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 -- sent to the parent, which raises it
         results.put((rank, False, traceback.format_exc()))
 
@@ -60,7 +63,9 @@ def run_group(fn, size: int, *args, timeout: float = 900.0, threads: int = 1) ->
                     raise GroupRunError(f"context-parallel group of {size}: no result within "
                                         f"{timeout:.0f} s") from None
                 if ok:
-                    got[rank] = out
+                    import torch
+
+                    got[rank] = torch.load(io.BytesIO(out), weights_only=False)
                 else:
                     errors.append((rank, out))
                     break  # the other ranks may wait on the failed one forever
