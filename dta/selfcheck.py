@@ -119,7 +119,8 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
 
 def _compare_gdn_kernel(model, report: SelfCheckReport) -> None:
     """The device's GDN kernel, if it has one, against the pure-torch pack path."""
-    from dta.model.gdn_kernels import compare, segment_kernel
+    from dta.model.gdn_check import compare
+    from dta.model.gdn_kernels import segment_kernel
     from dta.model.recurrent import gdn_modules, is_hybrid
 
     if not is_hybrid(model):

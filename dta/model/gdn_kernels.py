@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -140,58 +139,3 @@ def kernel_delta_rule(kernel: SegmentKernel, query, key, value, g, beta, init, p
     fin = torch.cat([final[int(s)] for s in opened]) if len(opened) else \
         value.new_zeros(0, Hv, dk, dv, dtype=torch.float32)
     return out.to(query.dtype), fin
-
-
-def probe_layout(a: int = 9, b: int = 5, c: int = 7):
-    """A pack of three local nodes -- a root piece and two branches below it -- every node
-    handing its final state on (the integers :func:`dta.model.gdn.plan_recurrence` reads)."""
-    T = a + b + c
-    return SimpleNamespace(tokens=T, tree_nodes=np.arange(3), offsets=np.array([0, a, a + b, T]),
-                           enter=np.array([0, 1, 2]), exit=np.array([3, 2, 3]),
-                           open=np.arange(3))
-
-
-def compare(module, kernel: SegmentKernel, seed: int = 0) -> float:
-    """One GDN layer over :func:`probe_layout` from a random initial state, by the pure-torch
-    path and by ``kernel``: the largest relative error of the output and the handed-on
-    states (both in float64)."""
-    from dta.model.gdn import pack_forward, pack_state_layer_class, plan_recurrence
-
-    p = next(module.parameters())
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    lay = probe_layout()
-    K = module.conv1d.weight.shape[-1]
-    plan = plan_recurrence(lay, K)
-    hidden = torch.randn(1, lay.tokens, module.out_proj.out_features, generator=g).to(p)
-    conv = torch.randn(1, module.conv1d.weight.shape[0], K, generator=g).to(p)
-    rec = (0.1 * torch.randn(1, module.num_v_heads, module.head_k_dim, module.head_v_dim,
-                             generator=g)).to(p.device, torch.float32)
-    results = []
-    for use_kernel in (False, True):
-        layer = pack_state_layer_class()((conv, rec), plan)
-        layer.kernels = use_kernel
-        with torch.no_grad(), _only(kernel if use_kernel else None, hidden):
-            out = pack_forward(module, hidden, layer)
-        results.append((out, *layer.final))
-    err = 0.0
-    for a, b in zip(*results):
-        a, b = a.double(), b.double()
-        err = max(err, float((a - b).norm() / b.norm().clamp_min(1e-300)))
-    return err
-
-
-@contextlib.contextmanager
-def _only(kernel, t):
-    """``segment_kernel`` returns ``kernel`` for ``t``'s device for the duration."""
-    from dta.model.attention_kernels import device_type
-
-    dev = device_type(t)
-    saved = KERNELS.get(dev)
-    KERNELS[dev] = [kernel] if kernel is not None else []
-    try:
-        yield
-    finally:
-        if saved is None:
-            KERNELS.pop(dev, None)
-        else:
-            KERNELS[dev] = saved
