@@ -5,8 +5,8 @@
 # Precondition: the venv already has torch==2.13.0 (the local CPU wheel) and the dta package
 # (`pip install torch==2.13.0 && pip install -e .`). verl 0.9.1 pins transformers<5.11 (the
 # project runs 5.24) and its cpu/fsdp extras pin torch==2.11.0, so verl goes in with --no-deps
-# and this script adds only what `import verl.workers.engine`, verl's FSDP engine, its losses
-# and `verl.trainer.main_ppo` need, resolved against the installed torch / transformers / numpy.
+# and this script adds only what `import verl.workers.engine`, verl's FSDP engine, its losses,
+# its workers and `verl.trainer.main_ppo` need, resolved against the installed torch / transformers / numpy.
 # tests/test_verl*.py check verl's own FSDP engine against the dta engine on this install.
 #
 # Idempotent (pinned versions). Fails loudly: any failed step, a torch other than 2.13.0, or a
@@ -53,6 +53,7 @@ DEPS=(
   "pylatexenc==2.11" "hydra-core==1.4.0.dev1" "omegaconf>=2.4.0.dev2,<2.5"
   "accelerate==1.16.0" "datasets==5.2.0" "dill==0.4.1" "pandas==3.1.1" "pyarrow==26.0.1"
   "peft==0.21.2" "torchdata==0.11.0" "ray[default]==2.60.0" "wandb==0.31.0"
+  "fastapi==0.165.0" "uvicorn==0.55.0"
 )
 log "installing ${#DEPS[@]} dependencies"
 "$PY" -m pip install -q -c "$CONSTRAINTS" "${DEPS[@]}"
@@ -70,6 +71,7 @@ from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.losses import ppo_loss
 import verl.trainer.main_ppo
+import verl.workers.engine_workers  # verl's TrainingWorker (needs fastapi)
 import runtime.verl
 if "dta" not in EngineRegistry._engines["language_model"]:
     raise SystemExit("the dta engine is not registered")
