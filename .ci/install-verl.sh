@@ -6,7 +6,8 @@
 # (`pip install torch==2.13.0 && pip install -e .`). verl 0.9.1 pins transformers<5.11 (the
 # project runs 5.24) and its cpu/fsdp extras pin torch==2.11.0, so verl goes in with --no-deps
 # and this script adds only what `import verl.workers.engine`, verl's FSDP engine, its losses,
-# its workers and `verl.trainer.main_ppo` need, resolved against the installed torch / transformers / numpy.
+# its workers and `verl.trainer.main_ppo` need, resolved against the installed torch,
+# transformers and numpy.
 # tests/test_verl*.py check verl's own FSDP engine against the dta engine on this install.
 #
 # Idempotent (pinned versions). Fails loudly: any failed step, a torch other than 2.13.0, or a
