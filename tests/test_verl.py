@@ -12,7 +12,6 @@ The helpers here are shared by tests/test_verl_*.py.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import numpy as np

@@ -129,11 +129,11 @@ def run(args) -> dict:
             PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
                 {f"t{i}": i for i in range(vocab)}, unk_token="t0")), eos_token="t1",
                 pad_token="t0", unk_token="t0").save_pretrained(path)
-        cfg = compose_config(path, ["actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
-                                    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
-                                    "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
-                                    "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
-                                    "actor_rollout_ref.actor.optim.lr=1e-3", *args.override])
+        # CPU: float32 throughout (the yaml's bf16 is for GPUs), a larger step for a tiny model
+        fp32 = [f"actor_rollout_ref.{role}.fsdp_config.{key}=fp32" for role in ("actor", "ref")
+                for key in ("model_dtype", "mixed_precision.param_dtype")]
+        cfg = compose_config(path, [*fp32, "actor_rollout_ref.actor.optim.lr=1e-3",
+                                    *args.override])
         actor_cfg, engines = build_engines(cfg)
         actor = engines["actor"]
         loss = partial(ppo_loss, actor_cfg)
