@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 COMMANDS = ("bash scripts/setup.sh && .venv/bin/dta train",
-            "bash scripts/setup.sh --areal && .venv/bin/python -m pytest")
+            "bash scripts/setup.sh --areal --verl && .venv/bin/python -m pytest")
 LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
