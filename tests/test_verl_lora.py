@@ -95,6 +95,10 @@ def test_bad_batches_are_refused_naming_the_row(model_dir, records, world1):
         DTAEngineConfig(dta={"block_tokens": -1})
     with pytest.raises(NotImplementedError, match="mixed_precision.param_dtype='bf16'"):
         make_engine("dta", model_dir, "fp32", mixed_precision=dict(param_dtype="bf16"))
+    from runtime.verl.config import check_engine_config
+
+    with pytest.warns(UserWarning, match="mixed_precision.param_dtype is unset"):  # not silent
+        check_engine_config(DTAEngineConfig(model_dtype="fp32", mixed_precision=None))
 
     engine = make_engine("dta", model_dir, "fp32")
     td = verl_batch(records, rows=[0, 1, 2])

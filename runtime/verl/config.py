@@ -12,6 +12,7 @@ naming it); ``temperature`` comes from each batch, as verl's engines take it.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +81,11 @@ def check_engine_config(engine_config) -> None:
     if engine_config.ulysses_sequence_parallel_size != 1:
         refuse("ulysses_sequence_parallel_size", "the dta engine is data-parallel only")
     mp = engine_config.mixed_precision
-    if mp is not None and mp.get("param_dtype") is not None:
+    if mp is None or mp.get("param_dtype") is None:  # verl's FSDP engine would autocast: say so
+        warnings.warn(f"engine_config.mixed_precision.param_dtype is unset: verl's FSDP engine "
+                      f"would compute in bfloat16 there; the dta engine computes in "
+                      f"model_dtype={engine_config.model_dtype!r} (no autocast)", stacklevel=2)
+    elif mp.get("param_dtype") is not None:
         want = model_dtype(engine_config)
         got = resolve_dtype(_DTYPES.get(str(mp["param_dtype"]), str(mp["param_dtype"])))
         if got != want:
