@@ -52,6 +52,22 @@ class ShardedCheckpointError(RuntimeError):
     pass
 
 
+def param_holder(named_params) -> torch.nn.Module:
+    """A module tree whose parameters are exactly the given Parameter objects, at the given
+    names -- so torch's ``get_state_dict`` keys an optimizer over them (e.g. over fp32 master
+    copies, or the trained parameters only) by the model's parameter names."""
+    root = torch.nn.Module()
+    for name, param in named_params:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, param)
+    return root
+
+
 def step_name(step: int) -> str:
     return f"step-{int(step):06d}"
 

@@ -35,28 +35,13 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.dcp import latest_sharded, load_sharded, read_meta, save_sharded, step_name
+from runtime.dcp import (latest_sharded, load_sharded, param_holder, read_meta, save_sharded,
+                         step_name)
 from runtime.checkpoints.checkpoint import verify_manifest, write_manifest
 
 __all__ = ["save_dcp", "load_dcp", "save_state", "load_state"]
 
 _KIND = "dta-areal-dcp"
-
-
-def _holder(named_params: list[tuple[str, nn.Parameter]]) -> nn.Module:
-    """A module tree whose parameters are exactly the given Parameter objects, at the given
-    names — so torch's ``get_state_dict`` maps an optimizer over them (e.g. over fp32 master
-    copies) to the model's parameter names."""
-    root = nn.Module()
-    for name, param in named_params:
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, param)
-    return root
 
 
 class _ModelAndOptimizer(Stateful):
@@ -78,7 +63,7 @@ class _ModelAndOptimizer(Stateful):
 
 
 def _state(named_params, optimizer, lr_scheduler) -> dict:
-    state = {"dcp": _ModelAndOptimizer(_holder(list(named_params)), optimizer)}
+    state = {"dcp": _ModelAndOptimizer(param_holder(list(named_params)), optimizer)}
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler
     return state

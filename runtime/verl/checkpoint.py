@@ -15,36 +15,21 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.dcp import latest_sharded, load_sharded, read_meta, save_sharded, step_name
+from runtime.dcp import (latest_sharded, load_sharded, param_holder, read_meta, save_sharded,
+                         step_name)
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 KIND = "dta-verl-dcp"
 
 
-def _holder(named_params) -> nn.Module:
-    """A module tree holding exactly these Parameter objects at these names, so torch keys the
-    optimizer state by parameter name."""
-    root = nn.Module()
-    for name, param in named_params:
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, param)
-    return root
-
-
 class _Trained(Stateful):
     def __init__(self, named_params, optimizer):
-        self.module, self.optimizer = _holder(named_params), optimizer
+        self.module, self.optimizer = param_holder(named_params), optimizer
         self.opts = StateDictOptions(ignore_frozen_params=True)
 
     def state_dict(self):
