@@ -18,11 +18,13 @@ each rank reports:
   rank does, whatever the ranks sharing the cores -- about C=1's (the block's projections,
   MLP and head replicated; the path attention divided), so the group spends about C times it.
 
-The same is run at a second path length (``--rollout`` halved, ``--short``) to show the
-bytes sent per block do not grow with the path (they follow the block's tokens). Checks:
-path K/V bytes at C = 2 <= 0.55x and at C = 4 <= 0.30x of C = 1; the gradients of every C
-equal C = 1's (float32 relative L2 <= 1e-5); bytes sent per block within 10 % between the two
-path lengths. On 2 cores C ranks share the cores, so step times are not a speed claim (each
+The same is run at a second path length: rollouts of ``--short`` tokens (default
+``--rollout`` halved), as many more of them as keep the tokens walked -- and so the blocks --
+the same (2 x 4,096 -> 4 x 2,048 on the same prompt: paths of 5,120 and 3,072 tokens, 9,216
+tokens walked each). Bytes sent per step (and per block) then show whether
+communication follows the path or the block. Checks: path K/V bytes at C = 2 <= 0.55x and at
+C = 4 <= 0.30x of C = 1; the gradients of every C equal C = 1's (float32 relative L2 <= 1e-5);
+bytes sent per step within 10 % between the two path lengths. On 2 cores C ranks share the cores, so step times are not a speed claim (each
 rank repeats the block's projections and MLP: the docs state that cost).
 
     python -m experiments.bench_context_parallel [--json] [--prompt 1024 --rollout 4096]
@@ -101,12 +103,16 @@ def main(argv=None) -> int:
         raise SystemExit("bench_context_parallel: --sizes must include 1 (the baseline)")
     short = args.short or args.rollout // 2
     long_rows = run(args.sizes, args.prompt, args.rollout, args.rollouts, args.block, args.model)
-    short_rows = run(args.sizes, args.prompt, short, args.rollouts, args.block, args.model)
+    if (args.rollouts * args.rollout) % short:
+        raise SystemExit(f"bench_context_parallel: --short {short} must divide the rollout tokens "
+                         f"{args.rollouts} x {args.rollout} (the tokens walked are kept)")
+    short_n = args.rollouts * args.rollout // short  # the same tokens walked, a shorter path
+    short_rows = run(args.sizes, args.prompt, short, short_n, args.block, args.model)
     base = next(r for r in long_rows if r["context_parallel"] == 1)
     g1 = base["ranks"][0]["grads"]
     out, ok = [], True
     print(f"context parallel, {args.rollouts} x {args.rollout:,} tokens on a {args.prompt:,}-token "
-          f"prompt (and {short:,}), {args.model} model, float32, recompute, blocks of "
+          f"prompt (and {short_n} x {short:,}), {args.model} model, float32, recompute, blocks of "
           f"{args.block:,}:")
     print(f"  {'C':>2} {'rollout':>8} {'path K/V+grad MiB':>18} {'x C=1':>6} {'peak MiB':>9} "
           f"{'sent MiB/rank':>14} {'sent/call KiB':>14} {'step s':>7} {'CPU s/rank':>10} "
@@ -141,20 +147,24 @@ def main(argv=None) -> int:
             print(f"  {c:>2} {r['rollout']:>8,} {kv / 2**20:>18.2f} {ratio:>6.2f} "
                   f"{peak / 2**20:>9.1f} {sent / 2**20:>14.2f} {per_call / 1024:>14.1f} "
                   f"{step:>7.2f} {cpu:>10.2f} {'' if rel is None else f'{rel:.1e}':>9}")
-    growth = {}
+    growth, per_call = {}, {}
     for c in args.sizes:
         if c == 1:
             continue
         a = next(r for r in out if r["context_parallel"] == c and r["rollout"] == args.rollout)
         b = next(r for r in out if r["context_parallel"] == c and r["rollout"] == short)
-        growth[c] = a["sent_bytes_per_call"] / b["sent_bytes_per_call"]
+        growth[c] = max(a["sent_bytes"]) / max(max(b["sent_bytes"]), 1)
+        per_call[c] = a["sent_bytes_per_call"] / max(b["sent_bytes_per_call"], 1)
         ok &= abs(growth[c] - 1) <= 0.10
-    print("  bytes sent per call, long / short path: " +
-          ", ".join(f"C={c}: {g:.3f}" for c, g in growth.items()))
+    print("  bytes sent per step, long / short path (same tokens walked): " +
+          ", ".join(f"C={c}: {g:.3f}" for c, g in growth.items()) + "; per call: " +
+          ", ".join(f"C={c}: {g:.3f}" for c, g in per_call.items()))
     print(f"{'PASS' if ok else 'FAIL'}: path K/V at C=2 <= 0.55x, C=4 <= 0.30x; gradients equal; "
-          "sent per call within 10 % across path lengths")
+          "sent per step within 10 % across path lengths")
     if args.json:
-        print(json.dumps(dict(rows=out, sent_per_call_growth={str(k): v for k, v in growth.items()},
+        print(json.dumps(dict(rows=out, sent_per_step_growth={str(k): v for k, v in growth.items()},
+                              sent_per_call_growth={str(k): v for k, v in per_call.items()},
+                              short_rollouts=short_n,
                               passed=bool(ok), prompt=args.prompt, rollout=args.rollout,
                               short=short, rollouts=args.rollouts, block=args.block,
                               model=args.model)))
