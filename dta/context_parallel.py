@@ -1,6 +1,7 @@
-"""Run a function on ``C`` local gloo ranks (CPU) that form one context-parallel group.
+"""Run a function on ``C`` local gloo ranks (CPU) that form one group.
 
-The harness of ``dta verify --context-parallel C``, its tests and the CP benchmark: each rank
+The harness of ``dta verify --context-parallel C``, its tests and the CP benchmark (and,
+through ``runtime.sharding.local.run_ranks``, of the sharding modes' tests): each rank
 is a spawned process (``torch.multiprocessing``, a fresh interpreter) that joins a gloo
 process group through a file store in a temporary directory, calls ``fn(group, *args)`` and
 sends back its result; an exception on any rank is raised here with that rank's traceback.
@@ -22,7 +23,11 @@ def _rank_main(rank: int, size: int, store_path: str, fn, args, results, threads
     import torch
     import torch.distributed as dist
 
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the group talks over loopback only
     torch.set_num_threads(threads)
+    if os.environ.get("DTA_RANKS_STACKS"):  # debugging a hang: dump the stacks after N s
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["DTA_RANKS_STACKS"]), exit=True)
     try:
         store = dist.FileStore(store_path, size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
@@ -43,7 +48,7 @@ def run_group(fn, size: int, *args, timeout: float = 900.0, threads: int = 1) ->
     import torch.multiprocessing as mp
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"context parallel size must be an integer >= 1, got {size!r}")
+        raise ValueError(f"a local group's size must be an integer >= 1, got {size!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="dta-cp-") as tmp:
@@ -60,7 +65,7 @@ def run_group(fn, size: int, *args, timeout: float = 900.0, threads: int = 1) ->
                 try:
                     rank, ok, out = results.get(timeout=timeout)
                 except queue_mod.Empty:
-                    raise GroupRunError(f"context-parallel group of {size}: no result within "
+                    raise GroupRunError(f"local group of {size} ranks: no result within "
                                         f"{timeout:.0f} s") from None
                 if ok:
                     import torch
@@ -77,5 +82,5 @@ def run_group(fn, size: int, *args, timeout: float = 900.0, threads: int = 1) ->
                     p.join()
         if errors:
             rank, tb = errors[0]
-            raise GroupRunError(f"rank {rank} of a context-parallel group of {size} failed:\n{tb}")
+            raise GroupRunError(f"rank {rank} of a local group of {size} failed:\n{tb}")
     return [got[r] for r in range(size)]
