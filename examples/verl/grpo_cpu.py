@@ -33,7 +33,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def compose_config(model_path: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
+    # a caller in the same process (AReaL's config loader does) may have left Hydra's global
+    # state initialized; composing this config needs it fresh
+    GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=HERE, version_base=None):
         return compose(config_name="tau2_grpo_dta",
                        overrides=[f"actor_rollout_ref.model.path={model_path}", *overrides])
