@@ -20,9 +20,7 @@ def test_the_setting_is_validated_with_the_config():
     assert cfg.train.context_parallel == 2
     for bad, match in ((["train.context_parallel=0"], ">= 1"),
                        (["ray.num_workers=4", "train.context_parallel=3"],
-                        "3 does not divide ray.num_workers=4"),
-                       (["ray.num_workers=4", "train.context_parallel=2", "train.sharding=fsdp"],
-                        "train.sharding=replicate only")):
+                        "3 does not divide ray.num_workers=4")):
         with pytest.raises(ConfigError, match="config key 'train.context_parallel'.*" + match):
             load_config(None, bad)
 

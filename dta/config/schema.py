@@ -394,9 +394,6 @@ def validate_config(cfg) -> None:
         raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} does not "
                           f"divide ray.num_workers={workers} (the data-parallel size is "
                           "ray.num_workers / train.context_parallel)")
-    if cp > 1 and _get(cfg, "train.sharding") != "replicate":
-        raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} runs with "
-                          f"train.sharding=replicate only (got {_get(cfg, 'train.sharding')!r})")
     address = _get(cfg, "ray.address")
     if address is not None and not str(address).strip():
         raise ConfigError("bad value for config key 'ray.address': empty (use null for a "

@@ -156,7 +156,8 @@ class DFSWorker:
         mode = self.mode if self.world_size > 1 else "replicate"  # one rank: nothing to shard
         self.strategy = make_strategy(mode, self.model, optimizer_factory(self.cfg.optimizer),
                                       compute_dtype=self.compute_dtype,
-                                      policy=self.walk.policy)
+                                      policy=self.walk.policy,
+                                      context_parallel=int(self.cfg.train.context_parallel))
         self.model = self.strategy.model
         needs = getattr(self.strategy, "walk_options", {})  # what the mode asks of the walk
         if needs:
@@ -279,8 +280,11 @@ class DFSWorker:
                          max_live_graphs=res.walk.max_live_graphs,
                          max_call_tokens=res.walk.max_call_tokens)
             if getattr(self, "cp_rank", 0):  # context parallel: the group's first rank alone
-                for p in self.model.parameters():  # gives the (identical) gradient and the
-                    p.grad = None  # figures summed over ranks; the others give nothing
+                # gives the (identical) gradient and the figures summed over ranks; the others
+                # give nothing (fsdp's layers were reduced in the backward, divided by C)
+                held = getattr(self.strategy, "local_grad_params", None)
+                for p in (self.model.parameters() if held is None else held):
+                    p.grad = None
                 stats.update(loss=0.0, tokens=0, unique_tokens=0)
         stats["context_parallel_rank"] = getattr(self, "cp_rank", 0)
         t1 = time.perf_counter()

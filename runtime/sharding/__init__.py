@@ -25,11 +25,15 @@ MODES = ("replicate", "zero1", "fsdp")
 
 
 def make_strategy(mode: str, model, make_optimizer, *, group=None,
-                  compute_dtype: torch.dtype | None = None, policy: str = "recompute"):
+                  compute_dtype: torch.dtype | None = None, policy: str = "recompute",
+                  context_parallel: int = 1):
     """Wrap ``model`` (built in the master dtype) for ``mode``; ``compute_dtype``: the
     dtype the walk runs in (16-bit: fp32 masters are kept and the compute copy is cast);
     ``policy``: the walker's memory policy (fsdp matches the ranks' calls accordingly).
-    Pass the strategy's ``walk_options`` (``getattr(s, "walk_options", {})``) to the walker."""
+    Pass the strategy's ``walk_options`` (``getattr(s, "walk_options", {})``) to the walker.
+    ``context_parallel``: C > 1 when the ranks come in context-parallel groups of C whose
+    gradients are identical (fsdp reduces inside the backward: it divides the sum by C;
+    replicate and zero1 reduce after the walk, where the group's other ranks drop theirs)."""
     compute_dtype = compute_dtype or next(model.parameters()).dtype
     if mode in ("zero1", "fsdp"):
         # The walker's self-check (dta.selfcheck, cached per model) probes the model with its
@@ -48,7 +52,7 @@ def make_strategy(mode: str, model, make_optimizer, *, group=None,
     if mode == "fsdp":
         from runtime.sharding.fsdp import FSDP
         return FSDP(model, make_optimizer, group=group, compute_dtype=compute_dtype,
-                    policy=policy)
+                    policy=policy, context_parallel=context_parallel)
     raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES} (or auto, "
                      "resolved before the workers start)")
 

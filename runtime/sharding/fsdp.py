@@ -44,7 +44,7 @@ class FSDP:
     mode = "fsdp"
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
-                 policy: str = "recompute"):
+                 policy: str = "recompute", context_parallel: int = 1):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -71,8 +71,12 @@ class FSDP:
         fully_shard(decoder, mesh=self.mesh, mp_policy=mp,
                     ignored_params={p for _, p in vocab if id(p) in in_decoder})
         self.units.append(decoder)
+        # SUM: the ranks' shares add up. Context parallel (C > 1): the C ranks of a group
+        # backward the same calls with identical gradients, reduce-scattered here inside the
+        # backward, so the sum counts each group C times: divide it by C.
+        self.context_parallel = int(context_parallel)
         for unit in self.units:
-            unit.set_gradient_divide_factor(1.0)  # SUM: the ranks' shares add up
+            unit.set_gradient_divide_factor(float(self.context_parallel))
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         # No backward prefetch (each unit "prefetches" itself, a no-op): whether FSDP's
         # prefetch all-gathers depends on which of the rank's own graphs are pending, which
@@ -93,6 +97,13 @@ class FSDP:
         for layer in decoder.layers:
             layer.register_forward_pre_hook(self._sample)
         self.device = device
+
+    @property
+    def local_grad_params(self) -> list:
+        """Parameters whose gradients are accumulated on the rank during the walk and reduced
+        at ``reduce_and_step`` (the vocabulary weights; the layers' are reduced in the
+        backward)."""
+        return list(self.vocab.params)
 
     @property
     def walk_options(self) -> dict:

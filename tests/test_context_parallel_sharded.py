@@ -1,0 +1,121 @@
+"""Context parallelism with sharded state (docs/context-parallel.md): 4 local gloo ranks as the
+Ray worker runs them (``DFSWorker`` in spawned processes), ``train.context_parallel=2`` (two
+data-parallel groups of two ranks whose path K/V are spread over the pair) with
+``train.sharding`` zero1 and fsdp, the model state sharded over all 4 ranks. After 2 steps
+the parameters equal one process's replicated run (float64 <= 1e-10 relative L2), so the
+reduction counts each group once: zero1 reduces after the walk (the group's other ranks drop
+their identical gradient), fsdp reduce-scatters inside the backward (the sum divided by C)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dta.config.schema import as_dict, load_config
+from runtime.sharding.local import run_ranks
+
+C, WORLD = 2, 4
+TOL = {"float64": 1e-10, "float32": 1e-5}
+
+
+def overrides(mode, dtype, policy, workers=WORLD, cp=C):
+    # blocks of 16 tokens: the paths span several packs, so their K/V really are spread
+    return ["workload.scale=tiny", f"model.dtype={dtype}", f"walker.policy={policy}",
+            f"train.sharding={mode}", "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
+            "walker.block_tokens=16", f"ray.num_workers={workers}",
+            f"train.context_parallel={cp}"]
+
+
+def _worker(cfg, rank, world):
+    from dta.model.models import make_truly_float64
+    from runtime.ray_runtime.worker import DFSWorker
+
+    w = DFSWorker(rank, world, as_dict(cfg))
+    if cfg.model.dtype == "float64":  # HF norms upcast to fp32: make the check truly fp64
+        make_truly_float64(w.model)
+    if world > 1:
+        w.group = True  # the process group exists (run_ranks made it)
+        w._context_parallel()  # as setup_group: the CP groups, then the strategy
+        w._build_strategy()
+    return w
+
+
+def _step(w, cfg, k, rank, world):
+    """Step k: the batch's trees balanced over the data-parallel groups; every rank of a
+    group gets its group's share (as the Ray trainer hands them out)."""
+    from dta.losses import batch_totals
+    from dta.planning.workers import assign_workers
+    from dta.tree import PrefixTree
+    from dta_cli.batches import BatchSource
+
+    cp = int(cfg.train.context_parallel)
+    batch = BatchSource(cfg, 512).batch(k)
+    ids = assign_workers(PrefixTree(batch.input_ids), world // cp).workers[rank // cp]
+    return w.step(k, batch.subset(ids) if ids else None, batch_totals(batch))
+
+
+def rel_l2(a, b):
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def train_cases(rank, world, cases):
+    out = []
+    for case in cases:
+        cfg = load_config(None, overrides(*case))
+        w = _worker(cfg, rank, world)
+        stats = [_step(w, cfg, k, rank, world) for k in range(2)]
+        out.append({"state": w.state()["model"], "param_norm": w.param_norm(),
+                    "state_bytes": stats[-1]["state_bytes"], "sharding": stats[-1]["sharding"],
+                    "cp_rank": stats[-1]["context_parallel_rank"],
+                    "sent": sum(s["context_parallel_sent_bytes"] for s in stats)})
+    return out
+
+
+def _one_process(case):
+    """The same 2 steps in this process: replicated, one rank, no context parallelism."""
+    threads = torch.get_num_threads()
+    try:
+        cfg = load_config(None, overrides(case[0], *case[1:], workers=1, cp=1))
+        w = _worker(cfg, 0, 1)
+        for k in range(2):
+            _step(w, cfg, k, 0, 1)
+        return w.state()["model"], w.param_norm()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(cases):
+    results = run_ranks(train_cases, WORLD, cases, timeout=600.0)
+    for i, case in enumerate(cases):
+        mode, dtype = case[0], case[1]
+        ref, ref_norm = _one_process(case)
+        for rank in range(WORLD):
+            got = results[rank][i]
+            assert got["sharding"] == mode and got["cp_rank"] == rank % C
+            assert got["sent"] > 0  # the path attention was exchanged within the group
+            err = rel_l2(got["state"], ref)
+            assert err <= TOL[dtype], f"{case} rank {rank}: relative L2 {err:.3g}"
+            assert got["param_norm"] == pytest.approx(ref_norm, rel=TOL[dtype])
+        # the state is sharded over all 4 ranks, not over the 2 data-parallel groups:
+        # a quarter of a replica's optimizer state (plus the flat shards' padding)
+        opt = results[0][i]["state_bytes"]["optimizer"]
+        full = 2 * sum(v.numel() * v.element_size() for v in ref.values())
+        assert opt <= 0.3 * full, (case, opt, full)
+
+
+def test_the_config_takes_context_parallel_with_every_sharding_mode():
+    for mode in ("replicate", "zero1", "fsdp"):
+        cfg = load_config(None, overrides(mode, "float32", "recompute"))
+        assert (cfg.train.sharding, cfg.train.context_parallel) == (mode, C)
+
+
+def test_context_parallel_zero1_and_fsdp_match_one_process():
+    _check([("zero1", "float64", "recompute"), ("fsdp", "float64", "recompute")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero1", "fsdp"])
+def test_context_parallel_sharded_grid(mode):
+    _check([(mode, "float64", "retain"), (mode, "float32", "recompute"),
+            (mode, "float32", "retain")])
