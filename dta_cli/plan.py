@@ -182,11 +182,9 @@ def _memory(args, tree) -> dict:
             f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}, "
             f"context_parallel={pick.context_parallel}"
             if chosen else "no mode fits") + f" ({plan.message()})")
-    runnable = not (chosen and pick.context_parallel > 1 and chosen != "replicate")
-    if not runnable:  # the memory model is ahead of the runtime here: say so, do not imply it runs
-        print(f"  note: dta train runs context_parallel > 1 with sharding=replicate only for now; "
-              f"{chosen} x context_parallel={pick.context_parallel} is what the memory model says "
-              "fits, not yet a runnable configuration (docs/context-parallel.md)")
+    # dta train runs every sharding mode with context_parallel > 1 (fsdp and zero1 shard
+    # over the whole world, each group's gradient counted once: docs/context-parallel.md)
+    runnable = bool(chosen)
     if adapters:
         print(f"  LoRA r={args.lora_r} on {args.lora_targets}: {adapters:,} adapter parameters "
               "(grads and optimizer state; the base is frozen)")
@@ -198,7 +196,7 @@ def _memory(args, tree) -> dict:
             "context_parallel": pick.context_parallel, "data_parallel": pick.data_parallel,
             "usable_bytes": plan.budget if budget is not None else None,
             "chosen": chosen, "choice": pick.label() if chosen else None,
-            "runnable": bool(chosen) and runnable,
+            "runnable": runnable,
             "shortfall_bytes": int(plan.shortfall) if budget is not None else None,
             "modes": [r.as_dict() for r in rows]}
 
