@@ -4,7 +4,10 @@ data-parallel groups of two ranks whose path K/V are spread over the pair) with
 ``train.sharding`` zero1 and fsdp, the model state sharded over all 4 ranks. After 2 steps
 the parameters equal one process's replicated run (float64 <= 1e-10 relative L2), so the
 reduction counts each group once: zero1 reduces after the walk (the group's other ranks drop
-their identical gradient), fsdp reduce-scatters inside the backward (the sum divided by C)."""
+their identical gradient), fsdp reduce-scatters inside the backward (the sum divided by C).
+Slow: the other policies and float32, and AReaL's ``fsdp:d1c2`` with ``actor.dta.sharding``
+fsdp / zero1 (sharded over both ranks) against ``fsdp:d1`` on one process (float64 <= 1e-10
+in the parameters and the gradient norms; a doubled group gradient shows in the norms)."""
 from __future__ import annotations
 
 import pytest
@@ -119,3 +122,57 @@ def test_context_parallel_zero1_and_fsdp_match_one_process():
 def test_context_parallel_sharded_grid(mode):
     _check([(mode, "float64", "retain"), (mode, "float32", "recompute"),
             (mode, "float32", "retain")])
+
+
+# ---------------------------------------------------------------------------- AReaL --
+def run_areal(rank, world, path, sharding):
+    """DTATrainEngine ``fsdp:d1c{world}`` (or ``fsdp:d1`` on one rank), 2 ``train_batch``
+    steps, recompute, blocks of 16 tokens: the final parameters (gathered) and stats."""
+    from tests.test_areal import FT_SPEC, engine_config, grpo, loss_weight_fn
+    from tests.test_areal_sharding import _rank_setup
+    from tests.test_context_parallel_areal import _batches
+
+    from dta.model.context_parallel import context_parallel_of
+    from runtime.areal import DTAOptions, DTATrainEngine
+
+    backend = f"fsdp:d1c{world}" if world > 1 else "fsdp:d1"
+    with _rank_setup():
+        eng = DTATrainEngine(engine_config(path, 1, backend=backend),
+                             DTAOptions(policy="recompute", dtype="float64", block_tokens=16,
+                                        sharding=sharding if world > 1 else None))
+        eng.create_process_group()
+        eng.initialize(None, FT_SPEC)
+        cp = context_parallel_of(eng.model)
+        stats = []
+        for batch in _batches():
+            stats.append(eng.train_batch(dict(batch), grpo(), loss_weight_fn))
+            eng.lr_scheduler_step()
+        state = (eng.layout.full_state_dict() if eng.layout is not None else
+                 {n: p.detach().clone() for n, p in eng.model.named_parameters()})
+        out = dict(state=state, stats=stats, sharding=eng.sharding,
+                   sent=cp.sent_bytes if cp is not None else 0)
+        eng.destroy()
+    return out
+
+
+@pytest.mark.slow  # ~45 s each on 2 cores
+@pytest.mark.areal
+@pytest.mark.parametrize("sharding", ["fsdp", "zero1"])
+def test_areal_d1c2_sharded_equals_d1(sharding, tmp_path_factory):
+    pytest.importorskip("areal")
+    from tests.test_areal import model_dir
+
+    path = model_dir.__wrapped__(tmp_path_factory)  # the tiny Qwen3 folder AReaL loads
+    two = run_ranks(run_areal, 2, path, sharding, timeout=900)
+    one = run_ranks(run_areal, 1, path, sharding, timeout=900)[0]
+    assert one["sharding"] == "replicate" and one["sent"] == 0
+    for rank in (0, 1):
+        got = two[rank]
+        assert got["sharding"] == sharding and got["sent"] > 0
+        assert all(s["update_successful"] == 1.0 for s in got["stats"])
+        keys = [k for k in one["state"] if k in got["state"]]
+        assert len(keys) >= len(one["state"]) - 1  # a tied head may be named once
+        err = rel_l2({k: got["state"][k] for k in keys}, {k: one["state"][k] for k in keys})
+        assert err <= 1e-10, (sharding, rank, err)
+        for s, r in zip(got["stats"], one["stats"]):
+            assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-10)

@@ -187,14 +187,13 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             torch.cuda.set_device(self.device)
         compute = resolve_dtype(self.dta.dtype or self.config.dtype)
         storage = resolve_dtype(self.dta.dtype or self.config.optimizer_dtype)
-        # context parallel (fsdp:dNcC): the ranks of a group hold one replica between them;
-        # the layout is that of the N data-parallel groups
-        self.sharding = resolve_sharding(self.dta.sharding, self.parallel.data_parallel_size,
+        # context parallel (fsdp:dNcC): unset, the layout is that of the N data-parallel
+        # groups (d1cC: replicate); a sharded actor.dta.sharding shards over the whole world
+        # (the C ranks of a group hold identical gradients, each group counted once)
+        ranks = (self.parallel.world_size if self.dta.sharding is not None
+                 else self.parallel.data_parallel_size)
+        self.sharding = resolve_sharding(self.dta.sharding, ranks,
                                          trains=self.optimizer_config is not None)
-        if self.parallel.context_parallel > 1 and self.sharding != "replicate":
-            raise NotImplementedError(
-                f"DTATrainEngine with context parallel size {self.parallel.context_parallel} "
-                f"runs replicated (actor.dta.sharding=replicate), not {self.sharding}")
         if self.use_lora and self.sharding == "fsdp":
             raise NotImplementedError("DTATrainEngine with use_lora=True runs replicated or "
                                       "zero1 (actor.dta.sharding=replicate | zero1), not fsdp: "
@@ -252,6 +251,9 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         the data-parallel group with AReaL's optimizer over the shards."""
         oc = self.optimizer_config
         model = self._load(master_dtype_for(compute)).to(self.device).eval()
+        C = self.parallel.context_parallel
+        if C > 1:  # sharded over the whole world; the model walks on its context group
+            model = self.parallel.prepare_model(model, self.device)
         mixed = self.sharding == "fsdp"  # DTensor layers + flat vocabulary shards
 
         def make_optimizer(params):
@@ -259,7 +261,9 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
 
         self.layout = ShardedLayout(self.sharding, model, make_optimizer,
                                     compute_dtype=compute, policy=self.policy,
-                                    group=self.parallel.dp_group)
+                                    # None: the world (context parallel), else the DP group
+                                    group=None if C > 1 else self.parallel.dp_group,
+                                    context_parallel=C)
         self.model, self.optimizer = self.layout.model, self.layout.optimizer
         if self.layout.walk_options:
             self.walk = self.walk.replace(**self.layout.walk_options)
@@ -306,6 +310,12 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         kept (it was reduce-scattered into the shards)."""
         self._require_optimizer()
         if self.layout is not None:
+            if self.parallel.context_parallel > 1 and self.parallel.rank != self.parallel.head:
+                # the group's head alone gives the (identical) gradient of what was reduced
+                # after the walk (fsdp's layers were reduce-scattered in the backward, / C)
+                held = getattr(self.layout.strategy, "local_grad_params", None)
+                for p in (self.model.parameters() if held is None else held):
+                    p.grad = None
             norm, updated = self.layout.step(self.optimizer_config.gradient_clipping)
         else:
             self.parallel.reduce_gradients(self._trainable())

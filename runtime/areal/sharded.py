@@ -60,7 +60,7 @@ class ShardedLayout:
     (fp32 for 16-bit compute); it is cast / sharded in place."""
 
     def __init__(self, mode: str, model, make_optimizer, *, compute_dtype: torch.dtype,
-                 policy: str, group=None):
+                 policy: str, group=None, context_parallel: int = 1):
         if mode not in ("zero1", "fsdp"):
             raise ValueError(f"ShardedLayout shards zero1 or fsdp, not {mode!r}")
         built = next(model.parameters()).dtype
@@ -70,7 +70,8 @@ class ShardedLayout:
                              f"{compute_dtype}), got {built}")
         self.mode, self.compute_dtype, self.group = mode, compute_dtype, group
         self.strategy = make_strategy(mode, model, make_optimizer, group=group,
-                                      compute_dtype=compute_dtype, policy=policy)
+                                      compute_dtype=compute_dtype, policy=policy,
+                                      context_parallel=context_parallel)
         self.model = self.strategy.model
         self.optimizer = self.strategy.optimizer
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
