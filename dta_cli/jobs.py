@@ -51,6 +51,27 @@ def add_jobs_arguments(parser) -> None:
     parser.add_argument("--follow", action="store_true", help="logs: follow until the job ends")
 
 
+AGENT_WAIT_S = 60  # a new head's job agent may not be up yet: how long submit waits for it
+
+
+def _submit(client, **job):
+    """``client.submit_job(**job)``, waiting (at most AGENT_WAIT_S) while the head answers that
+    no job agent is available yet -- Ray's agent starts after the head and says "try again
+    later"; any other error is raised at once."""
+    deadline, told = time.monotonic() + AGENT_WAIT_S, False
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            if not told:
+                print("dta submit: the head's job agent is not up yet; waiting for it",
+                      file=sys.stderr, flush=True)
+                told = True
+            time.sleep(1.0)
+
+
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
@@ -178,9 +199,8 @@ def run_submit(args) -> int:
                                CONFIG_NAME, "--address", "auto", "--no-progress"])
         runtime_env = {"working_dir": workdir,
                        "env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}}
-        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
-                                   submission_id=args.job_id,
-                                   metadata={"tool": "dta", "command": "train"})
+        job_id = _submit(client, entrypoint=entrypoint, runtime_env=runtime_env,
+                         submission_id=args.job_id, metadata={"tool": "dta", "command": "train"})
     finally:
         import shutil
         shutil.rmtree(workdir, ignore_errors=True)  # uploaded by submit_job
