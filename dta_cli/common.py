@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
+
+from dta.records.jsonl import json_safe
 
 
 def add_model_arguments(p) -> None:
@@ -49,26 +50,9 @@ def load_records(args, vocab_size: int) -> list[dict]:
                          vocab_size=vocab_size).records
 
 
-def _strict(value):
-    """JSON-safe: NaN/inf become null (strict JSON has no NaN), numpy values plain."""
-    if isinstance(value, dict):
-        return {str(k): _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalar
-        value = value.item()
-    if hasattr(value, "tolist"):
-        return _strict(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def strict_json(obj) -> str:
     """One line of strict JSON (RFC 8259): a non-finite number is written as null."""
-    return json.dumps(_strict(obj), allow_nan=False)
+    return json.dumps(json_safe(obj), allow_nan=False)
 
 
 def emit_json(obj: dict) -> None:

@@ -35,6 +35,7 @@ import torch
 from dta.batch import Batch
 from dta.losses import TokenLoss
 from dta.model.models import build_model
+from dta.records.jsonl import json_safe
 from dta.reference import sequence_logprobs, unpacked_gradients
 from dta.train import accumulate_gradients
 
@@ -172,16 +173,6 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _strict(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _strict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_strict(v) for v in obj]
-    return obj
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bf16_drift", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50)
@@ -214,13 +205,13 @@ def main(argv=None) -> int:
               progress=progress)
     res["out"] = out
     with open(os.path.join(out, "drift.json"), "w") as f:
-        json.dump(_strict(res), f, indent=1)
+        json.dump(json_safe(res), f, indent=1)
     plot(res, os.path.join(out, "drift.png"))
     print(f"{'PASS' if res['passed'] else 'FAIL'}: after {res['steps']} steps drift / noise floor "
           f"{res['ratio']['logprob']:.2f} (log-prob), {res['ratio']['param']:.2f} (params); claim "
           f"<= {res['claim']:g}; {out}/drift.png")
     if args.json:
-        print(json.dumps(_strict({k: v for k, v in res.items() if k != "series"})))
+        print(json.dumps(json_safe({k: v for k, v in res.items() if k != "series"})))
     return 0 if res["passed"] else 1
 
 

@@ -31,6 +31,8 @@ import traceback
 import numpy as np
 import torch
 
+from dta.records.jsonl import json_safe
+
 F = torch.nn.functional
 
 
@@ -162,16 +164,6 @@ def _passed(res: dict) -> bool:
     return bool(ok)
 
 
-def _strict(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _strict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_strict(v) for v in obj]
-    return obj
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_checks",
                                 description=__doc__.split("\n\n")[0])
@@ -207,7 +199,7 @@ def main(argv=None) -> int:
     res["passed"] = _passed(res)
     res["seconds"] = time.perf_counter() - t0
     with open(os.path.join(args.out, "checks.json"), "w") as f:
-        json.dump(_strict(res), f, indent=1)
+        json.dump(json_safe(res), f, indent=1)
     for r in res["attention"]:
         print(f"attention {r['dtype']:8s} {r['mask']:6s} {r['backend']:10s} "
               + ("OK " if r["ok"] else "BAD ") + (r.get("error") or
@@ -223,7 +215,7 @@ def main(argv=None) -> int:
     if args.json:
         slim = {k: v for k, v in res.items() if k != "models"}
         slim["models"] = [{k: v for k, v in m.items() if k != "traceback"} for m in res["models"]]
-        print(json.dumps(_strict(slim)))
+        print(json.dumps(json_safe(slim)))
     return 0 if res["passed"] else 1
 
 

@@ -18,6 +18,7 @@ which reads back identically.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Iterable
 
@@ -106,3 +107,20 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
             f.write(json.dumps(plain, separators=(",", ":"), allow_nan=False))
             f.write("\n")
     return n
+
+
+def json_safe(value):
+    """JSON-safe: NaN/inf become null (strict JSON has no NaN), numpy values plain."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalar
+        value = value.item()
+    if hasattr(value, "tolist"):
+        return json_safe(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
