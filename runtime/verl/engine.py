@@ -42,7 +42,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
-from runtime.verl import batch as vb
+import runtime.verl.batch as vb
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
 from runtime.verl.config import check_engine_config, model_dtype, walk_options
 from runtime.verl.lora import ReferencePolicy, merged_weights
