@@ -1,7 +1,8 @@
-"""Gated DeltaNet kernels by device (dta.model.gdn_kernels): which kernel a device gets, the
-pack path through a segment kernel (flash-linear-attention's varlen contract; on CPU
-transformers' own chunked delta rule stands in) trains float64 exactly, and the self-check
-refuses a kernel that disagrees with the pure-torch path."""
+"""Gated DeltaNet kernels by device (dta.model.gdn_kernels): which kernels a device gets, the
+pack path through the segment kernels (flash-linear-attention's varlen contracts; on CPU
+transformers' own chunked delta rule and torch's depthwise conv1d stand in) trains float64
+exactly, and the self-check refuses a delta-rule or conv kernel that disagrees with the
+pure-torch path."""
 from __future__ import annotations
 
 import pytest
@@ -41,13 +42,17 @@ def test_walk_through_a_segment_kernel_float64():
     model.zero_grad(set_to_none=True)
     ref = unpacked_gradients(model, batch, LOSS)
     g_ref = _grads(model)
-    calls = []
+    calls, conv_calls = [], []
 
     def counted(*a, **k):
         calls.append(1)
         return gk.hf_loop_op(*a, **k)
 
-    with stand_in("cuda"), gk.stand_in(counted):
+    def counted_conv(*a, **k):
+        conv_calls.append(len(k["cu_seqlens"]) - 1)
+        return gk.loop_conv_op(*a, **k)
+
+    with stand_in("cuda"), gk.stand_in(counted, conv=counted_conv):
         report = self_check(model)
         assert any("GDN kernel" in k for k in report.errors) and report.passed, report.errors
         for policy in ("recompute",):
@@ -57,7 +62,8 @@ def test_walk_through_a_segment_kernel_float64():
             assert abs(res.loss - ref.loss) <= 1e-10 * abs(ref.loss), policy
             lp = max(float((a - b).abs().max()) for a, b in zip(res.walk.logprobs, ref.logprobs))
             assert lp <= 1e-10 and _worst(_grads(model), g_ref) <= 1e-10, policy
-    assert len(calls) > 0
+    assert len(calls) > 0 and len(conv_calls) > 0
+    assert max(conv_calls) > 1  # some pack had branches: several segments in one conv call
 
 
 def test_self_check_refuses_a_wrong_kernel():
@@ -71,3 +77,74 @@ def test_self_check_refuses_a_wrong_kernel():
         with pytest.raises(SelfCheckError, match="GDN kernel stand-in"):
             self_check(model, raise_on_failure=True)
     assert self_check(model).passed  # CPU: no kernel to compare, the rest passes
+
+
+def test_self_check_refuses_a_wrong_conv_kernel():
+    """A conv kernel that ignores the initial state (every segment restarts from zeros: the
+    classic mistake of a kernel that slides along one sequence) is named and refused."""
+    model = build_model("qwen3_5", "tiny", dtype="float32", seed=0, matrix=True)
+
+    def stateless(x, weight, bias=None, initial_state=None, **k):
+        return gk.loop_conv_op(x, weight, bias, torch.zeros_like(initial_state), **k)
+
+    with stand_in("cuda"), gk.stand_in(conv=stateless):
+        with pytest.raises(SelfCheckError, match="GDN kernel stand-in"):
+            self_check(model, raise_on_failure=True)
+
+
+def _random_layout(rng, nodes: int):
+    """A pack of ``nodes`` local nodes in pre-order with random parents and lengths 1..6 (many
+    segments shorter than the conv width), every node handing its state on."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    par = [-1] + [int(rng.integers(0, i)) for i in range(1, nodes)]
+    kids = [[] for _ in range(nodes)]
+    for i in range(1, nodes):
+        kids[par[i]].append(i)
+    order, enter, exit_ = [], {}, {}
+
+    def visit(u):
+        enter[u] = len(order)
+        order.append(u)
+        for c in kids[u]:
+            visit(c)
+        exit_[u] = len(order)
+
+    visit(0)
+    lengths = rng.integers(1, 7, nodes)
+    off = np.r_[0, np.cumsum(lengths)]
+    return SimpleNamespace(tokens=int(off[-1]), tree_nodes=np.arange(nodes), offsets=off,
+                           enter=np.array([enter[u] for u in order]),
+                           exit=np.array([exit_[u] for u in order]), open=np.arange(nodes))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_conv_kernel_equals_the_gather_float64(seed):
+    """One varlen conv call over a pack's segments equals the pure-torch gather, forward and
+    the gradients of the inputs, the initial conv state, the weight and the bias (float64)."""
+    import numpy as np
+
+    from dta.model.gdn import conv_source, plan_recurrence, tree_conv
+
+    rng = np.random.default_rng(seed)
+    lay = _random_layout(rng, 9)
+    K, D = 4, 6
+    plan = plan_recurrence(lay, K)
+    ix = plan.tensors(torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+              for s in ((lay.tokens, D), (1, D, K), (D, K), (D,))]
+    results = []
+    kernel = gk.SegmentKernel("stand-in", gk.hf_loop_op, conv=gk.loop_conv_op)
+    for use_kernel in (False, True):
+        src = conv_source(leaves[0], leaves[1], K)
+        args = (src, leaves[2], leaves[3], plan, ix)
+        y = gk.kernel_conv(kernel, *args) if use_kernel else tree_conv(*args)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype)
+                                     .view_as(y)).sum(), leaves)
+        results.append((y.detach(), *grads))
+    assert len(plan.segments) > 1
+    for a, b in zip(*results):
+        assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())

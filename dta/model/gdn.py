@@ -7,7 +7,8 @@ states (``dta/model/recurrent.py``), which here follow the pack's local tree:
 * the causal conv is a gather: row r's window is the ``kernel`` inputs ending at r *on its
   root path* (its own node's earlier rows, then its ancestors' last rows in the pack, then the
   pack's initial conv state: the final state of the node the pack hangs from, or zeros for a
-  root) — every row at once, no loop;
+  root) — every row at once, no loop (on CUDA: flash-linear-attention's varlen conv kernel,
+  one sequence per segment, ``dta.model.gdn_kernels``);
 * the chunked delta rule runs over *segments* (maximal runs of local nodes that continue a
   recurrence without a fork: a node's only in-pack child continues it, unless the node hands
   its final state to a pack below). Each segment is cut into chunks from its own start (the
@@ -65,6 +66,7 @@ class RecurrencePlan:
     final_order: np.ndarray  # [n_open]: handed-on node i's final state in the gathered order
     segments: np.ndarray | None = None  # [n_seg, 3]: row start, row end, parent segment (-1)
     open_segment: np.ndarray | None = None  # [n_open]: the segment handed-on node i ends
+    segment_window: np.ndarray | None = None  # [n_seg, K]: the conv window before each segment
     _torch: dict | None = None
 
     @property
@@ -79,7 +81,9 @@ class RecurrencePlan:
                                slot=t(self.row_slot),
                                sources=[None if s is None else t(s) for s in self.sources],
                                finals=[None if f is None else t(f) for f in self.finals],
-                               order=t(self.final_order))
+                               order=t(self.final_order),
+                               window=None if self.segment_window is None
+                               else t(self.segment_window.reshape(-1)))
         return self._torch
 
 
@@ -138,6 +142,11 @@ def plan_recurrence(layout, kernel: int, chunk: int = CHUNK) -> RecurrencePlan:
             seg_of[i] = len(segs)
             segs.append([int(off[i]), int(off[i + 1]), int(seg_of[par[i]]) if par[i] >= 0 else -1])
     lengths = np.array([b - a for a, b, _ in segs], dtype=np.int64)
+    # the conv window just before each segment (a conv kernel's initial state): the window
+    # ending at the segment's previous row on its root path, or the pack's initial state
+    before = prev[[a for a, _, _ in segs]]
+    segment_window = np.where(before[:, None] >= 0, conv[np.maximum(before, 0)],
+                              np.arange(kernel)[None, :])
     C = int(min(chunk, max(MIN_CHUNK, 1 << int(max(lengths.max(), 1) - 1).bit_length()))) \
         if ADAPTIVE else int(chunk)
     nch = -(-lengths // C)
@@ -182,23 +191,30 @@ def plan_recurrence(layout, kernel: int, chunk: int = CHUNK) -> RecurrencePlan:
     final_order = np.array([rank[last[int(seg_of[u])]] for u in hands_on], dtype=np.int64)
     return RecurrencePlan(T, kernel, C, conv, state_index, chunk_rows, row_slot, steps, sources,
                           finals, final_order, np.asarray(segs, dtype=np.int64).reshape(-1, 3),
-                          seg_of[hands_on].astype(np.int64))
+                          seg_of[hands_on].astype(np.int64), segment_window)
 
 
 # ------------------------------------------------------------------------ kernels --
-def tree_conv(x: torch.Tensor, init: torch.Tensor | None, weight: torch.Tensor, bias, plan,
-              ix: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] (projected q|k|v), init [1, D, K] or None (zeros); weight [D, K]. Returns the
-    conv output before the activation [T, D] and the handed-on nodes' conv states [n, D, K]."""
-    K = plan.kernel
+def conv_source(x: torch.Tensor, init: torch.Tensor | None, K: int) -> torch.Tensor:
+    """[initial conv state (K rows) | the pack's rows x [T, D]]: what every conv window indexes
+    (init [1, D, K], HF's conv-state layout, or None: zeros)."""
     first = init[0].transpose(0, 1) if init is not None else x.new_zeros(K, x.shape[1])
-    src = torch.cat([first.to(x.dtype), x], dim=0)
-    w = weight.to(x.dtype)
+    return torch.cat([first.to(x.dtype), x], dim=0)
+
+
+def tree_conv(src: torch.Tensor, weight: torch.Tensor, bias, plan, ix: dict) -> torch.Tensor:
+    """The causal conv of every pack row at once, before the activation [T, D]: a gather of
+    each row's window on its root path from ``src`` (:func:`conv_source`); weight [D, K]."""
+    K = plan.kernel
+    # half precision accumulates in float32 and is rounded once, as a conv kernel does
+    # (torch's conv1d, causal-conv1d, flash-linear-attention): per-sequence training's rounding
+    acc = torch.promote_types(src.dtype, torch.float32)
+    w = weight.to(acc)
 
     def taps(src, w):
         out = None
         for j in range(K):
-            term = src.index_select(0, ix["conv"][j]) * w[:, j]
+            term = src.index_select(0, ix["conv"][j]).to(acc) * w[:, j]
             out = term if out is None else out + term
         return out
 
@@ -212,10 +228,14 @@ def tree_conv(x: torch.Tensor, init: torch.Tensor | None, weight: torch.Tensor, 
     else:
         out = taps(src, w)
     if bias is not None:
-        out = out + bias
-    n = len(plan.state_index)
-    state = src.index_select(0, ix["state"]).view(n, K, src.shape[1]).transpose(1, 2)
-    return out, state
+        out = out + bias.to(acc)
+    return out.to(src.dtype)
+
+
+def handed_on_conv_states(src: torch.Tensor, plan, ix: dict) -> torch.Tensor:
+    """The conv windows ending at each handed-on node [n, D, K] (HF's conv-state layout)."""
+    n, K = len(plan.state_index), plan.kernel
+    return src.index_select(0, ix["state"]).view(n, K, src.shape[1]).transpose(1, 2)
 
 
 def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -336,8 +356,13 @@ def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
     plan, ix = layer.plan, layer.plan.tensors(hidden_states.device)
     _, T, _ = hidden_states.shape
     mixed_qkv, z, b, a = _projections(module, hidden_states)
-    conv, conv_state = tree_conv(mixed_qkv[0], layer.initial[0], module.conv1d.weight.squeeze(1),
-                                 module.conv1d.bias, plan, ix)
+    from dta.model.gdn_kernels import segment_kernel, kernel_conv, kernel_delta_rule
+
+    kernel = segment_kernel(hidden_states) if layer.kernels else None
+    src = conv_source(mixed_qkv[0], layer.initial[0], plan.kernel)
+    conv_args = (src, module.conv1d.weight.squeeze(1), module.conv1d.bias, plan, ix)
+    conv = tree_conv(*conv_args) if kernel is None else kernel_conv(kernel, *conv_args)
+    conv_state = handed_on_conv_states(src, plan, ix)
     mixed_qkv = ACT2FN[module.activation](conv).to(mixed_qkv.dtype)
     query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(T, -1, module.head_k_dim)
@@ -345,9 +370,6 @@ def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
     value = value.reshape(T, -1, module.head_v_dim)
     beta = b[0].sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a[0].float() + module.dt_bias)
-    from dta.model.gdn_kernels import segment_kernel, kernel_delta_rule
-
-    kernel = segment_kernel(hidden_states) if layer.kernels else None
     if kernel is None:
         core, state = tree_delta_rule(query, key, value, g, beta, layer.initial[1], plan, ix)
     else:

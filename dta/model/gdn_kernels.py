@@ -1,20 +1,27 @@
-"""Gated DeltaNet kernels by device: flash-linear-attention's chunked gated delta rule on CUDA.
+"""Gated DeltaNet kernels by device: flash-linear-attention's causal conv and chunked gated
+delta rule on CUDA.
 
-The pure-torch pack path (:func:`dta.model.gdn.tree_delta_rule`) runs the delta rule over a
-pack's *segments* (maximal fork-free runs of nodes) as a wavefront of batched chunks. On a GPU
-with flash-linear-attention installed, each *level* of segments (those whose parent segment's
-final state is known) is one varlen call of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
-(``cu_seqlens``: one sequence per segment, ``initial_state``: its parent segment's final state
-or the pack's initial state), which returns every segment's output and final state: the same
-recurrence, computed by the fused kernel. :func:`segment_kernel` picks it from one table keyed
-by device type (``KERNELS``); elsewhere (CPU, or no flash-linear-attention) the pure-torch path
-runs. The causal conv stays the pack path's gather (``dta.model.gdn.tree_conv``: every row's
-window on its root path at once); causal-conv1d's kernel slides along one sequence and is not
-used in a pack (docs/gpu.md).
+The pure-torch pack path (``dta.model.gdn``) computes a pack's causal conv as a gather (every
+row's window on its root path) and runs the delta rule over the pack's *segments* (maximal
+fork-free runs of nodes) as a wavefront of batched chunks. On a GPU with
+flash-linear-attention installed both go through its kernels, one segment per varlen sequence:
 
-A kernel is held to the pure-torch path before training: the walker's self-check
-(``dta.selfcheck``) runs one GDN layer over a probe pack with both on the model's device and
-refuses a mismatch beyond the dtype's tolerance (:func:`compare`).
+* the conv is **one** varlen call of ``fla.modules.causal_conv1d.causal_conv1d`` over every
+  segment of the pack (segments are contiguous row ranges, in row order), each segment's
+  ``initial_state`` the conv window just before it on its root path (its parent segment's last
+  inputs, or the pack's initial conv state): a window holds inputs only, so no segment waits
+  for another;
+* the delta rule is one varlen call of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` per
+  *level* of the segment tree (those whose parent segment's final state is known),
+  ``initial_state`` the parent segment's final state or the pack's initial state.
+
+Both kernels return what the pure-torch path returns, and their gradients reach the initial
+states (the parent's cached states). :func:`segment_kernel` picks the kernels from one table
+keyed by device type (``KERNELS``); elsewhere (CPU, or no flash-linear-attention) the
+pure-torch path runs. A kernel is held to the pure-torch path before training: the walker's
+self-check (``dta.selfcheck``) runs one GDN layer over a probe pack with branches both ways on
+the model's device and refuses a mismatch beyond the dtype's tolerance
+(``dta.model.gdn_check.compare``).
 """
 from __future__ import annotations
 
@@ -32,9 +39,16 @@ def _fla_op():
     return chunk_gated_delta_rule
 
 
+def _fla_conv():
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d
+
+
 def _fla_available() -> bool:
     try:
         _fla_op()
+        _fla_conv()
     except ImportError:
         return False
     return True
@@ -42,16 +56,27 @@ def _fla_available() -> bool:
 
 @dataclass
 class SegmentKernel:
-    """``op(q, k, v, g, beta, initial_state=[N, H, dk, dv], output_final_state=True,
-    cu_seqlens=[N + 1], use_qk_l2norm_in_kernel=True) -> (out [1, L, H, dv], final [N, ...])``
-    with q, k, v [1, L, H, d] (flash-linear-attention's contract)."""
+    """A device's GDN kernels, flash-linear-attention's contracts (q, k, v [1, L, H, d]; x
+    [1, L, D]; one sequence per segment, ``cu_seqlens`` [N + 1]):
+
+    * ``op(q, k, v, g, beta, initial_state=[N, H, dk, dv], output_final_state=True,
+      cu_seqlens=..., use_qk_l2norm_in_kernel=True) -> (out [1, L, H, dv], final [N, ...])``;
+    * ``conv(x, weight=[D, W], bias=[D] or None, initial_state=[N, D, W], cu_seqlens=...,
+      activation=None) -> (y [1, L, D] before the activation, final or None)``.
+
+    None: imported when first used."""
 
     name: str
-    op: Callable | None = None  # None: imported when first used
+    op: Callable | None = None
     available: Callable[[], bool] = lambda: True
+    conv: Callable | None = None
 
     def __call__(self, *args, **kwargs):
         op = self.op if self.op is not None else _fla_op()
+        return op(*args, **kwargs)
+
+    def causal_conv(self, *args, **kwargs):
+        op = self.conv if self.conv is not None else _fla_conv()
         return op(*args, **kwargs)
 
 
@@ -87,12 +112,31 @@ def hf_loop_op(query, key, value, g, beta, initial_state=None, output_final_stat
     return torch.cat(outs, dim=1), torch.cat(finals)
 
 
+def loop_conv_op(x, weight, bias=None, initial_state=None, cu_seqlens=None, activation=None,
+                 output_final_state=False, **_):
+    """The conv contract on any device, one segment at a time through torch's depthwise
+    ``conv1d`` over [the initial state's last W - 1 inputs | the segment] (the stand-in of
+    flash-linear-attention's kernel)."""
+    if activation is not None or output_final_state:
+        raise ValueError("the pack path asks for the conv before its activation, no final state")
+    cu = cu_seqlens.tolist()
+    D, W = weight.shape
+    acc = torch.promote_types(x.dtype, torch.float32)
+    outs = []
+    for i in range(len(cu) - 1):
+        seg = torch.cat([initial_state[i, :, 1:].transpose(0, 1), x[0, cu[i]:cu[i + 1]]])
+        y = torch.nn.functional.conv1d(seg.to(acc).t().unsqueeze(0), weight.to(acc).unsqueeze(1),
+                                       None if bias is None else bias.to(acc), groups=D)
+        outs.append(y[0].t())
+    return torch.cat(outs).unsqueeze(0).to(x.dtype), None
+
+
 @contextlib.contextmanager
-def stand_in(op=hf_loop_op, device: str = "cuda"):
-    """Tests only: ``device``'s GDN kernel is ``op`` (run under
+def stand_in(op=hf_loop_op, device: str = "cuda", conv=loop_conv_op):
+    """Tests only: ``device``'s GDN kernels are ``op`` and ``conv`` (run under
     ``dta.model.attention_standins.stand_in``, CPU tensors take that device's row)."""
     saved = KERNELS.get(device)
-    KERNELS[device] = [SegmentKernel("stand-in", op)]
+    KERNELS[device] = [SegmentKernel("stand-in", op, conv=conv)]
     try:
         yield
     finally:
@@ -100,6 +144,18 @@ def stand_in(op=hf_loop_op, device: str = "cuda"):
             KERNELS.pop(device, None)
         else:
             KERNELS[device] = saved
+
+
+def kernel_conv(kernel: SegmentKernel, src, weight, bias, plan, ix: dict):
+    """:func:`dta.model.gdn.tree_conv`'s contract through a conv kernel: one varlen call over
+    the pack's rows ``src[K:]``, a sequence per segment, each starting from the conv window
+    before it on its root path (gathered from ``src``)."""
+    K, segs = plan.kernel, plan.segments
+    windows = src.index_select(0, ix["window"]).view(len(segs), K, -1).transpose(1, 2).contiguous()
+    cu = torch.as_tensor(np.r_[segs[:, 0], segs[-1, 1]], dtype=torch.long, device=src.device)
+    y, _ = kernel.causal_conv(src[K:].unsqueeze(0), weight=weight, bias=bias, initial_state=windows,
+                              output_final_state=False, activation=None, cu_seqlens=cu)
+    return y[0]
 
 
 def kernel_delta_rule(kernel: SegmentKernel, query, key, value, g, beta, init, plan):
