@@ -10,38 +10,9 @@
 # any failed step, a torch other than 2.13.0, or a failing import ends the script non-zero.
 # See docs/areal-notes.md for how this list was found and what was measured.
 set -euo pipefail
-
+NAME=install-areal.sh
 AREAL_VERSION=1.0.4
-TORCH_VERSION=2.13.0
-
-die() { echo "install-areal.sh: ERROR: $*" >&2; exit 1; }
-log() { echo "install-areal.sh: $*"; }
-
-PY=${PYTHON:-python}
-command -v "$PY" >/dev/null || die "no '$PY' on PATH"
-"$PY" -c 'import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)' \
-  || die "no active virtual environment ($PY is $(command -v "$PY")); activate one first"
-"$PY" -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$TORCH_VERSION' else 1)" \
-  || die "torch==$TORCH_VERSION must already be installed (pip install torch==$TORCH_VERSION)"
-"$PY" -c 'import dta' || die "the dta package must already be installed (pip install -e .)"
-
-# Everything installed below is resolved against these constraints: torch stays the local
-# CPU wheel, and the libraries dta already uses keep their installed versions.
-CONSTRAINTS=$(mktemp "${TMPDIR:-/tmp}/areal-constraints.XXXXXX")
-trap 'rm -f "$CONSTRAINTS"' EXIT
-"$PY" - "$CONSTRAINTS" <<'EOF'
-import sys
-from importlib.metadata import version, PackageNotFoundError
-pins = {"torch": "2.13.0"}
-for name in ("transformers", "numpy", "tokenizers", "safetensors", "huggingface-hub"):
-    try:
-        pins[name] = version(name)
-    except PackageNotFoundError:
-        pass
-with open(sys.argv[1], "w") as f:
-    f.writelines(f"{k}=={v}\n" for k, v in pins.items())
-EOF
-log "constraints: $(tr '\n' ' ' < "$CONSTRAINTS")"
+source "$(dirname "$0")/install-lib.sh"
 
 # What `import areal.engine.fsdp_engine` / `areal.trainer.ppo.actor` needs on CPU
 # (found by installing one missing import at a time; versions as tested with areal 1.0.4).
@@ -56,13 +27,7 @@ DEPS=(
   "torchdata==0.11.0" "ray[default]==2.60.0" "numba==0.68.1" "openai==3.57.0" "peft==0.21.2"
   "datasets==5.2.0" "swanlab==0.10.3" "trackio==0.43.0" "wandb==0.31.0" "tensorboardX==2.6.5"
 )
-log "installing ${#DEPS[@]} dependencies"
-"$PY" -m pip install -c "$CONSTRAINTS" "${DEPS[@]}"
-log "installing areal==$AREAL_VERSION --no-deps"
-"$PY" -m pip install --no-deps "areal==$AREAL_VERSION"
-
-"$PY" -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$TORCH_VERSION' else 1)" \
-  || die "torch changed during the install (now $("$PY" -c 'import torch; print(torch.__version__)'))"
+install_no_deps "areal==$AREAL_VERSION" "${DEPS[@]}"
 log "checking imports"
 "$PY" - <<'EOF' || die "areal imports failed"
 import importlib.metadata as md

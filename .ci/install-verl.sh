@@ -13,37 +13,9 @@
 # Idempotent (pinned versions). Fails loudly: any failed step, a torch other than 2.13.0, or a
 # failing import ends the script non-zero. See docs/verl.md.
 set -euo pipefail
-
+NAME=install-verl.sh
 VERL_VERSION=0.9.1
-TORCH_VERSION=2.13.0
-
-die() { echo "install-verl.sh: ERROR: $*" >&2; exit 1; }
-log() { echo "install-verl.sh: $*"; }
-
-PY=${PYTHON:-python}
-command -v "$PY" >/dev/null || die "no '$PY' on PATH"
-"$PY" -c 'import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)' \
-  || die "no active virtual environment ($PY is $(command -v "$PY")); activate one first"
-"$PY" -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$TORCH_VERSION' else 1)" \
-  || die "torch==$TORCH_VERSION must already be installed (pip install torch==$TORCH_VERSION)"
-"$PY" -c 'import dta' || die "the dta package must already be installed (pip install -e .)"
-
-# torch stays the local CPU wheel; the libraries dta already uses keep their versions
-CONSTRAINTS=$(mktemp "${TMPDIR:-/tmp}/verl-constraints.XXXXXX")
-trap 'rm -f "$CONSTRAINTS"' EXIT
-"$PY" - "$CONSTRAINTS" <<'PYEOF'
-import sys
-from importlib.metadata import version, PackageNotFoundError
-pins = {"torch": "2.13.0"}
-for name in ("transformers", "numpy", "tokenizers", "safetensors", "huggingface-hub"):
-    try:
-        pins[name] = version(name)
-    except PackageNotFoundError:
-        pass
-with open(sys.argv[1], "w") as f:
-    f.writelines(f"{k}=={v}\n" for k, v in pins.items())
-PYEOF
-log "constraints: $(tr '\n' ' ' < "$CONSTRAINTS")"
+source "$(dirname "$0")/install-lib.sh"
 
 # verl's requirements that its engine, losses and trainer import (versions as tested);
 # tensordict <= 0.10.0 is verl's own pin (it brings pyvers < 0.2, cloudpickle, orjson).
@@ -56,13 +28,7 @@ DEPS=(
   "peft==0.21.2" "torchdata==0.11.0" "ray[default]==2.60.0" "wandb==0.31.0"
   "fastapi==0.165.0" "uvicorn==0.55.0"
 )
-log "installing ${#DEPS[@]} dependencies"
-"$PY" -m pip install -q -c "$CONSTRAINTS" "${DEPS[@]}"
-log "installing verl==$VERL_VERSION --no-deps"
-"$PY" -m pip install -q --no-deps "verl==$VERL_VERSION"
-
-"$PY" -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$TORCH_VERSION' else 1)" \
-  || die "torch changed during the install (now $("$PY" -c 'import torch; print(torch.__version__)'))"
+install_no_deps "verl==$VERL_VERSION" "${DEPS[@]}"
 log "checking imports"
 "$PY" - <<'PYEOF' || die "verl imports failed"
 import importlib.metadata as md
