@@ -10,8 +10,9 @@ import pickle
 import re
 import uuid
 
-import numpy as np
 import torch
+
+from dta.records.jsonl import json_safe
 
 MANIFEST = "manifest.json"
 FORMAT = 2
@@ -157,24 +158,11 @@ def load_tensors(path: str, map_location=None):
         raise CheckpointError(f"{path!r} is unreadable: {str(exc).splitlines()[0][:200]}") from None
 
 
-def _finite(x):
-    """Strict JSON: NaN/inf (a skipped step's loss) written as null."""
-    if isinstance(x, float):
-        return x if np.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, (np.generic, np.ndarray)):
-        return _finite(x.tolist())
-    return x
-
-
 def _write_json(path: str, obj: dict) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
         with open(tmp, "w") as f:
-            json.dump(_finite(obj), f, indent=1, default=_jsonable, allow_nan=False)
+            json.dump(json_safe(obj), f, indent=1, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
@@ -187,9 +175,3 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def _jsonable(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)

@@ -10,21 +10,11 @@ import math
 import os
 import time
 
+from dta.records.jsonl import json_safe
+
 COLUMNS = ("step", "loss", "grad_norm", "updated", "sequences", "total_tokens",
            "unique_tokens", "forwarded_tokens", "sharing_ratio", "duplicated_tokens",
            "imbalance", "step_s", "peak_bytes_max", "time")
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if hasattr(x, "item") and getattr(x, "ndim", None) == 0:
-        return _finite(x.item())
-    return x
 
 
 class MetricsLog:
@@ -67,7 +57,7 @@ class MetricsLog:
             row["run_id"] = self.run_id
         path = self.jsonl_path
         try:
-            self._jsonl.write(json.dumps(_finite(row), allow_nan=False, default=str) + "\n")
+            self._jsonl.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
             self._jsonl.flush()
             path = self.csv_path
             self._csv.writerow(["" if row.get(c) is None else row.get(c) for c in COLUMNS])
