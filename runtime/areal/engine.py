@@ -21,7 +21,8 @@ dropout is never active (``train(mode)`` records the mode only). AReaL's config 
 float64; ``DTAOptions(dtype="float64")`` overrides it for verification.
 
 The engine is assembled from one-thing modules: ``options.py`` (DTAOptions), ``parallel.py``
-(process groups, model placement, gradient reduction — the seam for sharded layouts),
+(process groups and what AReaL asks of them, model placement, gradient reduction — the seam
+for sharded layouts),
 ``optimizer.py`` (optimizer, LR scheduler, fp32 master weights, the clipped step),
 ``sharded.py`` (``zero1`` / ``fsdp`` layouts through ``runtime.sharding``),
 ``walks.py`` (the DFS walks), ``checkpoint.py`` (save/load), ``rollout.py`` (inference-engine
@@ -50,7 +51,7 @@ from runtime.areal.checkpoint import CheckpointMixin, local_tokenizer
 from runtime.areal.offload import OffloadMixin
 from runtime.areal.optimizer import MasterWeights, build_lr_scheduler, build_optimizer, step
 from runtime.areal.options import DTAOptions
-from runtime.areal.parallel import DataParallel
+from runtime.areal.parallel import DataParallel, GroupsMixin
 from runtime.areal.rollout import RolloutMixin
 from runtime.areal.sharded import ShardedLayout, resolve_sharding
 from runtime.areal.walks import WalksMixin
@@ -63,7 +64,7 @@ logger = logging.getLogger("DTATrainEngine")
 
 
 class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, WorkerMixin,
-                     TrainEngine):
+                     GroupsMixin, TrainEngine):
     """An AReaL ``TrainEngine`` that trains by depth-first prefix-tree walks (see module doc).
 
     Construct with AReaL's ``TrainEngineConfig`` (or ``PPOActorConfig``) and optional
@@ -125,52 +126,6 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             optimizer=None if learning_rate is None else OptimizerConfig(lr=learning_rate),
             use_lora=use_lora, lora_rank=lora_rank, lora_alpha=lora_alpha, **kwargs)
         return cls(config, dta)
-
-    # ------------------------------------------------------------ process groups --
-    def create_process_group(self, parallel_strategy=None):
-        """Data-parallel groups, initializing ``torch.distributed`` if needed (see
-        :class:`~runtime.areal.parallel.DataParallel`)."""
-        self.parallel.create(getattr(self.config, "backend", None), parallel_strategy)
-
-    @property
-    def own_global_group(self) -> bool:
-        return self.parallel.own_global_group
-
-    @property
-    def rank(self) -> int:
-        return self.parallel.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.parallel.world_size
-
-    @property
-    def data_parallel_group(self):
-        return self.parallel.dp_group
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.parallel.data_parallel_rank
-
-    @property
-    def data_parallel_world_size(self) -> int:
-        return self.parallel.data_parallel_size
-
-    def current_data_parallel_head(self) -> int:
-        return self.parallel.head
-
-    def is_data_parallel_head(self) -> bool:
-        return self.parallel.rank == self.parallel.head
-
-    @property
-    def context_and_model_parallel_group(self):
-        return self.parallel.mp_group
-
-    @property
-    def cpu_group(self):
-        if not self._initialized:
-            raise RuntimeError("the engine is not initialized: call initialize() first")
-        return self.parallel.cpu_group
 
     # ------------------------------------------------------------------ lifecycle --
     def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None,

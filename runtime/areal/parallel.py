@@ -172,3 +172,53 @@ class DataParallel:
             self.barrier()
             dist.destroy_process_group()
             self.own_global_group = False
+
+
+class GroupsMixin:
+    """What AReaL's ``TrainEngine`` asks about process groups, answered by the engine's
+    :class:`DataParallel` (``self.parallel``)."""
+
+    def create_process_group(self, parallel_strategy=None):
+        """Data-parallel groups, initializing ``torch.distributed`` if needed (see
+        :class:`~runtime.areal.parallel.DataParallel`)."""
+        self.parallel.create(getattr(self.config, "backend", None), parallel_strategy)
+
+    @property
+    def own_global_group(self) -> bool:
+        return self.parallel.own_global_group
+
+    @property
+    def rank(self) -> int:
+        return self.parallel.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def data_parallel_group(self):
+        return self.parallel.dp_group
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.parallel.data_parallel_rank
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self.parallel.data_parallel_size
+
+    def current_data_parallel_head(self) -> int:
+        return self.parallel.head
+
+    def is_data_parallel_head(self) -> bool:
+        return self.parallel.rank == self.parallel.head
+
+    @property
+    def context_and_model_parallel_group(self):
+        return self.parallel.mp_group
+
+    @property
+    def cpu_group(self):
+        if not self._initialized:
+            raise RuntimeError("the engine is not initialized: call initialize() first")
+        return self.parallel.cpu_group
