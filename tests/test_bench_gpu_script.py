@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 
 from tests.test_bench_run import ROOT, _env, check_summary
 
@@ -13,11 +14,21 @@ from tests.test_bench_run import ROOT, _env, check_summary
 def test_gpu_script_cpu_path(tmp_path):
     env = dict(_env(), DEVICE="cpu", SIZES="tiny", SCALE="tiny", DTYPE="float32", REPEATS="1",
                MODES="microbatch,treemask,dfs-retain", PYTHON=sys.executable, BUDGET_S="400",
-               CHECK_FAMILIES="qwen3", BLOCKS="0 4096", BLOCKS_SIZE="tiny", BLOCKS_SCALE="0.05")
-    proc = subprocess.run(["bash", str(ROOT / "experiments/bench/gpu.sh"), str(tmp_path)],
+               CHECK_FAMILIES="qwen3", BLOCKS="0 4096", BLOCKS_SIZE="tiny", BLOCKS_SCALE="0.05",
+               WHEELS=str(tmp_path / "no-wheels"))  # a checkout's .whl/ is for the GPU machine
+    # as under the device tool: $OUT set, the folder written beside it and handed back packed
+    # (at most 8 files come back from $OUT)
+    out = tmp_path / "OUT"
+    out.mkdir()
+    env.update(OUT=str(out), TMPDIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(ROOT / "experiments/bench/gpu.sh")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.tar.gz", "gpu.json", "summary.md"]
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        assert "gpu-run/checks/checks.json" in tar.getnames()
     line = json.loads(proc.stdout.strip().splitlines()[-1])
+    tmp_path = tmp_path / "gpu-run"
     assert line == json.loads((tmp_path / "gpu.json").read_text())
     assert line["env"]["device"] == "cpu" and line["checks_rc"] == 0 and line["checks_passed"]
     checks = line["checks"]
@@ -31,3 +42,17 @@ def test_gpu_script_cpu_path(tmp_path):
     assert line["blocks_rc"] == 0 and len(line["blocks"]["results"]) == 2 and "none" in line["blocks"]["results"]
     summary = (tmp_path / "summary.md").read_text()
     assert "## checks" in summary and ("tiny-sdpa" in summary or "qwen3-tiny" in summary)
+
+
+def test_gpu_script_stops_on_wheels_it_cannot_install(tmp_path):
+    """WHEELS (what gpu-wheels.sh prepares for a machine without the registry): a wheel that
+    does not install stops the script with one line, before any stage runs."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "broken-0.1-py3-none-any.whl").write_bytes(b"not a zip")
+    env = dict(_env(), DEVICE="cpu", PYTHON=sys.executable, WHEELS=str(wheels))
+    proc = subprocess.run(["bash", str(ROOT / "experiments/bench/gpu.sh"), str(tmp_path / "out")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"installing the wheels in {wheels} failed" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()

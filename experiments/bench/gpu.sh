@@ -18,19 +18,33 @@
 # cannot start with MIN_LEFT_S left is skipped, and a running one is stopped in time (its
 # worker writes each finished run, so what finished is reported).
 #
-#   experiments/bench/gpu.sh [DEST]     DEST default: $OUT (the device tool's folder), else
+#   experiments/bench/gpu.sh [DEST]     DEST default: $TMPDIR/gpu-run when $OUT (the device
+#                                       tool's folder) is set, packed into it at the end; else
 #                                       results/gpu-<date>
 # Knobs (environment): SIZES ATTNS MODES SCALE DTYPE DEVICE REPEATS BUDGET_S MIN_LEFT_S
 #   PAD_BATCH MICROBATCH_TOKENS TREE_TOKENS PACK_TOKENS PYTHON; CHECK_SIZE CHECK_FAMILIES
 #   CHECKS_S; BLOCKS (the block settings) BLOCKS_SIZE BLOCKS_SCALE BLOCKS_S (reserved; 0: no
-#   blocks run).
+#   blocks run); WHEELS (default .whl): wheels installed into /tmp/dta-site first, put ahead
+#   on PYTHONPATH -- for a machine that cannot reach the registry, made here by
+#   experiments/bench/gpu-wheels.sh (docs/gpu.md: running it on a lent GPU machine).
 # CPU check of this script (what tests/test_bench_gpu_script.py runs):
 #   DEVICE=cpu SIZES=tiny SCALE=tiny DTYPE=float32 REPEATS=1 CHECK_FAMILIES=qwen3 \
 #     BLOCKS="0 4096" BLOCKS_SIZE=tiny BLOCKS_SCALE=0.05 experiments/bench/gpu.sh /tmp/g
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
-DEST=${1:-${OUT:-results/gpu-$(date +%Y%m%d-%H%M%S)}}
-PY=${PYTHON:-python}
+# under the device tool (OUT set, at most 8 files come back): the folder is written beside
+# and handed back as $OUT/gpu-results.tar.gz with gpu.json and summary.md
+DEST=${1:-${OUT:+${TMPDIR:-/tmp}/gpu-run}}
+DEST=${DEST:-results/gpu-$(date +%Y%m%d-%H%M%S)}
+PY=${PYTHON:-$(command -v python || command -v python3)}
+WHEELS=${WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    echo "== installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into /tmp/dta-site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/dta-site "$WHEELS"/*.whl \
+        || { echo "gpu.sh: installing the wheels in $WHEELS failed (see above)" >&2; exit 2; }
+    export PYTHONPATH=/tmp/dta-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
 SIZES=${SIZES:-"qwen3-0.6b qwen3-1.7b"}
@@ -145,6 +159,10 @@ fi
 "$PY" -m experiments.gpu_summary "$DEST" "$checks_rc" "$blocks_rc" \
     "$(( $(date +%s) - start ))" > "$DEST/gpu.json"
 echo "done in $(( $(date +%s) - start ))s: $DEST/summary.md"
+if [ -n "${OUT:-}" ] && [ "$DEST" != "$OUT" ]; then
+    tar czf "$OUT/gpu-results.tar.gz" -C "$(dirname "$DEST")" "$(basename "$DEST")"
+    cp "$DEST/gpu.json" "$DEST/summary.md" "$OUT/"
+fi
 cat "$DEST/gpu.json"
 [ "$checks_rc" -ne 0 ] && status=$checks_rc
 exit $status
