@@ -7,10 +7,10 @@ import pytest
 from dta_cli.main import main
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "qwen3_5", "gemma3"])
 def test_verify_bf16_against_float64_json(family, capsys):
     code = main(["verify", "--family", family, "--size", "tiny", "--dtype", "bfloat16",
-                 "--against", "float64", "--max-sequences", "6", "--json"])
+                 "--against", "float64", "--max-sequences", "16", "--json"])  # as docs/results.md
     out = capsys.readouterr().out.strip().splitlines()
     r = json.loads(out[-1])
     assert code == 0 and r["passed"] and r["dtype"] == "bfloat16" and r["against"] == "float64"
