@@ -69,7 +69,7 @@ def run(args) -> dict:
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    from dta.model.models import SIZES, build_model
+    from dta.model.models import SIZES, build_model, save_word_tokenizer
     from dta.tree import PrefixTree
     from experiments.workloads import make_workload
     from runtime.verl import use_cpu_platform
@@ -80,15 +80,10 @@ def run(args) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=0,
                             world_size=1)
     try:
-        from tokenizers import Tokenizer, models
-        from transformers import PreTrainedTokenizerFast
-
         vocab = SIZES[args.model_size]["vocab_size"]
         path = os.path.join(work, "model")
         build_model("qwen3", args.model_size, dtype="float32", seed=0).save_pretrained(path)
-        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-            {f"t{i}": i for i in range(vocab)}, unk_token="t0")), eos_token="t1",
-            pad_token="t0", unk_token="t0").save_pretrained(path)
+        save_word_tokenizer(path, vocab)
         records = make_workload("tau2-airline", scale=args.scale, seed=0,
                                 vocab_size=vocab).records
         stats = PrefixTree([np.asarray(r["input_ids"]) for r in records]).stats()

@@ -47,7 +47,8 @@ from areal.utils.data import (Normalization, amend_position_ids, pack_tensor_dic
                               pad_mb_list, split_padded_tensor_dict_into_mb_list,
                               unsqueeze_mb_list)
 
-from dta.model.models import build_model, load_model, make_truly_float64  # noqa: E402
+from dta.model.models import (build_model, load_model, make_truly_float64,  # noqa: E402
+                              save_word_tokenizer)
 from dta.tree import PrefixTree  # noqa: E402
 from experiments.workloads import make_workload  # noqa: E402
 from runtime.areal import (DTAOptions, DTAPPOActor, DTATrainEngine,  # noqa: E402
@@ -75,15 +76,9 @@ def grpo(current_version: int = 0):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random Qwen3 (vocab 512) with a word-level tokenizer, as FSDPEngine needs."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     path = str(tmp_path_factory.mktemp("tiny-qwen3"))
     build_model("qwen3", "tiny", dtype="float32", seed=0).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                            eos_token="t1", pad_token="t0", unk_token="t0").save_pretrained(path)
-    return path
+    return save_word_tokenizer(path, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("areal")
 
-from dta.model.models import build_model, load_model, make_truly_float64  # noqa: E402
+from dta.model.models import (build_model, load_model, make_truly_float64,  # noqa: E402
+                              save_word_tokenizer)
 from dta.model.routing import MoERouters, synthetic_routing  # noqa: E402
 from runtime.areal import DTAOptions  # noqa: E402
 from runtime.areal import convert  # noqa: E402
@@ -37,15 +38,9 @@ def moe_sequences(seed: int = 5) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     path = str(tmp_path_factory.mktemp("tiny-qwen3-moe"))
     build_model("qwen3_moe", "tiny", dtype="float32", seed=0).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(ta.VOCAB)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                            eos_token="t1", pad_token="t0", unk_token="t0").save_pretrained(path)
-    return path
+    return save_word_tokenizer(path, ta.VOCAB)
 
 
 def areal_r3(seqs, routing, S: int) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ with warnings.catch_warnings():
     from runtime.verl import DTAEngineConfig, use_cpu_platform  # noqa: E402
     from runtime.verl.records import records_to_verl  # noqa: E402
 
-from dta.model.models import build_model, make_truly_float64  # noqa: E402
+from dta.model.models import build_model, make_truly_float64, save_word_tokenizer  # noqa: E402
 from experiments.workloads import make_workload  # noqa: E402
 
 VOCAB = 512
@@ -48,15 +48,9 @@ LR = 1e-3
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random Qwen3 (vocab 512) with a word-level tokenizer, as verl's configs load."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     path = str(tmp_path_factory.mktemp("tiny-qwen3"))
     build_model("qwen3", "tiny", dtype="float32", seed=0).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                            eos_token="t1", pad_token="t0", unk_token="t0").save_pretrained(path)
-    return path
+    return save_word_tokenizer(path, VOCAB)
 
 
 @pytest.fixture(scope="module")

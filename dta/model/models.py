@@ -78,6 +78,19 @@ def build_model(family: str = "qwen3", size: str | dict = "tiny", *, dtype="floa
     return model.eval()
 
 
+def save_word_tokenizer(path: str, vocab_size: int) -> str:
+    """A word-level tokenizer over tokens ``t0 .. t{vocab_size-1}`` (id i is ``t{i}``; ``t0`` pad
+    and unknown, ``t1`` end of sequence) saved into the HF directory ``path``: what a framework
+    that loads a tokenizer beside a random-init model needs, nothing downloaded."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                            eos_token="t1", pad_token="t0", unk_token="t0").save_pretrained(path)
+    return path
+
+
 def load_model(path: str, *, dtype="float32", attn_implementation: str = "sdpa"):
     """Load a model from a local directory (never from a hub)."""
     import transformers

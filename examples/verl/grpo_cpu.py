@@ -112,7 +112,7 @@ def run(args) -> dict:
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from dta.model.models import build_model
+    from dta.model.models import build_model, save_word_tokenizer
     from experiments.workloads import make_workload
     from runtime.verl import use_cpu_platform
 
@@ -125,14 +125,9 @@ def run(args) -> dict:
         path = args.model
         vocab = 512
         if path is None:
-            from tokenizers import Tokenizer, models
-            from transformers import PreTrainedTokenizerFast
-
             path = os.path.join(work, "tiny-qwen3")
             build_model("qwen3", "tiny", dtype="float32", seed=0).save_pretrained(path)
-            PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-                {f"t{i}": i for i in range(vocab)}, unk_token="t0")), eos_token="t1",
-                pad_token="t0", unk_token="t0").save_pretrained(path)
+            save_word_tokenizer(path, vocab)
         # CPU: float32 throughout (the yaml's bf16 is for GPUs), a larger step for a tiny model
         fp32 = [f"actor_rollout_ref.{role}.fsdp_config.{key}=fp32" for role in ("actor", "ref")
                 for key in ("model_dtype", "mixed_precision.param_dtype")]

@@ -29,8 +29,9 @@ def make_smoke_model(path: str, *, vocab_size: int = 512, seed: int = 0) -> str:
     """A tiny random Qwen3 (2 layers, hidden 64) and a word-level tokenizer, saved to ``path``
     — built from a config, nothing downloaded. Ids 0 and 1 are pad and eos."""
     import torch
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dta.model.models import save_word_tokenizer
 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
@@ -38,11 +39,7 @@ def make_smoke_model(path: str, *, vocab_size: int = 512, seed: int = 0) -> str:
                          head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
                          bos_token_id=None, eos_token_id=1, pad_token_id=0)
     Qwen3ForCausalLM(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t1", pad_token="t0",
-                            unk_token="t0").save_pretrained(path)
-    return path
+    return save_word_tokenizer(path, vocab_size)
 
 
 def build_trainer(config, *, smoke: bool):
