@@ -15,6 +15,7 @@ import torch
 
 from dta.config.schema import as_dict, load_config
 from runtime.sharding.local import run_ranks
+from tests.test_sharding import _step, rel_l2
 
 C, WORLD = 2, 4
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -40,26 +41,6 @@ def _worker(cfg, rank, world):
         w._context_parallel()  # as setup_group: the CP groups, then the strategy
         w._build_strategy()
     return w
-
-
-def _step(w, cfg, k, rank, world):
-    """Step k: the batch's trees balanced over the data-parallel groups; every rank of a
-    group gets its group's share (as the Ray trainer hands them out)."""
-    from dta.losses import batch_totals
-    from dta.planning.workers import assign_workers
-    from dta.tree import PrefixTree
-    from dta_cli.batches import BatchSource
-
-    cp = int(cfg.train.context_parallel)
-    batch = BatchSource(cfg, 512).batch(k)
-    ids = assign_workers(PrefixTree(batch.input_ids), world // cp).workers[rank // cp]
-    return w.step(k, batch.subset(ids) if ids else None, batch_totals(batch))
-
-
-def rel_l2(a, b):
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
-    den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return (num / den) ** 0.5
 
 
 def train_cases(rank, world, cases):

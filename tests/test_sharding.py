@@ -39,13 +39,17 @@ def _worker(cfg, rank, world):
 
 
 def _step(w, cfg, k, rank, world, source=None):
+    """Step k: the batch's trees balanced over the data-parallel groups (of
+    ``train.context_parallel`` ranks each); every rank of a group gets its group's share, as
+    the Ray trainer hands them out."""
     from dta.losses import batch_totals
     from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree
     from dta_cli.batches import BatchSource
 
+    cp = int(cfg.train.context_parallel)
     batch = (source or BatchSource(cfg, 512)).batch(k)
-    ids = assign_workers(PrefixTree(batch.input_ids), world).workers[rank]
+    ids = assign_workers(PrefixTree(batch.input_ids), world // cp).workers[rank // cp]
     return w.step(k, batch.subset(ids) if ids else None, batch_totals(batch))
 
 
