@@ -83,7 +83,9 @@ class RecurrencePlan:
                                finals=[None if f is None else t(f) for f in self.finals],
                                order=t(self.final_order),
                                window=None if self.segment_window is None
-                               else t(self.segment_window.reshape(-1)))
+                               else t(self.segment_window.reshape(-1)),
+                               segment_bounds=None if self.segments is None  # cu_seqlens
+                               else t(np.r_[self.segments[:, 0], self.tokens]))
         return self._torch
 
 

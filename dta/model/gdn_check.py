@@ -3,14 +3,14 @@ pack path (``dta.model.gdn``) and by the kernel (``dta.model.gdn_kernels``), com
 from both so that neither imports the other."""
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from dta.model.attention_kernels import device_type
 from dta.model.gdn import pack_forward, pack_state_layer_class, plan_recurrence
-from dta.model.gdn_kernels import KERNELS, SegmentKernel
+from dta.model.gdn_kernels import SegmentKernel, row
 
 
 def probe_layout(a: int = 9, b: int = 5, c: int = 7):
@@ -39,7 +39,7 @@ def compare(module, kernel: SegmentKernel, seed: int = 0) -> float:
     for use_kernel in (False, True):
         layer = pack_state_layer_class()((conv, rec), plan)
         layer.kernels = use_kernel
-        with torch.no_grad(), _only(kernel if use_kernel else None, hidden):
+        with torch.no_grad(), row(device_type(hidden), [kernel] if use_kernel else []):
             out = pack_forward(module, hidden, layer)
         results.append((out, *layer.final))
     err = 0.0
@@ -47,20 +47,3 @@ def compare(module, kernel: SegmentKernel, seed: int = 0) -> float:
         a, b = a.double(), b.double()
         err = max(err, float((a - b).norm() / b.norm().clamp_min(1e-300)))
     return err
-
-
-@contextlib.contextmanager
-def _only(kernel, t):
-    """``segment_kernel`` returns ``kernel`` for ``t``'s device for the duration."""
-    from dta.model.attention_kernels import device_type
-
-    dev = device_type(t)
-    saved = KERNELS.get(dev)
-    KERNELS[dev] = [kernel] if kernel is not None else []
-    try:
-        yield
-    finally:
-        if saved is None:
-            KERNELS.pop(dev, None)
-        else:
-            KERNELS[dev] = saved

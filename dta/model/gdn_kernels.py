@@ -132,11 +132,10 @@ def loop_conv_op(x, weight, bias=None, initial_state=None, cu_seqlens=None, acti
 
 
 @contextlib.contextmanager
-def stand_in(op=hf_loop_op, device: str = "cuda", conv=loop_conv_op):
-    """Tests only: ``device``'s GDN kernels are ``op`` and ``conv`` (run under
-    ``dta.model.attention_standins.stand_in``, CPU tensors take that device's row)."""
+def row(device: str, kernels: list):
+    """``KERNELS[device]`` is ``kernels`` for the duration (then as it was)."""
     saved = KERNELS.get(device)
-    KERNELS[device] = [SegmentKernel("stand-in", op, conv=conv)]
+    KERNELS[device] = kernels
     try:
         yield
     finally:
@@ -146,15 +145,21 @@ def stand_in(op=hf_loop_op, device: str = "cuda", conv=loop_conv_op):
             KERNELS[device] = saved
 
 
+def stand_in(op=hf_loop_op, device: str = "cuda", conv=loop_conv_op):
+    """Tests only: ``device``'s GDN kernels are ``op`` and ``conv`` (run under
+    ``dta.model.attention_standins.stand_in``, CPU tensors take that device's row)."""
+    return row(device, [SegmentKernel("stand-in", op, conv=conv)])
+
+
 def kernel_conv(kernel: SegmentKernel, src, weight, bias, plan, ix: dict):
     """:func:`dta.model.gdn.tree_conv`'s contract through a conv kernel: one varlen call over
     the pack's rows ``src[K:]``, a sequence per segment, each starting from the conv window
     before it on its root path (gathered from ``src``)."""
-    K, segs = plan.kernel, plan.segments
-    windows = src.index_select(0, ix["window"]).view(len(segs), K, -1).transpose(1, 2).contiguous()
-    cu = torch.as_tensor(np.r_[segs[:, 0], segs[-1, 1]], dtype=torch.long, device=src.device)
+    K, n = plan.kernel, len(plan.segments)
+    windows = src.index_select(0, ix["window"]).view(n, K, -1).transpose(1, 2).contiguous()
     y, _ = kernel.causal_conv(src[K:].unsqueeze(0), weight=weight, bias=bias, initial_state=windows,
-                              output_final_state=False, activation=None, cu_seqlens=cu)
+                              output_final_state=False, activation=None,
+                              cu_seqlens=ix["segment_bounds"])
     return y[0]
 
 
