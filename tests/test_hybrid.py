@@ -12,6 +12,7 @@ from dta.batch import Batch
 from dta.losses import PPO
 from dta.model.models import build_model, make_truly_float64
 from dta.planning.cost import CostModel
+from dta.model.hf_cache import cache_kwarg, output_cache
 from dta.model.recurrent import (GDN, RECURRENT, build_cache, init_decay, is_hybrid, layer_kinds,
                            node_state)
 from dta.tree import PrefixTree
@@ -102,13 +103,13 @@ def test_state_continuation_is_exact(family):
                 data = [p[-1] if k == RECURRENT else tuple(torch.cat([x[j] for x in p], 2)
                                                            for j in (0, 1))
                         for k, p in zip(kinds, zip(*path))]
-            cache = build_cache(kinds, data)
+            cache = build_cache(kinds, data, s)
             out = model.model(input_ids=ids[None, s:e], position_ids=torch.arange(s, e)[None],
-                              cache=cache, use_cache=True)
+                              use_cache=True, **{cache_kwarg(type(model.model).forward): cache})
             outs.append(model.lm_head(out.last_hidden_state[0]))
             path.append([node_state(layer, s, e, "t") if k == RECURRENT else
                          (layer.keys[:, :, s:], layer.values[:, :, s:])
-                         for k, layer in zip(kinds, out.cache.layers)])
+                         for k, layer in zip(kinds, output_cache(out).layers)])
             s = e
     err = float((torch.cat(outs) - full).abs().max() / full.abs().max())
     assert err <= 1e-13, err

@@ -30,9 +30,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from dta.model.context_parallel import sharded_of
+from dta.model.hf_cache import OffsetLayer, new_cache
 from dta.model import attention_kernels
 from dta.model.packmask import PackView, count_dense
 from dta.model.split_attention import Split, Tape, additive_mask, split_attention, split_of
@@ -243,7 +243,7 @@ def _remember_pieces(joined: torch.Tensor, pieces: tuple) -> None:
     weakref.finalize(joined, _pieces.pop, id(joined), None)
 
 
-class PathLayer(DynamicLayer):
+class PathLayer(OffsetLayer):
     """One layer's cache: the path's K/V pieces, joined with the new K/V in one ``cat``.
 
     After the forward the layer holds only the new K/V (``keys``/``values``: positions
@@ -253,9 +253,8 @@ class PathLayer(DynamicLayer):
     zero-padded ``slice_backward``."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]]):
-        super().__init__()
+        super().__init__(sum(k.shape[-2] for k, _ in parts))
         self.parts = parts
-        self.offset = sum(k.shape[-2] for k, _ in parts)
 
     def update(self, key_states, value_states, *args, **kwargs):
         joined = key_states, value_states
@@ -265,14 +264,11 @@ class PathLayer(DynamicLayer):
             joined = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
             _remember_pieces(joined[0], ks)
             _remember_pieces(joined[1], vs)
-        self.keys, self.values = key_states, value_states
-        self.parts, self.is_initialized = [], True
+        self.store(key_states, value_states)
+        self.parts = []
         return joined
 
-    def get_seq_length(self) -> int:
-        return self.offset + (self.keys.shape[-2] if self.is_initialized else 0)
 
-
-def path_cache(pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] | None, n_layers: int) -> Cache:
+def path_cache(pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] | None, n_layers: int):
     """A fresh cache (a forward mutates its cache) over ``pieces[layer] = [(k, v), ...]``."""
-    return Cache(layers=[PathLayer(pieces[layer] if pieces else []) for layer in range(n_layers)])
+    return new_cache([PathLayer(pieces[layer] if pieces else []) for layer in range(n_layers)])

@@ -38,7 +38,8 @@ import weakref
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer
+
+from dta.model.hf_cache import OffsetLayer
 
 
 class ContextParallelError(ValueError):
@@ -226,32 +227,28 @@ def sharded_of(key: torch.Tensor) -> "ShardedPathLayer | None":
     return None if ref is None else ref()
 
 
-class ShardedPathLayer(DynamicLayer):
+class ShardedPathLayer(OffsetLayer):
     """One layer's cache of a pack's forward under CP: the path's pieces are this rank's
     slices (:class:`ShardedPiece`); ``update`` hands the attention the pack's own K/V only,
     and the attention hook reads the pieces from here (:meth:`attend`). ``offset`` is the
     whole path's length (positions and masks are the group's, not the rank's)."""
 
     def __init__(self, parts: list, cp: ContextParallel):
-        super().__init__()
         bad = [p for p in parts if not isinstance(p, ShardedPiece)]
         if bad:
             raise ContextParallelError("a context-parallel pack's path holds K/V that are not "
                                        "sharded (a frame stored without the group)")
+        super().__init__(sum(p.covers for p in parts))
         self.cp = cp
-        self.offset = sum(p.covers for p in parts)
         self.parts = [p for p in parts if p[0].shape[2]]
         self.attended = False
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.keys, self.values, self.is_initialized = key_states, value_states, True
+        self.store(key_states, value_states)
         if self.offset:
             _layers[id(key_states)] = weakref.ref(self)
             weakref.finalize(key_states, _layers.pop, id(key_states), None)
         return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return self.offset + (self.keys.shape[-2] if self.is_initialized else 0)
 
     def check_attended(self, where: str) -> None:
         """After the forward: the path was attended through :meth:`attend` (an attention

@@ -352,7 +352,7 @@ def supports(module) -> str | None:
 
 
 def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
-    """The GDN layer's forward over a pack (``layer``: its :class:`PackStateLayer`)."""
+    """The GDN layer's forward over a pack (``layer``: its ``dta.model.hf_cache.PackStateLayer``)."""
     from transformers.activations import ACT2FN
 
     plan, ix = layer.plan, layer.plan.tensors(hidden_states.device)
@@ -382,15 +382,18 @@ def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
     return module.out_proj(core.reshape(1, T, -1))
 
 
-def _dispatching_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+def _dispatching_forward(self, hidden_states, *args, **kwargs):
     """The GDN module's forward during a walk: over a pack, :func:`pack_forward`; any other
     call (a plain forward, HF's cache) runs the module's own forward unchanged."""
+    from dta.model.hf_cache import PackStateLayer, cache_in
+
+    cache = cache_in(kwargs)
     layer = None
     if cache is not None and self.layer_idx < len(getattr(cache, "layers", ())):
         layer = cache.layers[self.layer_idx]
-    if isinstance(layer, pack_state_layer_class()):
+    if isinstance(layer, PackStateLayer):
         return pack_forward(self, hidden_states, layer)
-    return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    return type(self).forward(self, hidden_states, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -409,41 +412,3 @@ def packed_gdn(modules: list):
     finally:
         for m in patched:
             del m.forward
-
-
-_LAYER = None
-
-
-def pack_state_layer_class():
-    global _LAYER
-    if _LAYER is None:
-        from transformers.cache_utils import LinearAttentionLayer
-
-        class PackStateLayer(LinearAttentionLayer):
-            """A GDN layer's cache over a pack: the initial (conv, recurrent) state (the final
-            state of the node the pack hangs from; None: zeros), the pack's plan, and after
-            the forward the handed-on nodes' final states. HF's cache API sees a layer that
-            has a previous state."""
-
-            def __init__(self, initial: tuple | None, plan: RecurrencePlan):
-                super().__init__(number_of_states=1)
-                self.initial = initial if initial is not None else (None, None)
-                self.plan = plan
-                self.final = None
-                self.kernels = True  # the device's GDN kernel when it has one (gdn_kernels)
-                self.record_past = True
-                if initial is not None:
-                    self.conv_states[0], self.recurrent_states[0] = initial
-                    self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
-                    self.has_previous_state[0] = True
-
-            def update_conv_state(self, *args, **kwargs):
-                raise RuntimeError("a pack's GDN state is updated by dta.model.gdn.pack_forward only")
-
-            update_recurrent_state = update_conv_state
-
-            def crop(self, tokens_to_remove: int):
-                raise RuntimeError("a pack's GDN state cannot be cropped")
-
-        _LAYER = PackStateLayer
-    return _LAYER

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from dta.model.attention_kernels import device_type
-from dta.model.gdn import pack_forward, pack_state_layer_class, plan_recurrence
+from dta.model.gdn import pack_forward, plan_recurrence
+from dta.model.hf_cache import PackStateLayer
 from dta.model.gdn_kernels import SegmentKernel, row
 
 
@@ -37,7 +38,7 @@ def compare(module, kernel: SegmentKernel, seed: int = 0) -> float:
                              generator=g)).to(p.device, torch.float32)
     results = []
     for use_kernel in (False, True):
-        layer = pack_state_layer_class()((conv, rec), plan)
+        layer = PackStateLayer((conv, rec), plan)
         layer.kernels = use_kernel
         with torch.no_grad(), row(device_type(hidden), [kernel] if use_kernel else []):
             out = pack_forward(module, hidden, layer)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dta.model import recurrent
+from dta.model import hf_cache, recurrent
 from dta.model.context_parallel import ShardedPathLayer, ShardedState, context_parallel_of
 from dta.model.routing import MoERouters
 
@@ -169,15 +169,15 @@ def _own(x: torch.Tensor) -> torch.Tensor:
 def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
     if isinstance(layer, ShardedPathLayer):
         layer.check_attended(where)
-    offset = getattr(layer, "offset", 0)  # a PathLayer holds positions offset.. only
-    if offset + layer.keys.shape[2] != end or start < offset:  # e.g. a sliding cache layer
+    offset, keys, values = hf_cache.layer_kv(layer)  # a PathLayer holds positions offset.. only
+    if offset + keys.shape[2] != end or start < offset:  # e.g. a sliding cache layer
         raise ModelInterfaceError(
             f"{where}: the cache layer {type(layer).__name__} holds positions {offset}.."
-            f"{offset + layer.keys.shape[2] - 1} after a forward of positions {start}..{end - 1}; "
+            f"{offset + keys.shape[2] - 1} after a forward of positions {start}..{end - 1}; "
             "the walker needs every position's keys and values (a full cache layer)")
     if start == offset:
-        return layer.keys, layer.values
-    return layer.keys[:, :, start - offset:], layer.values[:, :, start - offset:]
+        return keys, values
+    return keys[:, :, start - offset:], values[:, :, start - offset:]
 
 
 def _attention_through(state: tuple, layout, local: int, rows: np.ndarray) -> tuple:
@@ -224,8 +224,7 @@ class ModelInterface:
         self.decoder = model.get_decoder()
         self.embedding = EmbeddingInput(model)
         # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
-        params = inspect.signature(type(self.decoder).forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = hf_cache.cache_kwarg(type(self.decoder).forward)
         self.layer_kinds = (recurrent.layer_kinds(model.config) if recurrent.is_hybrid(model)
                             else ["attention"] * _num_layers(model.config))
         self.recurrent_modules = recurrent.gdn_modules(model) if recurrent.RECURRENT in self.layer_kinds else []
@@ -251,17 +250,17 @@ class ModelInterface:
         cp = self.context_parallel
         if not self.recurrent_modules and cp is None:
             return path_cache(pieces, len(self.layer_kinds))
-        from transformers.cache_utils import Cache
-
         if not self.recurrent_modules:
-            return Cache(layers=[ShardedPathLayer(pieces[i] if pieces else [], cp)
-                                 for i in range(len(self.layer_kinds))])
+            return hf_cache.new_cache([ShardedPathLayer(pieces[i] if pieces else [], cp)
+                                       for i in range(len(self.layer_kinds))])
         plan = recurrent.pack_plan(layout, self.recurrent_modules[0])
         attention = PathLayer if cp is None else lambda parts: ShardedPathLayer(parts, cp)
-        layers = [attention(pieces[i] if pieces else []) if kind == "attention" else
-                  recurrent.pack_layer(pieces[i][-1] if pieces else None, plan)
+        layers = [attention(pieces[i] if pieces else []) if kind == "attention" else None
                   for i, kind in enumerate(self.layer_kinds)]
-        return Cache(layers=layers)
+        offset = layers[self._attention_layer].offset  # the path's positions before the pack
+        layers = [layer or recurrent.pack_layer(pieces[i][-1] if pieces else None, plan, offset)
+                  for i, layer in enumerate(layers)]
+        return hf_cache.new_cache(layers)
 
     def state_through(self, state: NodeState, layout, local: int) -> tuple[list, bool]:
         """A pack's per-layer state as a pack hanging below local node ``local`` reads it (the
@@ -361,13 +360,12 @@ class ModelInterface:
     def path_cache(self, path: list[NodeState]):
         """A fresh cache holding the path's states (positions 0..start-1): a forward
         mutates its cache, so every node gets its own. No config: full layers only."""
-        from transformers import DynamicCache
-
         data = [_KINDS[kind][0]([node[i] for node in path])
                 for i, kind in enumerate(self.layer_kinds)] if path else None
         if recurrent.RECURRENT in self.layer_kinds:  # per-kind layers, roots included
-            return recurrent.build_cache(self.layer_kinds, data)
-        return DynamicCache(ddp_cache_data=data) if path else DynamicCache()
+            held = int(data[self._attention_layer][0].shape[2]) if data else 0
+            return recurrent.build_cache(self.layer_kinds, data, held)
+        return hf_cache.dense_cache(data)
 
     def node_state(self, cache, start: int, end: int) -> NodeState:
         """The node's own slice (positions start..end-1) of every layer after its forward."""
@@ -382,7 +380,7 @@ class ModelInterface:
         """One node: `ids` [n] at positions start..start+n-1 after the path's states.
         Returns (last hidden states [n, H], the node's own NodeState)."""
         cache = self.path_cache(path)
-        seen = cache.get_seq_length()
+        seen = hf_cache.positions(cache)
         if seen != start:
             raise ModelInterfaceError(f"{self.name}: the path's cache holds {seen} positions, "
                                       f"the node starts at {start}")
@@ -390,7 +388,7 @@ class ModelInterface:
         pos = torch.arange(start, end, device=ids.device).unsqueeze(0)
         out = self.decoder(position_ids=pos, use_cache=True, **self.embed(ids.unsqueeze(0)),
                            **{self.cache_kwarg: cache})
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache = hf_cache.output_cache(out)
         return out.last_hidden_state[0], self.node_state(cache, start, end)
 
 

@@ -18,10 +18,9 @@ do not grow with its length.
 Transformers' GDN forward already continues a multi-token chunk from cached states (pure
 torch on CPU; flash-linear-attention / causal-conv1d kernels where installed). Its cache
 layer, ``LinearAttentionLayer``, updates the states *in place* (``copy_``) — which breaks
-autograd when a state is a leaf or was saved for backward. :class:`ForkedStateLayer` is that
-layer with functional updates: the states are replaced, never written into, so gradients
-flow through them. The single-token decode path (an in-place ``causal_conv1d_update``) is
-bypassed by reporting ``record_past``, which makes HF take its general chunk path.
+autograd when a state is a leaf or was saved for backward. ``dta.model.hf_cache`` (the one
+module that knows transformers' cache classes) has that layer with functional updates
+(``ForkedStateLayer``) and the pack's carrier layer (``PackStateLayer``).
 """
 from __future__ import annotations
 
@@ -74,9 +73,9 @@ def node_state(layer, start: int, end: int, where: str) -> tuple:
         if layer.final is None:
             raise RuntimeError(f"{where}: the GDN layer was not run over the pack")
         return layer.final
-    if not getattr(layer, "is_recurrent_states_initialized", {}).get(0):
-        raise RuntimeError(f"{where}: the GDN layer was not run; no final state to hand on")
-    return layer.conv_states[0], layer.recurrent_states[0]
+    from dta.model.hf_cache import gdn_state
+
+    return gdn_state(layer, where)
 
 
 def state_through(state: tuple, layout, local: int, rows=None) -> tuple:
@@ -124,87 +123,20 @@ def pack_plan(layout, module, chunk: int | None = None):
     return gdn.plan_recurrence(layout, int(module.conv_kernel_size), chunk or gdn.CHUNK)
 
 
-def pack_layer(initial: tuple | None, plan):
-    from dta.model.gdn import pack_state_layer_class
+def pack_layer(initial: tuple | None, plan, positions: int = 0):
+    from dta.model.hf_cache import PackStateLayer
 
-    return pack_state_layer_class()(initial, plan)
-
-
-def _forked_state_layer_class():
-    from transformers.cache_utils import LinearAttentionLayer
-
-    class ForkedStateLayer(LinearAttentionLayer):
-        """HF's linear-attention cache layer, starting from given states, updated functionally."""
-
-        def __init__(self, state: tuple | None = None):
-            super().__init__(number_of_states=1)
-            # HF's single-token path updates the conv state in place; "recording" routes every
-            # forward through the general path (cat + conv), which our update keeps functional.
-            self.record_past = True
-            if state is not None:
-                conv, rec = state
-                self.conv_states[0], self.recurrent_states[0] = conv, rec
-                self.conv_kernel_size[0] = conv.shape[-1]
-                self.device, self.dtype = conv.device, conv.dtype
-                self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
-                self.has_previous_state[0] = True
-
-        def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
-            kernel = conv_kernel_size or self.conv_kernel_size[state_idx]
-            if self.has_previous_state[state_idx]:
-                prev = self.conv_states[state_idx]
-            else:  # a root: zero state (what HF's prefill pads with)
-                prev = conv_states.new_zeros(*conv_states.shape[:-1], kernel)
-            full = torch.cat([prev, conv_states], dim=-1)
-            self.conv_states[state_idx] = full[..., -kernel:]
-            self.conv_kernel_size[state_idx] = kernel
-            self.device, self.dtype = conv_states.device, conv_states.dtype
-            self.is_conv_states_initialized[state_idx] = True
-            self.has_previous_state[state_idx] = True
-            return full
-
-        def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
-            self.recurrent_states[state_idx] = recurrent_states
-            self.is_recurrent_states_initialized[state_idx] = True
-            return recurrent_states
-
-        def crop(self, tokens_to_remove: int):
-            raise RuntimeError("a forked GDN state cannot be cropped")
-
-    return ForkedStateLayer
+    return PackStateLayer(initial, plan, positions)
 
 
-_LAYER_CLASS = None
-
-
-def forked_state_layer(state: tuple | None = None):
-    """A cache layer for one GDN layer starting from `state` = (conv, recurrent), or from zero
-    state (None: a root)."""
-    global _LAYER_CLASS
-    if _LAYER_CLASS is None:
-        _LAYER_CLASS = _forked_state_layer_class()
-    return _LAYER_CLASS(state)
-
-
-def build_cache(kinds: list[str], data: list | None):
-    """A fresh per-node cache for a hybrid model. ``data[i]`` is the path's K/V (attention) or
-    the parent's final (conv, recurrent) state (recurrent); ``data=None`` for a root. A forward
+def build_cache(kinds: list[str], data: list | None, positions: int = 0):
+    """A fresh per-node cache for a hybrid model (``dta.model.hf_cache.hybrid_cache``):
+    ``data[i]`` is the path's K/V (attention) or the parent's final (conv, recurrent) state
+    (recurrent); ``data=None`` for a root; ``positions``: the path's length. A forward
     mutates its cache: build one per node."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import Cache, DynamicLayer
+    from dta.model import hf_cache
 
-    layers = []
-    for i, kind in enumerate(kinds):
-        if kind == RECURRENT:
-            layers.append(forked_state_layer(data[i] if data is not None else None))
-        else:
-            layer = DynamicLayer()
-            if data is not None:
-                layer.update(*data[i])
-            layers.append(layer)
-    cache = DynamicCache.__new__(DynamicCache)
-    Cache.__init__(cache, layers=layers)
-    return cache
+    return hf_cache.hybrid_cache(kinds, data, positions, RECURRENT)
 
 
 def gdn_config_defaults(kw: dict) -> dict:
