@@ -99,6 +99,9 @@ def hf_loop_op(query, key, value, g, beta, initial_state=None, output_final_stat
     ``torch_chunk_gated_delta_rule`` (the stand-in of flash-linear-attention's kernel)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+    if value.shape[2] != query.shape[2]:  # grouped value heads: the kernel's contract (FLA's,
+        # and HF's own from 5.23) takes q/k per key head; HF's kernel before 5.23 did not
+        query, key = (x.repeat_interleave(value.shape[2] // x.shape[2], dim=2) for x in (query, key))
     cu = cu_seqlens.tolist()
     outs, finals = [], []
     for i in range(len(cu) - 1):
