@@ -1,7 +1,8 @@
 # Shared by .ci/install-areal.sh and .ci/install-verl.sh (sourced, not run): install a package
 # with --no-deps into the ACTIVE virtual environment beside torch 2.13.0 (the local CPU wheel)
 # and the dta package, adding only the dependencies its caller lists, resolved against the
-# installed torch, transformers and numpy. Fails loudly: any failed step, a torch other than
+# installed torch, transformers and numpy, and to the tested set (constraints.txt, the lock that
+# scripts/setup.sh passes as DTA_LOCK). Fails loudly: any failed step, a torch other than
 # 2.13.0 before or after, ends the caller non-zero.
 # The caller sets NAME (for messages) before sourcing.
 set -euo pipefail
@@ -38,13 +39,16 @@ with open(sys.argv[1], "w") as f:
     f.writelines(f"{k}=={v}\n" for k, v in pins.items())
 PYEOF
 log "constraints: $(tr '\n' ' ' < "$CONSTRAINTS")"
+LOCK=${DTA_LOCK:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/constraints.txt}
+[ -f "$LOCK" ] || die "the tested set $LOCK is missing"
+log "tested set: $LOCK"
 
 # install_no_deps PACKAGE==VERSION DEP...: the dependencies (constrained), then the package
 # itself with --no-deps; torch must be unchanged afterwards
 install_no_deps() {
   local package=$1; shift
   log "installing $# dependencies"
-  "$PY" -m pip install -q -c "$CONSTRAINTS" "$@"
+  "$PY" -m pip install -q -c "$CONSTRAINTS" -c "$LOCK" "$@"
   log "installing $package --no-deps"
   "$PY" -m pip install -q --no-deps "$package"
   torch_is_pinned || die "torch changed during the install (now $("$PY" -c 'import torch; print(torch.__version__)'))"

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dta import versions
 from dta.model.lora import base_model_class, is_peft_model
 from dta.model.modeling import ModelInterface, ModelInterfaceError
 
@@ -101,7 +102,14 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
         # the walker may be built inside no_grad (a forward-only step): the probe needs grad
         _compare_gdn_kernel(model, report)  # first: a wrong kernel is named, not its effects
         with torch.inference_mode(False), torch.enable_grad():
-            _compare(model, seqs, report)
+            try:
+                _compare(model, seqs, report)
+            except (ModelInterfaceError, RuntimeError, TypeError, AttributeError) as e:
+                # the walker could not even run the probe through this model (a cache or
+                # forward convention it does not know): a refusal, naming the versions
+                raise SelfCheckError(f"DTA self-check refused {report.model_class} "
+                                     f"({report.dtype}): {e} ({versions.describe()}; "
+                                     "docs/versions.md). Nothing was changed.") from e
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -137,7 +145,8 @@ def _message(report: SelfCheckReport) -> str:
     return (f"DTA self-check refused {report.model_class} ({report.dtype}): the walker's {part} "
             f"differs from the model's own forward/backward (relative error {err:.2e} > "
             f"tolerance {report.tolerance:g} for {report.dtype}); DTA cannot train this model "
-            "exactly. Nothing was changed. (self_check=False skips this check.)")
+            f"exactly with {versions.describe()} (docs/versions.md). Nothing was changed. "
+            "(self_check=False skips this check.)")
 
 
 def _probe(model) -> list[np.ndarray]:

@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
+    from dta.versions import untested
     from dta_cli.common import run_guarded
+
+    for line in untested():  # one line per package outside the tested range; the command runs
+        print(f"dta {args.command}: warning: {line}", file=sys.stderr)
 
     return run_guarded(args._run, args, args.command)
 

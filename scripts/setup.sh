@@ -3,6 +3,8 @@
 # torch would pull a multi-GB CUDA build), this package with its ray, dev and lora extras, and with
 # --areal the optional AReaL 1.0.4 backend (see runtime/areal/README.md), with --verl the
 # optional verl 0.9.1 engine (docs/verl.md).
+# Every package is installed at the version CI tested: constraints.txt, the lock
+# (scripts/update-lock.sh writes it; docs/versions.md).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,11 +24,10 @@ PY=${PYTHON:-python3}
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==2.13.0" > "$CONSTRAINTS"
-python -m pip install -q torch==2.13.0
-python -m pip install -q -c "$CONSTRAINTS" -e ".[ray,dev,lora]"
+export DTA_LOCK="$PWD/constraints.txt"  # the tested set; .ci/install-lib.sh installs through it too
+[ -f "$DTA_LOCK" ] || { echo "setup.sh: $DTA_LOCK is missing" >&2; exit 1; }
+python -m pip install -q -c "$DTA_LOCK" torch==2.13.0
+python -m pip install -q -c "$DTA_LOCK" -e ".[ray,dev,lora]"
 if [ "$WITH_AREAL" = 1 ]; then
   if python -c "import areal" 2>/dev/null; then
     echo "setup.sh: areal already installed"

@@ -1,0 +1,207 @@
+"""Upstream drift, found by us: each transformers release against every family of DTA's matrix.
+
+For each version (default: the newest patch of every minor release from the supported range's
+floor in pyproject.toml to the newest on the registry), transformers is installed with
+``--no-deps`` into a folder of its own under ``--work`` (the venv is not touched) and put first
+on ``PYTHONPATH``; then ``dta verify --family F --dtype float64 --json`` runs for every family
+of the support matrix (``dta.model.families.FAMILIES``) and the hybrid pack tests run under
+pytest. The table says, per version and family, pass or fail with the error's first line.
+
+    .venv/bin/python scripts/check_upstream.py                 # every minor of the range + newest
+    .venv/bin/python scripts/check_upstream.py 5.24.0 5.25.0   # these versions only
+    .venv/bin/python scripts/check_upstream.py --markdown docs/upstream-transformers.md
+
+Run by scripts/check-upstream.sh; docs/versions.md says how its table is used.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HYBRID_TESTS = ["tests/test_hybrid.py", "tests/test_hybrid_packs.py", "tests/test_gdn_kernels.py"]
+
+
+def families() -> list[str]:
+    out = subprocess.run([sys.executable, "-c", "from dta.model.families import FAMILIES; "
+                          "print(' '.join(FAMILIES))"], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return out.stdout.split()
+
+
+def supported_range() -> tuple[str, str]:
+    """(floor, ceiling) of transformers in pyproject.toml's dependencies."""
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(r'"transformers>=([0-9.]+),<=([0-9.]+)"', text)
+    if m is None:
+        raise SystemExit("check_upstream: pyproject.toml has no 'transformers>=A,<=B' dependency")
+    return m.group(1), m.group(2)
+
+
+def key(v: str) -> tuple:
+    return tuple(int(x) for x in v.split("."))
+
+
+def registry_versions() -> list[str]:
+    """Every final transformers release on the registry, oldest first."""
+    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "transformers"],
+                         capture_output=True, text=True, check=True)
+    m = re.search(r"Available versions: (.*)", out.stdout)
+    if m is None:
+        raise SystemExit(f"check_upstream: cannot read pip's version list: {out.stdout[:200]}")
+    return sorted((v.strip() for v in m.group(1).split(",") if re.fullmatch(r"[0-9.]+", v.strip())),
+                  key=key)
+
+
+def default_versions() -> list[str]:
+    """The newest patch of each minor release from the range's floor to the newest release."""
+    floor = key(supported_range()[0])
+    newest: dict[tuple, str] = {}
+    for v in registry_versions():
+        if key(v)[:2] >= floor[:2] and key(v)[0] == floor[0]:
+            newest[key(v)[:2]] = v
+    return [newest[m] for m in sorted(newest)]
+
+
+def pip_target(target: Path, *specs: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--disable-pip-version-check", "--target", str(target), *specs], check=True)
+
+
+def install(version: str, work: Path) -> tuple[Path, list[str]]:
+    """transformers ``version`` in a folder of its own, with those of its own requirements
+    that the venv's versions do not satisfy (old releases pin tokenizers / huggingface-hub
+    below the venv's), also --no-deps; returns the folder and what else went in."""
+    from importlib.metadata import PackageNotFoundError, distributions, version as have
+    from packaging.requirements import Requirement
+
+    target = work / f"transformers-{version}"
+    if not (target / "transformers").is_dir():
+        pip_target(target, f"transformers=={version}")
+    dist = next(d for d in distributions(path=[str(target)]) if d.metadata["Name"] == "transformers")
+    extra = []
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if req.marker is not None or req.name in ("torch",):
+            continue
+        try:
+            ok = req.specifier.contains(have(req.name), prereleases=True)
+        except PackageNotFoundError:
+            ok = False
+        if not ok:
+            extra.append(f"{req.name}{req.specifier}")
+    if extra and not (target / ".deps-done").exists():
+        pip_target(target, *extra)
+        (target / ".deps-done").write_text("\n".join(extra))
+    return target, extra
+
+
+def first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() or "FAIL" in ln]
+    return (errors[-1] if errors else lines[-1] if lines else "no output")[:160]
+
+
+def verify(family: str, env: dict) -> tuple[bool, str]:
+    dta = str(Path(sys.executable).with_name("dta"))
+    out = subprocess.run([dta, "verify", "--family", family, "--dtype", "float64", "--json", "--debug"],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    try:
+        report = json.loads(last)
+    except json.JSONDecodeError:
+        return False, first_line(out.stderr or out.stdout)
+    ok = out.returncode == 0 and bool(report.get("passed"))
+    return ok, f"{report.get('max_rel_err', float('nan')):.1e}" if ok else first_line(out.stderr or last)
+
+
+def hybrid_tests(env: dict) -> tuple[bool, str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *HYBRID_TESTS], capture_output=True, text=True, env=env, cwd=ROOT)
+    summary = first_line(out.stdout.splitlines()[-1] if out.stdout.strip() else out.stderr)
+    return out.returncode == 0, summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("versions", nargs="*", help="transformers versions (default: every minor of "
+                    "the supported range and the newest release)")
+    ap.add_argument("--work", default="/tmp/dta-upstream", help="where the versions are installed")
+    ap.add_argument("--families", default="", help="comma-separated (default: every family)")
+    ap.add_argument("--markdown", default="", help="also write the table to this file")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+    versions = args.versions or default_versions()
+    fams = args.families.split(",") if args.families else families()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    rows: dict[str, dict[str, tuple[bool, str]]] = {}
+    deps: dict[str, list[str]] = {}
+    for v in versions:
+        t0 = time.time()
+        try:
+            target, extra = install(v, work)
+        except subprocess.CalledProcessError as e:
+            rows[v] = {f: (False, f"pip install failed ({e.returncode})") for f in fams}
+            continue
+        if extra:
+            print(f"{v}: beside it, its own pins {', '.join(extra)}", flush=True)
+            deps[v] = extra
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(target), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        row = {}
+        for f in fams:
+            row[f] = verify(f, env)
+            print(f"{v} {f}: {'pass' if row[f][0] else 'FAIL'} {row[f][1]}", flush=True)
+        row["hybrid tests"] = hybrid_tests(env)
+        print(f"{v} hybrid tests: {'pass' if row['hybrid tests'][0] else 'FAIL'} "
+              f"{row['hybrid tests'][1]} ({time.time() - t0:.0f} s)", flush=True)
+        rows[v] = row
+    table = render(rows, fams + ["hybrid tests"], started, deps)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    passing = [v for v in versions if all(ok for ok, _ in rows[v].values())]
+    if args.json:
+        print(json.dumps({"date": started.strftime("%Y-%m-%d"), "versions": versions,
+                          "passing": passing,
+                          "results": {v: {f: {"passed": ok, "detail": d} for f, (ok, d) in r.items()}
+                                      for v, r in rows.items()}}))
+    return 0 if len(passing) == len(versions) else 1
+
+
+def render(rows: dict, columns: list[str], started, deps: dict) -> str:
+    """A markdown table: versions down, families across; failures listed below it."""
+    torch_v = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    head = [f"# transformers releases against DTA's support matrix ({started:%Y-%m-%d %H:%M} UTC)",
+            "", f"`scripts/check-upstream.sh` on torch {torch_v}, Python "
+            f"{sys.version.split()[0]}: `dta verify --family F --dtype float64 --json` per family "
+            f"(pass = max relative error <= 1e-10) and `pytest {' '.join(HYBRID_TESTS)}`.", "",
+            "| transformers | " + " | ".join(columns) + " |",
+            "|---|" + "---|" * len(columns)]
+    fails = []
+    for v, row in rows.items():
+        cells = []
+        for c in columns:
+            ok, detail = row.get(c, (False, "not run"))
+            cells.append("pass" if ok else "**FAIL**")
+            if not ok:
+                fails.append(f"- {v} {c}: {detail}")
+        head.append(f"| {v} | " + " | ".join(cells) + " |")
+    notes = [f"- {v} ran beside its own pins: {', '.join(d)} (installed with it)"
+             for v, d in deps.items()]
+    return "\n".join(head + ([""] + notes if notes else [])
+                     + (["", "Failures (first error line):", ""] + fails if fails else [])) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The tested dependency set (constraints.txt, pyproject's ranges) and the run-time warning
+outside it (dta.versions; docs/versions.md)."""
+from __future__ import annotations
+
+import json
+import re
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from dta import versions
+from dta_cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for n, line in enumerate((ROOT / "constraints.txt").read_text().splitlines(), 1):
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
+        if m is None:
+            raise AssertionError(f"constraints.txt:{n}: not a 'name==version' pin: {line!r}")
+        pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return pins
+
+
+def _pyproject_requirements() -> list[Requirement]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        lines += extra
+    return [Requirement(x) for x in lines]
+
+
+def test_installed_packages_are_the_locked_set():
+    """What scripts/setup.sh installed is constraints.txt, version for version (torch's local
+    +cpu label aside); torch and transformers are among the pins."""
+    pins = _lock()
+    assert {"torch", "transformers", "ray", "peft", "omegaconf"} <= set(pins)
+    differ = []
+    for name, want in pins.items():
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional stack this venv was set up without (e.g. no --verl)
+        if Version(have).public != Version(want).public:
+            differ.append(f"{name}: installed {have}, locked {want}")
+    assert not differ, differ
+    assert Version(metadata.version("transformers")) == Version(pins["transformers"])
+
+
+def test_pyproject_ranges_end_at_the_tested_versions():
+    """Every dependency range has an upper bound, and the locked (tested) version is inside
+    it; transformers' and torch's upper bounds are exactly the tested versions."""
+    pins = _lock()
+    for req in _pyproject_requirements():
+        uppers = [s for s in req.specifier if s.operator in ("<=", "<", "==")]
+        assert uppers, f"pyproject.toml: {req} has no upper bound"
+        if req.name in pins:
+            assert req.specifier.contains(pins[req.name], prereleases=True), (req, pins[req.name])
+    for name in ("torch", "transformers"):
+        req = next(r for r in _pyproject_requirements() if r.name == name)
+        assert {s.version for s in req.specifier if s.operator == "<="} == {pins[name]}, req
+
+
+def test_the_installed_metadata_states_pyprojects_range():
+    """dta.versions reads the range from the installed package: the same as pyproject.toml
+    (a stale editable install would warn against an old range)."""
+    req = next(r for r in _pyproject_requirements() if r.name == "transformers")
+    assert versions.tested_range("transformers") == str(req.specifier)
+    assert versions.untested() == []  # this venv is the tested set
+
+
+def test_outside_the_range_dta_warns_in_one_line_and_still_verifies(monkeypatch, capsys):
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed",
+                        lambda name: "5.99.0" if name == "transformers" else real(name))
+    code = main(["verify", "--family", "llama", "--dtype", "float64", "--max-sequences", "3",
+                 "--json"])
+    out, err = capsys.readouterr()
+    warned = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warned) == 1, err
+    assert "transformers 5.99.0 is outside the range DTA was tested with" in warned[0]
+    assert versions.tested_range("transformers") in warned[0]
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["passed"] is True
+
+
+def test_a_self_check_refusal_names_the_transformers_version(monkeypatch):
+    """A probe the walker cannot even run through the model (what transformers 5.25 did to
+    the hybrids' cache before dta/model/hf_cache.py) is a refusal naming the versions."""
+    from dta.model.models import build_model
+    from dta.model.modeling import ModelInterface, ModelInterfaceError
+    from dta.selfcheck import SelfCheckError, self_check
+
+    def broken(self, ids, start, path):
+        raise ModelInterfaceError(f"{self.name}: the path's cache holds 0 positions, the node "
+                                  f"starts at {start}")
+
+    monkeypatch.setattr(ModelInterface, "forward", broken)
+    model = build_model("llama", "tiny", dtype="float32", seed=0)
+    with pytest.raises(SelfCheckError) as err:
+        self_check(model, raise_on_failure=True)
+    msg = str(err.value)
+    assert f"transformers {metadata.version('transformers')}" in msg and "0 positions" in msg
+    assert "\n" not in msg
