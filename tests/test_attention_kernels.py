@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dta.model import attention_kernels as ak
-from dta.model.attention_standins import stand_in
+from tests.standins import stand_in
 from dta.model.models import build_model, make_truly_float64
 from dta.model.packmask import DENSE_PATH_MASKS
 from dta.model.split_attention import Split, split_attention

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dta.model import attention_kernels as ak
-from dta.model.attention_standins import stand_in
+from tests.standins import gdn_stand_in, hf_loop_op, loop_conv_op, stand_in
 from dta.model import gdn_kernels as gk
 from dta.model.models import build_model, make_truly_float64
 from dta.reference import unpacked_gradients
@@ -26,7 +26,7 @@ def test_kernel_selection_by_device():
         fla = gk.KERNELS["cuda"][0]
         assert fla.name == "fla"
         assert gk.segment_kernel(cpu) is (fla if fla.available() else None)
-        with gk.stand_in():
+        with gdn_stand_in():
             assert gk.segment_kernel(cpu).name == "stand-in"
     assert gk.segment_kernel(cpu) is None and gk.KERNELS["cuda"][0].name == "fla"
 
@@ -46,13 +46,13 @@ def test_walk_through_a_segment_kernel_float64():
 
     def counted(*a, **k):
         calls.append(1)
-        return gk.hf_loop_op(*a, **k)
+        return hf_loop_op(*a, **k)
 
     def counted_conv(*a, **k):
         conv_calls.append(len(k["cu_seqlens"]) - 1)
-        return gk.loop_conv_op(*a, **k)
+        return loop_conv_op(*a, **k)
 
-    with stand_in("cuda"), gk.stand_in(counted, conv=counted_conv):
+    with stand_in("cuda"), gdn_stand_in(counted, conv=counted_conv):
         report = self_check(model)
         assert any("GDN kernel" in k for k in report.errors) and report.passed, report.errors
         for policy in ("recompute",):
@@ -70,10 +70,10 @@ def test_self_check_refuses_a_wrong_kernel():
     model = build_model("qwen3_5", "tiny", dtype="float32", seed=0, matrix=True)
 
     def wrong(*a, **k):  # a kernel that loses 2 % of every output
-        out, final = gk.hf_loop_op(*a, **k)
+        out, final = hf_loop_op(*a, **k)
         return out * 0.98, final
 
-    with stand_in("cuda"), gk.stand_in(wrong):
+    with stand_in("cuda"), gdn_stand_in(wrong):
         with pytest.raises(SelfCheckError, match="GDN kernel stand-in"):
             self_check(model, raise_on_failure=True)
     assert self_check(model).passed  # CPU: no kernel to compare, the rest passes
@@ -85,9 +85,9 @@ def test_self_check_refuses_a_wrong_conv_kernel():
     model = build_model("qwen3_5", "tiny", dtype="float32", seed=0, matrix=True)
 
     def stateless(x, weight, bias=None, initial_state=None, **k):
-        return gk.loop_conv_op(x, weight, bias, torch.zeros_like(initial_state), **k)
+        return loop_conv_op(x, weight, bias, torch.zeros_like(initial_state), **k)
 
-    with stand_in("cuda"), gk.stand_in(conv=stateless):
+    with stand_in("cuda"), gdn_stand_in(conv=stateless):
         with pytest.raises(SelfCheckError, match="GDN kernel stand-in"):
             self_check(model, raise_on_failure=True)
 
@@ -137,7 +137,7 @@ def test_conv_kernel_equals_the_gather_float64(seed):
     leaves = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
               for s in ((lay.tokens, D), (1, D, K), (D, K), (D,))]
     results = []
-    kernel = gk.SegmentKernel("stand-in", gk.hf_loop_op, conv=gk.loop_conv_op)
+    kernel = gk.SegmentKernel("stand-in", hf_loop_op, conv=loop_conv_op)
     for use_kernel in (False, True):
         src = conv_source(leaves[0], leaves[1], K)
         args = (src, leaves[2], leaves[3], plan, ix)

@@ -47,9 +47,9 @@ its forward with autograd and feeds the merge's own chain rule back
 ``backend`` (:data:`BACKENDS`, the walk's attention-kernel setting): ``auto`` takes each
 row's first available kernel; ``torch`` only torch's own ops; ``flash_attn`` requires
 flash-attn for the unmasked and causal pieces. The CUDA kernels are unmeasured on a GPU
-(docs/gpu.md): on CPU, ``stand_in`` runs the CUDA rows with CPU ops standing in for
+(docs/gpu.md): on CPU, the tests' ``stand_in`` runs the CUDA rows with CPU ops standing in for
 the CUDA ops -- the same code path up to the op call -- which is how the tests exercise them
-(:mod:`dta.model.attention_standins`).
+(``tests/standins.py``).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def sum_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
 @dataclass
 class Kernel:
     """One kernel of the table. ``ops``: the calls into the device library (what
-    ``attention_standins.stand_in`` replaces); everything else is the shared code path."""
+    the tests' ``stand_in`` replaces); everything else is the shared code path."""
 
     name: str
     kinds: tuple
@@ -326,12 +326,13 @@ def _table() -> dict:
 
 
 TABLE = _table()
-_device_override: dict[str, str] = {}  # stand_in (tests): a device type -> the row it takes
 
 
-def device_type(t: torch.Tensor) -> str:
-    """The table row a tensor's device takes (``attention_standins.stand_in`` may redirect it)."""
-    return _device_override.get(t.device.type, t.device.type)
+def device_type(x) -> str:
+    """The table row a tensor (or a device) takes: its device's type. The one place a device
+    becomes a row -- tests run a device's rows on CPU by standing in for it here
+    (``tests/standins.py``); callers look it up through this module."""
+    return x.device.type if isinstance(x, torch.Tensor) else torch.device(x).type
 
 
 def kernel_for(device: str, dtype: torch.dtype, kind: str, backend: str | None = None) -> Kernel | None:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from dta.model.attention_kernels import device_type
+from dta.model import attention_kernels
 from dta.model.gdn import pack_forward, plan_recurrence
 from dta.model.hf_cache import PackStateLayer
 from dta.model.gdn_kernels import SegmentKernel, row
@@ -40,7 +40,7 @@ def compare(module, kernel: SegmentKernel, seed: int = 0) -> float:
     for use_kernel in (False, True):
         layer = PackStateLayer((conv, rec), plan)
         layer.kernels = use_kernel
-        with torch.no_grad(), row(device_type(hidden), [kernel] if use_kernel else []):
+        with torch.no_grad(), row(attention_kernels.device_type(hidden), [kernel] if use_kernel else []):
             out = pack_forward(module, hidden, layer)
         results.append((out, *layer.final))
     err = 0.0

@@ -93,47 +93,6 @@ def segment_kernel(t: torch.Tensor) -> SegmentKernel | None:
     return None
 
 
-def hf_loop_op(query, key, value, g, beta, initial_state=None, output_final_state=True,
-               cu_seqlens=None, use_qk_l2norm_in_kernel=True, **_):
-    """The varlen contract on any device, one segment at a time through transformers' own
-    ``torch_chunk_gated_delta_rule`` (the stand-in of flash-linear-attention's kernel)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-    if value.shape[2] != query.shape[2]:  # grouped value heads: the kernel's contract (FLA's,
-        # and HF's own from 5.23) takes q/k per key head; HF's kernel before 5.23 did not
-        query, key = (x.repeat_interleave(value.shape[2] // x.shape[2], dim=2) for x in (query, key))
-    cu = cu_seqlens.tolist()
-    outs, finals = [], []
-    for i in range(len(cu) - 1):
-        a, b = cu[i], cu[i + 1]
-        o, f = torch_chunk_gated_delta_rule(
-            query[:, a:b], key[:, a:b], value[:, a:b], g[:, a:b], beta[:, a:b],
-            initial_state=initial_state[i:i + 1], output_final_state=True,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        outs.append(o)
-        finals.append(f)
-    return torch.cat(outs, dim=1), torch.cat(finals)
-
-
-def loop_conv_op(x, weight, bias=None, initial_state=None, cu_seqlens=None, activation=None,
-                 output_final_state=False, **_):
-    """The conv contract on any device, one segment at a time through torch's depthwise
-    ``conv1d`` over [the initial state's last W - 1 inputs | the segment] (the stand-in of
-    flash-linear-attention's kernel)."""
-    if activation is not None or output_final_state:
-        raise ValueError("the pack path asks for the conv before its activation, no final state")
-    cu = cu_seqlens.tolist()
-    D, W = weight.shape
-    acc = torch.promote_types(x.dtype, torch.float32)
-    outs = []
-    for i in range(len(cu) - 1):
-        seg = torch.cat([initial_state[i, :, 1:].transpose(0, 1), x[0, cu[i]:cu[i + 1]]])
-        y = torch.nn.functional.conv1d(seg.to(acc).t().unsqueeze(0), weight.to(acc).unsqueeze(1),
-                                       None if bias is None else bias.to(acc), groups=D)
-        outs.append(y[0].t())
-    return torch.cat(outs).unsqueeze(0).to(x.dtype), None
-
-
 @contextlib.contextmanager
 def row(device: str, kernels: list):
     """``KERNELS[device]`` is ``kernels`` for the duration (then as it was)."""
@@ -146,12 +105,6 @@ def row(device: str, kernels: list):
             KERNELS.pop(device, None)
         else:
             KERNELS[device] = saved
-
-
-def stand_in(op=hf_loop_op, device: str = "cuda", conv=loop_conv_op):
-    """Tests only: ``device``'s GDN kernels are ``op`` and ``conv`` (run under
-    ``dta.model.attention_standins.stand_in``, CPU tensors take that device's row)."""
-    return row(device, [SegmentKernel("stand-in", op, conv=conv)])
 
 
 def kernel_conv(kernel: SegmentKernel, src, weight, bias, plan, ix: dict):

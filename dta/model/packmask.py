@@ -100,7 +100,7 @@ DENSE_PATH_MASKS: Counter = Counter()  # dense masks over cached keys built, by 
 
 
 def count_dense(mask: torch.Tensor) -> None:
-    from dta.model.attention_kernels import device_type
+    from dta.model.attention_kernels import device_type  # looked up now: tests stand in
 
     DENSE_PATH_MASKS[device_type(mask)] += 1
 
@@ -218,10 +218,9 @@ _said: set = set()
 
 def _say_dense(device, why: str) -> None:
     """Warn once per reason that a pack over cached keys takes a dense mask on a GPU."""
-    from dta.model.attention_kernels import _device_override
+    from dta.model import attention_kernels
 
-    dev = torch.device(device).type
-    dev = _device_override.get(dev, dev)
+    dev = attention_kernels.device_type(device)
     if dev != "cpu" and why not in _said:
         _said.add(why)
         import warnings
