@@ -15,25 +15,37 @@ PATH = 8192 + 120_000
 KW = dict(path_tokens=PATH, call_tokens=120_000, policy="recompute", block_tokens=2048)
 
 
-def test_path_kv_divided_by_the_group():
+def test_path_kv_and_graphs_divided_by_the_group():
+    """The split scheme (dta.planning.cp): the path's K/V (stored by KV heads) and their
+    gradients, and the block's graph (rows outside attention, heads inside) are C = 1's / C;
+    the replicated scheme divides the path's K/V only."""
     one = estimate(SHAPES["qwen3-8b"], 8, "fsdp", **KW)
     assert "cp_buffers" not in one.split and one.context_parallel == 1
     for c in (2, 4, 8):
         est = estimate(SHAPES["qwen3-8b"], 8, "fsdp", context_parallel=c, **KW)
         assert est.context_parallel == c and est.data_parallel == 8 // c
+        assert est.cp_scheme == "split"
         # recompute: leaves, gradients and what the graph reads are all this rank's 1/C
         assert est.split["path_kv"] == pytest.approx(one.split["path_kv"] / c, rel=1e-3)
-        assert est.split["graphs"] == one.split["graphs"]  # the block's graph: replicated
+        assert est.split["graphs"] == pytest.approx(one.split["graphs"] / c, rel=1e-3)
+        assert est.split["head"] <= one.split["head"]  # its rows are split (at most 64 here)
         assert 0 < est.split["cp_buffers"] < 0.05 * one.split["path_kv"]
         assert (est.params, est.grads, est.optimizer) == (one.params, one.grads, one.optimizer)
-    # retain: every graph on the path keeps its own pack's K/V whole
+        rep = estimate(SHAPES["qwen3-8b"], 8, "fsdp", context_parallel=c,
+                       cp_scheme="replicated", **KW)
+        assert rep.split["path_kv"] == pytest.approx(one.split["path_kv"] / c, rel=1e-3)
+        assert rep.split["graphs"] == one.split["graphs"]  # the block's graph: replicated
+        assert "(replicated)" in rep.label() and "(replicated)" not in est.label()
+    # retain: every graph on the path keeps its own pack's K/V (split: its heads' share)
     r1 = estimate(SHAPES["qwen3-8b"], 8, "fsdp", **dict(KW, policy="retain"))
     r2 = estimate(SHAPES["qwen3-8b"], 8, "fsdp", context_parallel=2, **dict(KW, policy="retain"))
-    assert r2.split["path_kv"] < r1.split["path_kv"]
+    assert r2.split["path_kv"] == pytest.approx(r1.split["path_kv"] / 2, rel=1e-3)
     with pytest.raises(ValueError, match="does not divide"):
         estimate(SHAPES["qwen3-8b"], 6, "fsdp", context_parallel=4, **KW)
     with pytest.raises(ValueError, match="context_parallel must be an integer >= 1"):
         estimate(SHAPES["qwen3-8b"], 8, "fsdp", context_parallel=0, **KW)
+    with pytest.raises(ValueError, match="unknown context-parallel scheme 'ring'"):
+        estimate(SHAPES["qwen3-8b"], 8, "fsdp", context_parallel=2, cp_scheme="ring", **KW)
 
 
 def test_plan_prefers_no_context_parallel():

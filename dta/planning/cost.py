@@ -31,7 +31,7 @@ Because positions are tree positions, the attention work of a node spanning posi
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -143,9 +143,6 @@ class CostModel:
                 if err < best_err - 1e-18 * max(best_err, 1.0):
                     best, best_err = full, err
         return cls(float(best[0]), float(best[1]), float(best[2]), "s", name)
-
-    def with_fixed(self, fixed: float) -> "CostModel":
-        return replace(self, fixed=float(fixed))
 
     # ------------------------------------------------------------------ evaluation --
     def prefix_cost(self, p):

@@ -28,107 +28,42 @@ longer than B; None: a call is a whole node, up to the largest):
 * ``graphs``: the saved activations of the calls whose graphs are alive (retain: every
   piece on the path, the path's tokens; recompute: one call, min(largest call, B));
 * ``head``: the LM head's chunk of fp32 logits (logits, softmax, gradient);
-* ``cp_buffers`` (context parallel, C > 1 ranks per tree: docs/context-parallel.md): the
-  all-gathered (out, lse) of a call and its gathered dQ (C x the call's queries per
-  attention layer call, transient), the popped pack's gathered K/V gradients (one call's
-  K/V) and one piece's scores (heads x call x call / C).
+* ``cp_buffers`` (context parallel, C > 1 ranks per tree): one call's exchange buffers.
 
-Context parallel: the ranks of a CP group walk the same tree; each stores 1/C of every
-pack's K/V with their gradient accumulators, so the path's leaves and gradients are divided
-by C (recompute: the path K/V the live graph reads are the same leaves, divided too;
-retain: each graph on the path also keeps its own pack's K/V whole, replicated). The
-graphs, the head and the model state are those of one rank as before (fsdp and zero1
-shard over the whole world, W = data-parallel x C).
+Context parallel (:mod:`dta.planning.cp`): the C ranks of a group walk one tree. Under the
+``split`` scheme (the default) each rank stores its KV heads' share of the path's K/V with
+their gradient accumulators (1/C: the path K/V divided by C) and holds its rows' share of
+the live graphs and of the head's rows; ``cp_buffers`` is one attention call's all-to-all
+(its rows' q/k/v sent, its heads' received). Under the ``replicated`` scheme (round 4) the
+path's K/V are stored sliced by rows (retain: each graph on the path also keeps its own
+pack's K/V whole) while the graphs and the head are those of one rank; ``cp_buffers`` is the
+all-gathered (out, lse) and dQ of a call, its gathered K/V gradients and one piece's scores.
+The model state is the same either way (fsdp and zero1 shard over the whole world,
+W = data-parallel x C).
 
 This mirrors what ``runtime.sharding`` allocates; the benchmark
 ``experiments/bench_sharding.py`` measures the state beside it, and
-``experiments/bench_blocks.py`` the activations against the block. :func:`plan_memory` picks
-mode x policy x block for a budget (least communication first, then retain before
+``experiments/bench_blocks.py`` the activations against the block. :func:`plan_memory`
+chooses data-parallel x context-parallel x mode x policy x block for a budget: given the
+batch's tree, the fastest modeled step that fits (:mod:`dta.planning.timing`); without one,
+the first that fits in the memory order (least communication first, then retain before
 recompute, then the largest block; blocks under 1,024 tokens only when nothing fits with a
-longer one), or says by how much the cheapest misses it.
+longer one); or it says by how much the cheapest misses.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+
+from dta.planning import cp
+from dta.planning.chunks import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
+from dta.planning.cp import CP_SCHEME, check_scheme
+from dta.planning.shapes import DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401 (re-exported)
 
 MODES = ("replicate", "zero1", "fsdp")  # cheapest communication first
 GIB = 2 ** 30
 BUCKET_ELEMS = 1 << 24  # runtime.sharding.flat's reduce-scatter bucket (elements per rank)
 
-# Qwen3 dense shapes (from their Hugging Face configs): the README table's models.
-SHAPES: dict[str, dict] = {
-    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=12288,
-                     vocab_size=151936, tie_word_embeddings=False),
-    "qwen3-14b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
-                      num_key_value_heads=8, head_dim=128, intermediate_size=17408,
-                      vocab_size=151936, tie_word_embeddings=False),
-    "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, intermediate_size=25600,
-                      vocab_size=151936, tie_word_embeddings=False),
-}
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _get(config: Any, name: str, default=None):
-    if isinstance(config, dict):
-        return config.get(name, default)
-    return getattr(config, name, default)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    gdn_layers: int = 0  # Gated DeltaNet layers (hybrid models): no K/V, a state per piece
-    gdn_state: int = 0  # elements of one GDN layer's (conv, recurrent) state
-
-    @classmethod
-    def of(cls, config) -> "ModelShape":
-        hidden = int(_get(config, "hidden_size"))
-        heads = int(_get(config, "num_attention_heads"))
-        head_dim = int(_get(config, "head_dim", None) or hidden // heads)
-        types = list(_get(config, "layer_types", None) or [])
-        gdn = sum(t == "linear_attention" for t in types)
-        state = 0
-        if gdn:
-            kh = int(_get(config, "linear_num_key_heads", heads))
-            vh = int(_get(config, "linear_num_value_heads", heads))
-            dk = int(_get(config, "linear_key_head_dim", head_dim))
-            dv = int(_get(config, "linear_value_head_dim", head_dim))
-            kernel = int(_get(config, "linear_conv_kernel_dim", 4))
-            state = (2 * kh * dk + vh * dv) * kernel + vh * dk * dv
-        return cls(hidden, int(_get(config, "num_hidden_layers")), heads,
-                   int(_get(config, "num_key_value_heads", heads)), head_dim,
-                   int(_get(config, "intermediate_size")), int(_get(config, "vocab_size")),
-                   bool(_get(config, "tie_word_embeddings", False)), gdn, state)
-
-    @property
-    def attention_layers(self) -> int:
-        return self.layers - self.gdn_layers
-
-    @property
-    def layer_params(self) -> int:
-        q = self.heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        attn = self.hidden * (2 * q + 2 * kv) + 2 * self.head_dim  # q,k,v,o + q/k norms
-        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden  # MLP + norms
-
-    @property
-    def vocab_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.vocab_params + self.hidden
 
 
 @dataclass
@@ -143,6 +78,8 @@ class MemoryEstimate:
     block_tokens: int | None = None  # None: nodes are not cut
     split: dict = field(default_factory=dict)  # activations by part (activation_split)
     context_parallel: int = 1  # ranks per tree (world = data-parallel groups x this)
+    cp_scheme: str = CP_SCHEME  # how a group divides its tree (dta.planning.cp; C > 1 only)
+    time: object = None  # dta.planning.timing.TimeEstimate, when a workload was priced
 
     @property
     def total(self) -> int:
@@ -154,7 +91,8 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "state": self.state, "total": self.total}
+        return {**asdict(self), "state": self.state, "total": self.total,
+                "data_parallel": self.data_parallel, "label": self.label()}
 
     @property
     def data_parallel(self) -> int:
@@ -162,48 +100,47 @@ class MemoryEstimate:
 
     def label(self) -> str:
         cp = f"/context parallel {self.context_parallel}" if self.context_parallel > 1 else ""
+        if cp and self.cp_scheme != CP_SCHEME:
+            cp += f" ({self.cp_scheme})"
         return f"{self.mode}/{self.policy}/block {self.block_tokens or 'none'}{cp}"
 
 
 def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, policy: str,
                      compute_bytes: int, logits_chunk: int = 1024,
-                     block_tokens: int | None = None, context_parallel: int = 1) -> dict:
+                     block_tokens: int | None = None, context_parallel: int = 1,
+                     cp_scheme: str = CP_SCHEME) -> dict:
     """Activation bytes by part (module doc): ``path_kv``, ``graphs``, ``head`` (and
-    ``cp_buffers`` with ``context_parallel`` > 1 ranks per tree)."""
+    ``cp_buffers`` with ``context_parallel`` > 1 ranks per tree, priced by ``cp_scheme``:
+    :func:`dta.planning.cp.activations`)."""
     if policy not in ("retain", "recompute"):
         raise ValueError(f"unknown memory policy {policy!r}; choose retain or recompute")
     C = check_context_parallel(context_parallel)
+    check_scheme(cp_scheme)
     c = compute_bytes
     call = min(call_tokens, block_tokens) if block_tokens else call_tokens
     path = max(int(path_tokens), 0)
+    pieces = math.ceil(path / max(call, 1)) if path else 0  # graphs along the path (retain)
+    if C > 1:
+        return cp.activations(shape, cp_scheme, C, path=path, call=call, pieces=pieces,
+                              policy=policy, compute_bytes=c, logits_chunk=logits_chunk)
     kv = 2 * shape.attention_layers * shape.kv_heads * shape.head_dim * c  # per token, K and V
     q = shape.heads * shape.head_dim
     # saved per token per layer: norms' inputs, q/k/v, attention out, MLP gate/up/act/down in
     saved = (4 * shape.hidden + q + 2 * shape.kv_heads * shape.head_dim + q
              + 4 * shape.intermediate) * c * shape.layers
-    pieces = math.ceil(path / max(call, 1)) if path else 0  # graphs along the path (retain)
     if policy == "retain":
         graph_tokens, read = path, path * (pieces + 1) / 2
     else:
         graph_tokens, read = min(call, path) if path else call, path
     states = 2 * pieces * shape.gdn_layers * shape.gdn_state * 4  # leaf + gradient, fp32
-    from dta.planning.chunks import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
-
     head = 3 * min(logits_rows(logits_chunk, shape.vocab), max(call, 1)) * shape.vocab * 4
-    split = {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
-             "head": int(head)}
-    if C > 1:
-        share = math.ceil(path / C)  # this rank's rows of the path (a pack's split is even)
-        own = path if policy == "retain" else share  # retain: each graph keeps its pack's K/V
-        split["path_kv"] = int(kv * (2 * share + own) + states)
-        n = max(min(call, path) if path else call, 1)
-        gathered = 2 * C * n * q * c  # (out, lse) and dQ of one layer call, all-gathered
-        scores = 2 * shape.heads * n * math.ceil(n / C) * c  # one piece: scores, probabilities
-        split["cp_buffers"] = int(gathered + kv * n + scores)
-    return split
+    return {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
+            "head": int(head)}
 
 
-CONTEXT_PARALLEL = (1, 2, 4, 8)  # CP sizes :func:`plan_memory` tries, least communication first
+# CP sizes `dta plan --memory` tries (those dividing the world); beyond a model's KV heads a
+# split group shares each KV head's rows (dta.planning.cp.HeadSplit)
+CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
 
 
 def check_context_parallel(size) -> int:
@@ -213,19 +150,16 @@ def check_context_parallel(size) -> int:
     return size
 
 
-def activation_bytes(shape: ModelShape, **kw) -> int:
-    """Ancestors' K/V on the longest path, live graphs, head logits (:func:`activation_split`)."""
-    return sum(activation_split(shape, **kw).values())
-
-
 def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: int,
              policy: str = "recompute", compute_dtype: str = "bfloat16",
              logits_chunk: int = 1024, block_tokens: int | None = None,
-             adapter_params: int = 0, context_parallel: int = 1) -> MemoryEstimate:
+             adapter_params: int = 0, context_parallel: int = 1,
+             cp_scheme: str = CP_SCHEME) -> MemoryEstimate:
     """Per-rank peak bytes of one step (see the module doc). adapter_params > 0: a LoRA run
     (:func:`with_lora`: the frozen base in the compute dtype, state for the adapters only).
     context_parallel: ranks per tree, dividing ``world`` (the data-parallel groups are
-    ``world / context_parallel``; sharding still spans the whole world)."""
+    ``world / context_parallel``; sharding still spans the whole world), dividing the tree
+    by ``cp_scheme`` (:mod:`dta.planning.cp`)."""
     if mode not in MODES:
         raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES}")
     if int(world) < 1:
@@ -252,10 +186,11 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
         opt = 2 * math.ceil(N / W) * m
     split = activation_split(shape, path_tokens=path_tokens, call_tokens=call_tokens,
                              policy=policy, compute_bytes=c, logits_chunk=logits_chunk,
-                             block_tokens=block_tokens, context_parallel=C)
+                             block_tokens=block_tokens, context_parallel=C,
+                             cp_scheme=cp_scheme)
     est = MemoryEstimate(mode, W, int(params), int(grads), int(opt), sum(split.values()),
                          policy=policy, block_tokens=block_tokens or None, split=split,
-                         context_parallel=C)
+                         context_parallel=C, cp_scheme=cp_scheme)
     return with_lora(est, shape, adapter_params, compute_dtype=compute_dtype) \
         if adapter_params else est
 
@@ -281,12 +216,16 @@ POLICY_ORDER = ("retain", "recompute")  # retain first: no second forward
 @dataclass
 class MemoryPlan:
     """The choice of :func:`plan_memory`: ``chosen`` (the estimate that fits, or None) and
-    ``cheapest`` (the smallest total tried: what misses the budget, and by how much)."""
+    ``cheapest`` (the smallest total tried: what misses the budget, and by how much).
+    ``rule``: ``throughput`` (a batch was priced: the fastest modeled step that fits, each
+    estimate's ``time`` set) or ``memory`` (the first that fits in the memory order)."""
 
     budget: float  # the usable bytes: the budget less the headroom
     chosen: MemoryEstimate | None
     cheapest: MemoryEstimate
     tried: list[MemoryEstimate]
+    rule: str = "memory"
+    hardware: dict | None = None  # the time model's rates (rule throughput)
 
     @property
     def shortfall(self) -> float:
@@ -299,55 +238,97 @@ class MemoryPlan:
 
     def message(self) -> str:
         if self.chosen is not None:
+            fast = (f", the fastest that fits ({self.chosen.time.step_s:.1f} s modeled step)"
+                    if self.rule == "throughput" else "")
             return (f"{self.chosen.label()} fits: {self.chosen.total / GIB:.2f} GiB of "
-                    f"{self.budget / GIB:.2f} GiB usable")
+                    f"{self.budget / GIB:.2f} GiB usable{fast}")
         return (f"nothing fits {self.budget / GIB:.2f} GiB usable: the cheapest, "
                 f"{self.cheapest.label()}, needs {self.cheapest.total / GIB:.2f} GiB "
                 f"({self.shortfall / GIB:.2f} GiB over)")
 
 
-def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int,
-                call_tokens: int, modes=MODES, policies=POLICY_ORDER, blocks=BLOCKS,
-                compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
+def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | None = None,
+                call_tokens: int | None = None, modes=MODES, policies=POLICY_ORDER,
+                blocks=BLOCKS, compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
                 headroom: float = HEADROOM, adapter_params: int = 0,
-                context_parallel=(1,)) -> MemoryPlan:
-    """The first mode x policy x block whose estimate fits ``budget_bytes`` less the
-    ``headroom`` share: modes by communication, then retain before recompute, then the
-    largest block (a block no shorter than the largest call is the same as none: skipped).
-    adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters).
-    context_parallel: the CP sizes to try, smallest first (each must divide ``world``; a
-    larger one only when no combination fits with a smaller): the per-block all-gathers of
-    context parallelism are tried after every sharding mode, policy and block without."""
+                context_parallel=(1,), tree=None, hardware=None,
+                cp_schemes=(CP_SCHEME,)) -> MemoryPlan:
+    """Data-parallel x context-parallel x mode x policy x block for ``budget_bytes`` less the
+    ``headroom`` share (a block no shorter than the largest call is the same as none:
+    skipped). adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters).
+    context_parallel: the CP sizes to try (each must divide ``world``); cp_schemes: how a
+    group of C > 1 divides its tree (:mod:`dta.planning.cp`).
+
+    With ``tree`` (the batch's PrefixTree; path_tokens and call_tokens default to its
+    :func:`batch_extent`): **by modeled throughput**. Every candidate is priced
+    (:mod:`dta.planning.timing`, ``hardware`` a :class:`~dta.planning.timing.Hardware`,
+    default an H100-class GPU; the figures on ``estimate.time``) and the shortest modeled
+    step among those that fit is chosen (ties: the memory order below); blocks under
+    SHORT_BLOCK only when nothing fits with a longer one.
+
+    Without a tree (nothing to price time on): the first that fits in the memory order --
+    the smallest C first, modes by communication, retain before recompute, the largest
+    block (blocks under SHORT_BLOCK only when nothing fits at that C with a longer one)."""
+    if tree is not None:
+        path, node = batch_extent(tree)
+        path_tokens = path if path_tokens is None else path_tokens
+        call_tokens = node if call_tokens is None else call_tokens
+    if path_tokens is None or call_tokens is None:
+        raise ValueError("plan_memory needs path_tokens and call_tokens, or the batch's tree")
     if adapter_params:
         modes = tuple(m for m in modes if m != "fsdp")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    schemes = tuple(check_scheme(s) for s in cp_schemes)
+    if not schemes:
+        raise ValueError("plan_memory: no context-parallel scheme to price")
     budget_bytes = budget_bytes * (1 - headroom)
-    tried = []
-    tiers = [[b for b in blocks if b is None or b >= SHORT_BLOCK],
-             [b for b in blocks if b is not None and b < SHORT_BLOCK]]
-    sizes = [check_context_parallel(c) for c in context_parallel]
+    tiers = [t for t in ([b for b in blocks if b is None or b >= SHORT_BLOCK],
+                         [b for b in blocks if b is not None and b < SHORT_BLOCK]) if t]
+    sizes = sorted(check_context_parallel(c) for c in context_parallel)
     bad = [c for c in sizes if int(world) % c]
     if bad or not sizes:
         raise ValueError(f"context_parallel {bad or sizes} must divide the world of {world} ranks")
-    for cp in sorted(sizes):
-        for tier in (t for t in tiers if t):  # blocks under SHORT_BLOCK only when needed
+
+    def candidates(size, tier):  # one C and block tier, in the memory order
+        for scheme in (schemes if size > 1 else schemes[:1]):
             for mode in modes:
                 for policy in policies:
                     for block in tier:
                         if block is not None and 0 < call_tokens <= block and len(tier) > 1:
                             continue  # the same as no cut
-                        est = estimate(config, world, mode, path_tokens=path_tokens,
+                        yield estimate(config, world, mode, path_tokens=path_tokens,
                                        call_tokens=call_tokens, policy=policy,
                                        block_tokens=block, compute_dtype=compute_dtype,
                                        logits_chunk=logits_chunk, adapter_params=adapter_params,
-                                       context_parallel=cp)
-                        tried.append(est)
-                        if est.total <= budget_bytes:
-                            return MemoryPlan(float(budget_bytes), est, est, tried)
+                                       context_parallel=size, cp_scheme=scheme)
+
+    tried = []
+    if tree is None:
+        for size in sizes:
+            for tier in tiers:
+                for est in candidates(size, tier):
+                    tried.append(est)
+                    if est.total <= budget_bytes:
+                        return MemoryPlan(float(budget_bytes), est, est, tried)
+    else:
+        from dta.planning.timing import Pricer
+
+        pricer = Pricer(config, tree, hardware, compute_dtype=compute_dtype,
+                        adapter_params=adapter_params)
+        for tier in tiers:
+            tier_ests = [pricer.price(e) for size in sizes for e in candidates(size, tier)]
+            tried += tier_ests
+            fits = [e for e in tier_ests if e.total <= budget_bytes]
+            if fits:
+                best = min(fits, key=lambda e: e.time.step_s)  # the first of equals
+                return MemoryPlan(float(budget_bytes), best, best, tried, "throughput",
+                                  pricer.hardware_dict())
     if not tried:
         raise ValueError("plan_memory: no mode, policy or block to try")
-    return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried)
+    return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried,
+                      "memory" if tree is None else "throughput",
+                      None if tree is None else pricer.hardware_dict())
 
 
 def batch_extent(tree) -> tuple[int, int]:
@@ -407,4 +388,5 @@ def with_lora(est: MemoryEstimate, config, adapter_params: int, *,
         opt = 2 * math.ceil(A / W) * m
     return MemoryEstimate(est.mode, W, int(shape.params * c + params), int(grads), int(opt),
                           est.activations, policy=est.policy, block_tokens=est.block_tokens,
-                          split=est.split, context_parallel=est.context_parallel)
+                          split=est.split, context_parallel=est.context_parallel,
+                          cp_scheme=est.cp_scheme)
