@@ -15,7 +15,6 @@ from dta.planning.cost import CostModel, features
 from dta.planning.cp import RECOMPUTE_FACTOR, HeadSplit
 from dta.planning.memory import GIB, SHAPES, ModelShape, estimate, plan_memory
 from dta.planning.timing import PEAK_TFLOPS, Hardware, Pricer, sharding_traffic
-from dta.planning.work import cut
 
 SIZES = (1, 2, 4, 8)
 
@@ -135,15 +134,34 @@ def test_split_exchange_follows_the_tokens_not_the_path():
         assert a.flops_per_rank > b.flops_per_rank
 
 
-def test_cut_matches_the_block_cutter():
-    from dta.planning.blocks import cut_blocks
+def test_calls_are_the_walkers_packs():
+    """Each group's calls are planned as the walker plans them (dta.walk.Walker.plan: blocks,
+    then packs under the walk's packing and the cap by memory policy), and the groups are
+    the runtime's balance over data-parallel groups."""
+    from dta.model.models import build_model
+    from dta.options import WalkOptions
+    from dta.planning.work import Workload
+    from dta.planning.workers import assign_workers
+    from dta.walk import Walker
 
-    tree = rollouts(3, 1001, 3333, seed=1)
-    for block in (None, 512, 1000, 4096):
-        cut_tree, _ = cut_blocks(tree, block)
-        want = sorted(cut_tree.length(u) for u in range(1, len(cut_tree)))
-        lengths, counts = cut([tree.length(u) for u in range(1, len(tree))], block)
-        assert sorted(np.repeat(lengths, counts).tolist()) == want
+    model = build_model("qwen3", "tiny", dtype="float32", seed=0)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 100, 40)
+    seqs = [np.concatenate([prompt, rng.integers(3, 100, n)]) for n in (100, 7, 30, 64, 5, 250)]
+    tree = build_tree(seqs)
+    work = Workload(tree, model.config, WalkOptions())
+    for policy, block in (("recompute", 32), ("retain", 0), ("retain", 16), ("recompute", 0)):
+        walker = Walker(model, WalkOptions(policy=policy, block_tokens=block))
+        want = sorted(p.tokens for p in walker.plan(tree).packs)
+        (got,) = work.calls(1, block or None, policy)
+        assert sorted(got.lengths.tolist()) == want and got.tokens == tree.stats().unique_tokens
+    groups = assign_workers(tree, 2, work.cost).workers
+    two = work.calls(2, 32, "recompute")
+    for ids, calls in zip(groups, two):
+        sub = build_tree([seqs[i] for i in ids])
+        want = sorted(p.tokens for p in Walker(model, WalkOptions(
+            policy="recompute", block_tokens=32)).plan(sub).packs)
+        assert sorted(calls.lengths.tolist()) == want
 
 
 @pytest.mark.parametrize("name, world, C, issue", [("qwen3-8b", 8, 2, 0.78),

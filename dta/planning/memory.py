@@ -252,7 +252,7 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
                 blocks=BLOCKS, compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
                 headroom: float = HEADROOM, adapter_params: int = 0,
                 context_parallel=(1,), tree=None, hardware=None,
-                cp_schemes=(CP_SCHEME,)) -> MemoryPlan:
+                cp_schemes=(CP_SCHEME,), walk=None) -> MemoryPlan:
     """Data-parallel x context-parallel x mode x policy x block for ``budget_bytes`` less the
     ``headroom`` share (a block no shorter than the largest call is the same as none:
     skipped). adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters).
@@ -264,7 +264,9 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
     (:mod:`dta.planning.timing`, ``hardware`` a :class:`~dta.planning.timing.Hardware`,
     default an H100-class GPU; the figures on ``estimate.time``) and the shortest modeled
     step among those that fit is chosen (ties: the memory order below); blocks under
-    SHORT_BLOCK only when nothing fits with a longer one.
+    SHORT_BLOCK only when nothing fits with a longer one. ``walk``: the run's
+    :class:`dta.options.WalkOptions`, whose packing settings plan each group's calls
+    (:mod:`dta.planning.work`; None: the defaults).
 
     Without a tree (nothing to price time on): the first that fits in the memory order --
     the smallest C first, modes by communication, retain before recompute, the largest
@@ -315,7 +317,7 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
         from dta.planning.timing import Pricer
 
         pricer = Pricer(config, tree, hardware, compute_dtype=compute_dtype,
-                        adapter_params=adapter_params)
+                        adapter_params=adapter_params, walk=walk)
         for tier in tiers:
             tier_ests = [pricer.price(e) for size in sizes for e in candidates(size, tier)]
             tried += tier_ests

@@ -28,8 +28,8 @@ fsdp        per decoder call (the most calls of any group: the lockstep keeps th
 ==========  ============================================================================
 
 Not modeled: kernel efficiency falling with smaller calls or smaller row slices (one
-utilisation for every matmul), the pack planner joining small nodes (every node piece is a
-call), LoRA's skipped weight gradients (priced as full training).
+utilisation for every matmul), a masked pack's dropped pairs (FLOPs are the tree's), LoRA's
+skipped weight gradients (priced as full training).
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ import math
 from dataclasses import asdict, dataclass
 
 from dta.planning import cp
-from dta.planning.cost import CostModel
 from dta.planning.memory import BUCKET_ELEMS, DTYPE_BYTES, MemoryEstimate
 from dta.planning.shapes import ModelShape
 from dta.planning.work import Workload
@@ -130,10 +129,9 @@ class Pricer:
     """Prices :class:`~dta.planning.memory.MemoryEstimate` candidates on one batch."""
 
     def __init__(self, config, tree, hardware: Hardware | None = None, *,
-                 compute_dtype: str = "bfloat16", adapter_params: int = 0):
-        self.shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
-        cost = CostModel.from_config(config)
-        self.work = Workload(tree, cost)
+                 compute_dtype: str = "bfloat16", adapter_params: int = 0, walk=None):
+        self.shape = ModelShape.of(config)
+        self.work = Workload(tree, config, walk)
         self.hardware = hardware or Hardware()
         self.compute_dtype, self.adapter_params = compute_dtype, int(adapter_params)
 
@@ -146,7 +144,7 @@ class Pricer:
         rate, link = hw.flop_rate(self.compute_dtype), hw.bandwidth(C)
         lat = hw.latency_us * 1e-6
         worst = None
-        groups = self.work.calls(est.data_parallel, est.block_tokens)
+        groups = self.work.calls(est.data_parallel, est.block_tokens, est.policy)
         for calls in groups:
             rank, alone = cp.flops(self.work.cost, self.shape, est.cp_scheme, C, est.policy, calls)
             sent, colls = cp.exchange(self.shape, est.cp_scheme, C, est.policy, calls, c)
