@@ -1,7 +1,8 @@
-"""The memory model and ``dta plan`` with context parallelism (docs/context-parallel.md): the
-path's K/V and their gradients divided by C, the CP buffers priced, C chosen only when no
-combination without it fits; the issue's batch (four rollouts of 128K tokens on one 8,192-token
-prompt) fits Qwen3-8B and -14B on 8 x 80 GB with C > 1, Qwen3-32B on 16."""
+"""The memory model and ``dta plan`` with context parallelism (docs/planning.md): the path's
+K/V and their gradients divided by C (and the block's graph under the split scheme), the CP
+buffers priced, C = 1 first in the memory order; the issue's batch (four rollouts of 128K
+tokens on one 8,192-token prompt) fits Qwen3-8B and -14B on 8 x 80 GB with C > 1, Qwen3-32B on
+16, each at a modeled group efficiency >= 0.85, chosen by modeled throughput."""
 from __future__ import annotations
 
 import json
@@ -86,15 +87,27 @@ def test_dta_plan_long_trajectories(long128k, model, workers, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     got = json.loads(out.strip().splitlines()[-1])["memory"]
-    assert got["path_tokens"] == PATH
+    assert got["path_tokens"] == PATH and got["rule"] == "throughput"
     if (model, workers) == ("qwen3-32b", 8):  # still short, and by how much
         assert got["chosen"] is None and 0 < got["shortfall_bytes"] < alone["shortfall_bytes"]
         return
     assert got["chosen"] is not None and got["context_parallel"] > 1
     assert got["data_parallel"] * got["context_parallel"] == workers
     assert f"context_parallel={got['context_parallel']}" in out
-    # fsdp x CP is what the model says fits, and dta train runs it
-    # (tests/test_context_parallel_sharded.py)
+    # the issue's figure: C = 1's FLOPs / (C x per-rank FLOPs), from the reported figures
+    t, C = got["time"], got["context_parallel"]
+    assert got["group_efficiency"] >= 0.85
+    assert got["group_efficiency"] == pytest.approx(t["flops_alone"] / (C * t["flops_per_rank"]))
+    assert t["flops_per_rank"] == pytest.approx(t["flops_alone"] / C + t["flops_undivided"])
+    assert got["bytes_sent"] == t["cp_bytes"] + t["sharding_bytes"] and t["cp_bytes"] > 0
+    assert got["step_seconds"] == pytest.approx(t["compute_s"] + t["cp_s"] + t["sharding_s"])
+    # the fastest of the candidates that fit, each priced in the JSON
+    usable = got["usable_bytes"]
+    fits = [c for c in got["candidates"] if c["total"] <= usable]
+    assert got["step_seconds"] == min(c["time"]["step_s"] for c in fits)
+    assert got["first_fit"]["step_seconds"] >= got["step_seconds"]
+    assert "chosen by modeled throughput" in out and "effic." in out
+    # dta train runs every sharding mode with C > 1 (tests/test_context_parallel_sharded.py)
     assert got["runnable"] is True
 
 

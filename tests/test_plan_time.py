@@ -5,6 +5,7 @@ does not grow with the path, the replicated scheme gives the issue's efficiencie
 plan_memory chooses by modeled throughput, not by the first fit."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -221,3 +222,46 @@ def test_plan_memory_keeps_its_signature_and_derives_the_extent_from_the_tree():
         plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB)
     with pytest.raises(ValueError, match="context-parallel scheme"):
         plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree, cp_schemes=("ring",))
+
+
+def test_dta_plan_prints_the_rates_and_takes_them_as_flags(capsys):
+    """`dta plan --memory` states the rates it priced at (the defaults, or the flags), and
+    the modeled step follows them: compute at a quarter of the FLOP rate takes 4x."""
+    from dta_cli.main import main
+
+    args = ["plan", "--workload", "tau2-airline", "--scale", "0.05", "--workers", "8",
+            "--memory", "--model", "qwen3-8b", "--budget-gib", "80", "--context-parallel", "2",
+            "--policy", "recompute", "--block-tokens", "256", "--json"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    base = json.loads(out.strip().splitlines()[-1])["memory"]
+    assert base["hardware"] == {**Hardware().as_dict("bfloat16")}
+    assert "989 TFLOP/s peak x 0.4 (bfloat16)" in out and "450 GB/s in a node" in out
+    assert main(args + ["--utilization", "0.1", "--intra-node-gbs", "45", "--latency-us",
+                        "0", "--peak-tflops", "989"]) == 0
+    out = capsys.readouterr().out
+    slow = json.loads(out.strip().splitlines()[-1])["memory"]
+    assert "989 TFLOP/s peak x 0.1 (bfloat16)" in out and "45 GB/s in a node" in out
+    assert slow["hardware"]["utilization"] == 0.1 and slow["hardware"]["latency_us"] == 0
+    assert slow["choice"] == base["choice"]  # one candidate per mode here; zero1 both times
+    t0, t1 = base["time"], slow["time"]
+    assert t1["flops_per_rank"] == t0["flops_per_rank"] and t1["bytes_sent"] == t0["bytes_sent"]
+    assert t1["compute_s"] == pytest.approx(4 * t0["compute_s"])
+    assert t1["cp_s"] == pytest.approx(10 * t0["cp_bytes"] / 450e9)
+    assert main(args + ["--utilization", "1.5"]) == 2
+    assert "utilization must be in (0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_dta_plan_prices_the_replicated_scheme_when_asked(capsys):
+    from dta_cli.main import main
+
+    args = ["plan", "--workload", "tau2-airline", "--scale", "0.05", "--workers", "4",
+            "--memory", "--model", "qwen3-8b", "--budget-gib", "80", "--context-parallel", "4",
+            "--json", "--context-parallel-scheme"]
+    got = {}
+    for scheme in ("split", "replicated"):
+        assert main(args + [scheme]) == 0
+        got[scheme] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+        assert got[scheme]["cp_scheme"] == scheme
+        assert {c["cp_scheme"] for c in got[scheme]["candidates"]} == {scheme}
+    assert got["replicated"]["group_efficiency"] < 0.5 < got["split"]["group_efficiency"]

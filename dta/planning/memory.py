@@ -226,6 +226,7 @@ class MemoryPlan:
     tried: list[MemoryEstimate]
     rule: str = "memory"
     hardware: dict | None = None  # the time model's rates (rule throughput)
+    pricer: object = field(default=None, repr=False)  # prices more estimates on the same batch
 
     @property
     def shortfall(self) -> float:
@@ -325,12 +326,13 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
             if fits:
                 best = min(fits, key=lambda e: e.time.step_s)  # the first of equals
                 return MemoryPlan(float(budget_bytes), best, best, tried, "throughput",
-                                  pricer.hardware_dict())
+                                  pricer.hardware_dict(), pricer)
     if not tried:
         raise ValueError("plan_memory: no mode, policy or block to try")
+    if tree is None:
+        return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried)
     return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried,
-                      "memory" if tree is None else "throughput",
-                      None if tree is None else pricer.hardware_dict())
+                      "throughput", pricer.hardware_dict(), pricer)
 
 
 def batch_extent(tree) -> tuple[int, int]:
