@@ -15,11 +15,10 @@ errors name its file, line and field. Advantages:
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from dta.batch import Batch
+from dta.paths import check_path
 
 
 class BatchSourceError(ValueError):
@@ -36,15 +35,15 @@ class BatchSource:
         self.cfg, self.vocab_size = cfg, vocab_size
         self._records = None
         self._lines = None
+        if cfg.workload.path:  # before the run claims its folder or starts anything
+            check_path(str(cfg.workload.path), "file", "workload.path", error=BatchSourceError)
 
     def _file(self) -> tuple[list[dict], list[str]]:
         if self._records is None:
             from dta.records.jsonl import read_jsonl
 
             w = self.cfg.workload
-            path = str(w.path)
-            if not os.path.isfile(path):
-                raise BatchSourceError(f"workload.path {path!r} does not exist")
+            path = check_path(str(w.path), "file", "workload.path", error=BatchSourceError)
             records, lines = read_jsonl(path, vocab_size=self.vocab_size, return_lines=True)
             if not records:
                 raise BatchSourceError(f"workload.path {path!r} holds no sequences")

@@ -22,7 +22,16 @@ def run(args: argparse.Namespace) -> int:
     from experiments.bench.cli import config_from_args
     from experiments.bench.run import compact, run as run_bench
 
+    from dta.paths import check_path
+
     try:
+        if args.input:  # the user's paths, before anything is built or run
+            check_path(args.input, "file", "--input")
+        if args.model_path:
+            check_path(args.model_path, "dir", "--model",
+                       hint="a local Hugging Face model folder: DTA never downloads one")
+        if args.out:
+            check_path(args.out, "dir", "--out", create=True, write=True)
         cfg = config_from_args(args)
         results = run_bench(cfg, progress=not args.json and sys.stderr.isatty())
     except ValueError as e:

@@ -29,6 +29,17 @@ def add_workload_arguments(p, default: str = "tau2-airline", scale: str = "tiny"
                         "loss_mask, advantages, logprobs, group_id); overrides --workload")
 
 
+def check_input_paths(args) -> None:
+    """``--model-path`` (a folder) and ``--input`` (a file), before anything is built."""
+    from dta.paths import check_path
+
+    if getattr(args, "model_path", None):
+        check_path(args.model_path, "dir", "--model-path",
+                   hint="a local Hugging Face model folder: DTA never downloads one")
+    if getattr(args, "input", None):
+        check_path(args.input, "file", "--input")
+
+
 def make_model(args):
     from dta.model.models import build_model, load_model
 
@@ -101,8 +112,11 @@ def load_run_config(args, command: str):
     """The run config from --config and key=value overrides, or None after printing the
     error (which names the key) for `command`."""
     from dta.config.schema import ConfigError, load_config
+    from dta.paths import check_path
 
     try:
+        if args.config is not None:
+            check_path(args.config, "file", "--config", error=ConfigError)
         return load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"dta {command}: {exc}", file=sys.stderr)

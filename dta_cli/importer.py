@@ -58,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
     from dta.records.jsonl import write_jsonl
     from dta.planning.sharing import format_breakdown, sharing_breakdown
 
-    try:
+    from dta.paths import check_path
+
+    try:  # the user's paths, before the tokenizer is loaded (it checks --tokenizer first)
+        check_path(args.file, "file", f"--from {args.source} FILE", error=ImportError_)
+        check_path(args.out, "file", "--out", create=True, write=True, error=ImportError_)
         if os.path.exists(args.out) and not args.overwrite:
             raise ImportError_(f"--out {args.out} exists; give --overwrite to replace it")
         tok = load_tokenizer(args.tokenizer)

@@ -248,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
               "--input FILE for its sharing breakdown", file=sys.stderr)
         return 2
     try:
+        from dta.paths import check_path
+
+        if args.input:  # the user's paths, before anything is read or built
+            check_path(args.input, "file", "--input")
+        if args.model.endswith(".json"):
+            check_path(args.model, "file", "--model")
         if args.method not in PACKERS:
             raise PlanningError(f"unknown method {args.method!r}; choose from {sorted(PACKERS)}")
         records, label = _records(args)

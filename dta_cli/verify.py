@@ -74,10 +74,11 @@ def run(args) -> int:
     from dta.options import WalkOptionError, WalkOptions
     from dta.train import forward_logprobs
     from dta.verify import verify
-    from dta_cli.common import load_records, make_model
+    from dta_cli.common import check_input_paths, load_records, make_model
     from dta_cli.context_parallel import check_size, verify_on_group
 
     check_size(args.context_parallel)  # before anything is built
+    check_input_paths(args)
     given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in FLAGS.items()}
     if given["block_tokens"] is None:
         del given["block_tokens"]  # the walker's default

@@ -73,7 +73,11 @@ def _print_table(st: dict, params: dict, out_path: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     from experiments.workloads import make_workload
 
+    from dta.paths import check_path
+
     try:
+        if args.out:  # before the batch is generated
+            check_path(args.out, "file", "--out", create=True, write=True)
         scale = float(args.scale) if args.scale not in ("full", "small", "tiny") else args.scale
         wl = make_workload(args.workload, scale=scale, seed=args.seed,
                            progress=not args.json and sys.stderr.isatty(), **_overrides(args))

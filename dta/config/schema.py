@@ -259,9 +259,9 @@ def load_config(path: str | os.PathLike | None = None,
     """defaults ← YAML file at ``path`` ← ``key=value`` overrides; validated and resolved."""
     cfg = default_config()
     if path is not None:
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
+        from dta.paths import check_path
+
+        path = check_path(path, "file", "config file", error=ConfigError)
         try:
             loaded = OmegaConf.load(path)
         except Exception as exc:  # YAML syntax errors

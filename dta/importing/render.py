@@ -64,10 +64,10 @@ class Unrenderable(ImportError_):
 
 def load_tokenizer(path: str | os.PathLike):
     """A Hugging Face tokenizer from a local directory (never a hub) that has a chat template."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ImportError_(f"--tokenizer {path}: not a local directory (DTA never downloads a "
-                           "tokenizer; give a Hugging Face tokenizer directory)")
+    from dta.paths import check_path
+
+    path = check_path(path, "dir", "--tokenizer", error=ImportError_,
+                      hint="a local Hugging Face tokenizer folder: DTA never downloads one")
     from transformers import AutoTokenizer
 
     try:

@@ -286,9 +286,9 @@ def read_conversations(source: str, path: str | os.PathLike) -> list[Conversatio
     """The conversations of ``path`` read as ``source`` (``tau2`` | ``openai``)."""
     if source not in SOURCES:
         raise ImportError_(f"unknown source {source!r}; choose from {', '.join(SOURCES)}")
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ImportError_(f"{path}: no such file")
+    from dta.paths import check_path
+
+    path = check_path(path, "file", f"--from {source} FILE", error=ImportError_)
     convs = SOURCES[source](path)
     if not convs:
         raise ImportError_(f"{path}: no conversations")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from dta.paths import check_path
+
 __all__ = ["model_config", "model_name", "cut", "load_input"]
 
 
@@ -24,9 +26,8 @@ def model_config(model_path: str | None, family: str, size: str, vocab_size: int
     if model_path:
         if vocab_size is not None:
             raise ValueError("--vocab-size sizes a random-init model; --model PATH has its own")
-        if not os.path.isdir(model_path):
-            raise ValueError(f"--model {model_path}: not a local directory (DTA never downloads "
-                             "a model)")
+        check_path(model_path, "dir", "--model",
+                   hint="a local Hugging Face model folder: DTA never downloads one")
         from transformers import AutoConfig
 
         try:

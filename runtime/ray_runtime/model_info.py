@@ -1,10 +1,10 @@
 """What the driver needs to know about the configured model and loss, without weights."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from dta.config.schema import loss_kwargs
+from dta.paths import check_path
 from dta.losses import make_loss
 from runtime.errors import TrainingError
 
@@ -14,8 +14,8 @@ def model_limits(cfg) -> tuple[int, int | None, Any]:
     if cfg.model.path:
         import transformers
 
-        if not os.path.isdir(cfg.model.path):
-            raise TrainingError(f"model.path {cfg.model.path!r} is not a local directory")
+        check_path(str(cfg.model.path), "dir", "model.path", error=TrainingError,
+                   hint="a local Hugging Face model folder: DTA never downloads one")
         hf = transformers.AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     else:
         from dta.model.models import build_config
