@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from dta.paths import check_path
+
 CONFIG_NAME = "dta-config.yaml"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -131,47 +133,41 @@ def ship_paths(cfg, cwd: str | None = None):
         return path
 
     model = absolute("model.path")
-    if model is not None and not os.path.isdir(model):
-        raise ConfigError(f"config key 'model.path': {model!r} is not a directory")
+    if model is not None:
+        check_path(model, "dir", "config key 'model.path':", error=ConfigError)
     data = absolute("workload.path")
     if data is not None:
-        if not os.path.isfile(data):
-            raise ConfigError(f"config key 'workload.path': {data!r} does not exist")
+        check_path(data, "file", "config key 'workload.path':", error=ConfigError)
         from dta.records.jsonl import read_jsonl
 
         read_jsonl(data)  # bad records fail here (file, line, field), not on the cluster
     ckpt_dir = absolute("train.checkpoint_dir")
     if ckpt_dir is not None:
-        if cfg.train.resume and not os.path.isdir(ckpt_dir):
+        if cfg.train.resume and not os.path.lexists(ckpt_dir):
             raise ConfigError(f"train.resume=true but train.checkpoint_dir {ckpt_dir!r} does "
                               "not exist")
-        from runtime.checkpoints.folders import foreign_folder  # no torch, no Ray
+        check_path(ckpt_dir, "dir", "config key 'train.checkpoint_dir':", write=True,
+                   create=not cfg.train.resume, error=ConfigError)
+        from runtime.checkpoints.claim import in_use_message, live_owner  # no torch, no Ray
+        from runtime.checkpoints.folders import foreign_folder
 
         refused = foreign_folder(ckpt_dir)
         if refused:
             raise ConfigError(f"train.checkpoint_dir: {refused}")
+        owner = live_owner(ckpt_dir)
+        if owner is not None:
+            raise ConfigError(f"train.checkpoint_dir: {in_use_message(ckpt_dir, owner)}")
         held = os.path.isdir(ckpt_dir) and any(  # a run folder whose first save failed
             n == "latest" or n.startswith("step-") for n in os.listdir(ckpt_dir))  # is free
         if not cfg.train.resume and held:
             raise ConfigError(f"train.checkpoint_dir {ckpt_dir!r} already holds a run; resume "
                               "it (train.resume=true) or choose an empty folder")
-        _check_parent("train.checkpoint_dir", ckpt_dir)
     for key in ("train.log_dir", "train.export_hf"):
         path = absolute(key)
         if path is not None:
-            _check_parent(key, path)
+            check_path(path, "dir", f"config key '{key}':", create=True, write=True,
+                       error=ConfigError)
     return cfg
-
-
-def _check_parent(key: str, path: str) -> None:
-    from dta.config.schema import ConfigError
-
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"config key '{key}': {path!r} cannot be created ({parent!r} is not "
-                          "a writable folder)")
 
 
 def run_submit(args) -> int:

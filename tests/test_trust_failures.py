@@ -147,11 +147,15 @@ def test_keep_last_deletes_only_its_own_runs_checkpoints(tmp_path):
 def test_a_run_folder_whose_first_save_failed_can_start_again(tmp_path):
     d = str(tmp_path / "run")
     first = ckpt.prepare_run(d, resume=False)  # run.json, then the first save failed
+    with pytest.raises(CheckpointError, match=f"is in use by run {first.run_id} "):
+        ckpt.prepare_run(d, resume=False)  # while it runs, it holds the folder
+    first.release()  # and then it stopped
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         ckpt.prepare_run(d, resume=True)
     again = ckpt.prepare_run(d, resume=False)  # nothing to overwrite: a new run takes it
     assert again.run_id != first.run_id and ckpt.read_run(d)["run_id"] == again.run_id
     ckpt.save_checkpoint(d, 1, *tiny())
+    again.release()
     with pytest.raises(CheckpointError, match=f"already holds run {again.run_id}"):
         ckpt.prepare_run(d, resume=False)
 

@@ -2,7 +2,8 @@
 
 Layout of ``<dir>``::
 
-    run.json              the run that owns the folder: {"run_id", "created", "format"}
+    run.json              the run that owns the folder: {"run_id", "created", "format",
+                          "started", "pid", "host"}; locked while that run lives
     step-000003/          one directory per checkpoint (written as .tmp-*, then renamed)
         model.pt          model state_dict (tensors; a LoRA model: its adapters only)
         optimizer.pt      optimizer state_dict (tensors, numbers, lists)
@@ -23,10 +24,14 @@ Trust rules:
 * **Only its own folders**: :func:`prepare_run` (called before step 0) accepts a folder that
   is missing, empty, or a DTA run folder (its ``run.json``); anything else (a folder holding
   other files) is refused, naming what is in it, and nothing is written there.
-* **One run per folder**: it refuses a fresh run in a folder that holds another run's
-  checkpoints, and a resume of a folder that is missing or holds none; it checks the folder
-  is writable. A checkpoint whose manifest names another run than the folder's ``run.json``
-  is refused.
+* **One run per folder, from its first second**: :func:`prepare_run` claims the folder
+  before anything is written there, by creating ``run.json`` exclusively and holding it
+  locked for the run's life (:mod:`runtime.checkpoints.claim`: the kernel lets go when the
+  run ends, crashes or is killed). Of two runs started together exactly one gets it; the
+  other is refused at once naming the owner and how to resume it. It refuses a fresh run in
+  a folder that holds another (stopped) run's checkpoints, and a resume of a folder that is
+  missing or holds none; a stopped run without a checkpoint leaves the folder to the next.
+  A checkpoint whose manifest names another run than the folder's ``run.json`` is refused.
 * **Atomic**: a crash while writing leaves at worst a ``.tmp-*`` directory, never a half
   checkpoint under a final name; ``latest`` only ever names a complete one.
 * **Retention**: ``keep_last`` keeps the newest N checkpoints and deletes older ones, after
@@ -48,6 +53,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -59,6 +65,8 @@ from dta.model.lora import trained_state
 from runtime.checkpoints.files import (FORMAT, MANIFEST, CheckpointError, _fsync_dir,  # noqa: F401
                                        _mkdir, _with_path, _write_json, load_tensors,
                                        save_tensors, verify_manifest, write_manifest)
+from dta.paths import check_path
+from runtime.checkpoints.claim import Claim, claim_folder, create_record
 from runtime.checkpoints.folders import RUN_FILE, foreign_folder
 
 LATEST = "latest"
@@ -96,13 +104,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ------------------------------------------------------------------- manifest --
 # ------------------------------------------------------------------------ runs --
 @dataclass
 class RunInfo:
     directory: str
     run_id: str
     resumed_from: str | None  # the checkpoint a resumed run continues from
+    claim: Claim | None = None  # this process's hold on the folder (runtime.checkpoints.claim)
+
+    def release(self) -> None:
+        """The run has ended: let the folder go (another run may resume or take it)."""
+        if self.claim is not None:
+            self.claim.release()
 
 
 def read_run(directory: str) -> dict | None:
@@ -155,59 +168,53 @@ def checkpoints(directory: str) -> list[str]:
     return [os.path.join(directory, n) for _, n in names]
 
 
-def check_writable(directory: str) -> None:
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint folder {directory!r} is not writable: "
-                              f"{exc.strerror or exc}") from None
-
-
 def prepare_run(directory: str, *, resume: bool) -> RunInfo:
-    """Claim ``directory`` for this run before step 0 (see the module doc)."""
+    """Claim ``directory`` for this run before step 0, before anything is written there (see
+    the module doc); the claim lasts until ``RunInfo.release()`` or the process's end."""
     directory = os.path.abspath(directory)
+    if resume and not os.path.lexists(directory):
+        raise CheckpointError(f"train.resume=true but the checkpoint folder {directory!r} "
+                              "does not exist (a typo? nothing to resume)")
+    check_path(directory, "dir", "train.checkpoint_dir", create=not resume, write=True,
+               error=CheckpointError)
     refused = foreign_folder(directory)
     if refused:
         raise CheckpointError(refused)
-    if resume:
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"train.resume=true but the checkpoint folder {directory!r} "
-                                  "does not exist (a typo? nothing to resume)")
-        latest = latest_checkpoint(directory)
-        if latest is None:
-            raise CheckpointError(f"train.resume=true but {directory!r} holds no complete "
-                                  "checkpoint (nothing to resume)")
-        run = read_run(directory)
-        run_id = (run or {}).get("run_id") or _manifest_run(latest) or uuid.uuid4().hex
-        check_writable(directory)
-        return RunInfo(directory, run_id, latest)
-    if os.path.isdir(directory):
-        run = read_run(directory)
-        held = checkpoints(directory)
-        # a run folder without a checkpoint (its first save failed) has nothing to overwrite
-        if held or os.path.exists(os.path.join(directory, LATEST)):
-            owner = f"run {run['run_id']}" if run and run.get("run_id") else "another run"
-            last = f", latest {os.path.basename(held[-1])}" if held else ""
-            raise CheckpointError(
-                f"checkpoint folder {directory!r} already holds {owner}{last}; a new run "
-                "would overwrite it. Resume it (train.resume=true) or choose an empty folder")
-    else:
+    if not os.path.isdir(directory):
         try:
             _mkdir(directory)
         except OSError as exc:
             raise CheckpointError(f"cannot create the checkpoint folder {directory!r}: "
                                   f"{exc.strerror or exc}") from None
-    check_writable(directory)
-    run_id = uuid.uuid4().hex
-    _write_json(os.path.join(directory, RUN_FILE), _run_record(run_id))
-    return RunInfo(directory, run_id, None)
+    resumed_from = []
+
+    def decide(previous: dict | None) -> dict:  # holding the folder: this run's record
+        if resume:
+            latest = latest_checkpoint(directory)
+            if latest is None:
+                raise CheckpointError(f"train.resume=true but {directory!r} holds no complete "
+                                      "checkpoint (nothing to resume)")
+            resumed_from[:] = [latest]
+            run_id = (previous or {}).get("run_id") or _manifest_run(latest) or uuid.uuid4().hex
+            return _run_record(run_id, created=(previous or {}).get("created"))
+        held = checkpoints(directory)
+        # a stopped run without a checkpoint (its first save failed) has nothing to overwrite
+        if held or os.path.exists(os.path.join(directory, LATEST)):
+            owner = f"run {previous['run_id']}" if previous else "another run"
+            last = f", latest {os.path.basename(held[-1])}" if held else ""
+            raise CheckpointError(
+                f"checkpoint folder {directory!r} already holds {owner}{last}; a new run "
+                "would overwrite it. Resume it (train.resume=true) or choose an empty folder")
+        return _run_record(uuid.uuid4().hex)
+
+    claim = claim_folder(directory, decide, resume=resume)
+    return RunInfo(directory, claim.run_id, resumed_from[0] if resumed_from else None, claim)
 
 
-def _run_record(run_id: str) -> dict:
-    return {"run_id": run_id, "format": FORMAT,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+def _run_record(run_id: str, created: str | None = None) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"run_id": run_id, "format": FORMAT, "created": created or now, "started": now,
+            "pid": os.getpid(), "host": socket.gethostname()}
 
 
 def _manifest_run(path: str) -> str | None:
@@ -234,9 +241,15 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
     elif run is not None and run.get("run_id") not in (None, run_id):
         raise CheckpointError(f"checkpoint folder {directory!r} belongs to run {run['run_id']}, "
                               f"not to this run ({run_id}); refusing to mix two runs")
-    if run is None:
-        run_id = run_id or uuid.uuid4().hex
-        _write_json(os.path.join(directory, RUN_FILE), _run_record(run_id))
+    if run is None:  # no prepare_run (the Python API): the first save names the folder's run
+        mine = run_id or uuid.uuid4().hex
+        if not create_record(directory, _run_record(mine)):  # another one named it first
+            theirs = (read_run(directory) or {}).get("run_id")
+            if run_id is not None and theirs != run_id:
+                raise CheckpointError(f"checkpoint folder {directory!r} belongs to run {theirs}, "
+                                      f"not to this run ({run_id}); refusing to mix two runs")
+            mine = theirs or mine
+        run_id = mine
     final = os.path.join(directory, step_name(step))
     tmp = tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=directory)
     try:

@@ -13,13 +13,10 @@ import uuid
 import torch
 
 from dta.records.jsonl import json_safe
+from runtime.checkpoints.folders import CheckpointError  # noqa: F401 (torch-free, re-exported)
 
 MANIFEST = "manifest.json"
 FORMAT = 2
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 class _Recorder:

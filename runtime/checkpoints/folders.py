@@ -1,17 +1,28 @@
 """Which folders DTA writes checkpoints into: a missing one, an empty one, or a DTA run
 folder (one holding ``run.json``). Anything else holds someone else's files, and
 keep-last-N deletes folders there: it is refused before step 0, naming what is in it.
+A run's claim on its folder is :mod:`runtime.checkpoints.claim`.
 No torch, no Ray: ``dta submit`` checks the folder before sending the job."""
 from __future__ import annotations
 
 import os
 
 RUN_FILE = "run.json"
+CLAIMING = RUN_FILE + ".tmp-"  # a run.json being published (runtime.checkpoints.claim)
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _ours(names: list[str]) -> list[str]:
+    """``names`` without the files of a claim in flight (or left by a crash during one)."""
+    return [n for n in names if not n.startswith(CLAIMING)]
 
 
 def listing(directory: str, limit: int = 6) -> str:
     """``'3 entries: a.txt, data/, notes'`` (the first ``limit`` names, folders with ``/``)."""
-    names = sorted(os.listdir(directory))
+    names = sorted(_ours(os.listdir(directory)))
     shown = [n + ("/" if os.path.isdir(os.path.join(directory, n)) else "") for n in names[:limit]]
     more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
     return f"{len(names)} {'entry' if len(names) == 1 else 'entries'}: {', '.join(shown)}{more}"
@@ -23,7 +34,7 @@ def foreign_folder(directory: str) -> str | None:
     if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, RUN_FILE)):
         return None
     try:
-        if not os.listdir(directory):
+        if not _ours(os.listdir(directory)):
             return None
         held = listing(directory)
     except OSError as exc:

@@ -6,9 +6,10 @@ runtime imports no workload generator.
 
 Nothing is lost, nothing is trusted blindly:
 
-* before step 0 the checkpoint folder is claimed for this run (:func:`.checkpoint.prepare_run`:
-  missing, empty or a DTA run folder — never a folder of other files —, writable, not
-  another run's, and for ``train.resume=true`` existing with a checkpoint);
+* before step 0, before anything is written there, the checkpoint folder is claimed for this
+  run until it ends (:func:`.checkpoint.prepare_run`: missing, empty or a DTA run folder —
+  never a folder of other files —, writable, not held by a live run nor holding a stopped
+  run's checkpoints, and for ``train.resume=true`` existing with a checkpoint);
 * a failure inside a worker (a save on a full disk, say) is one line naming what was being
   done, the worker and the cause (:func:`.failures.call_workers`);
 * a checkpoint every ``train.checkpoint_every`` steps (default 1) and after the last one,
@@ -102,7 +103,21 @@ def run_training(cfg, source: BatchSourceLike, *,
         raise TrainingError("train.resume=true needs train.checkpoint_dir (the folder to "
                             "resume from)")
     trainer = Trainer(cfg, address=address, fault=fault, log=log)
+    _check_output_paths(t)  # before the claim: a bad path leaves nothing behind
+    # the folder is this run's from here (another run's: refused, one line), until it ends
     run = ckpt.prepare_run(t.checkpoint_dir, resume=bool(t.resume)) if t.checkpoint_dir else None
+    try:
+        return _run(cfg, trainer, run, source, progress=progress, log=log, on_step=on_step)
+    finally:
+        if run is not None:
+            run.release()
+
+
+def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, source: BatchSourceLike, *,
+         progress: bool, log: Callable[[str], None],
+         on_step: Callable[[StepStats], None] | None) -> dict:
+    """run_training's steps, in the folder ``run`` holds."""
+    t = cfg.train
     trainer.run_id = run.run_id if run else None
     trainer.progress = bool(progress)
     resume_path = run.resumed_from if run else None
@@ -112,8 +127,6 @@ def run_training(cfg, source: BatchSourceLike, *,
     if start >= int(t.steps):
         log(f"checkpoint {resume_path} is at step {start}: nothing left of {t.steps} steps")
         return {"steps": 0, "completed_steps": start}
-    if t.export_hf:
-        _check_export_dir(str(t.export_hf))
     first = source.batch(start)
     trainer.validate(first)  # bad input fails before Ray starts
     trainer.resolve_sharding(first)  # train.sharding=auto: by the memory model
@@ -188,11 +201,15 @@ def _check_update(stats: StepStats, skip_nonfinite: bool) -> None:
                             "steps)")
 
 
-def _check_export_dir(path: str) -> None:
-    path = os.path.abspath(path)
-    if os.path.isdir(path) and os.listdir(path):
-        raise TrainingError(f"train.export_hf {path!r} is not empty; choose a new folder")
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise TrainingError(f"train.export_hf {path!r}: its parent folder is missing or not "
-                            "writable")
+def _check_output_paths(t) -> None:
+    """``train.log_dir`` and ``train.export_hf``: folders, or creatable (dta.paths)."""
+    from dta.paths import check_path
+
+    if t.log_dir:
+        check_path(str(t.log_dir), "dir", "train.log_dir", create=True, write=True,
+                   error=TrainingError)
+    if t.export_hf:
+        path = os.path.abspath(str(t.export_hf))
+        check_path(path, "dir", "train.export_hf", create=True, write=True, error=TrainingError)
+        if os.path.isdir(path) and os.listdir(path):
+            raise TrainingError(f"train.export_hf {path!r} is not empty; choose a new folder")
