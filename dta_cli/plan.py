@@ -9,14 +9,17 @@ Input is a generated workload (``--workload NAME --scale S --seed N``, from
 tree's ideal FLOP saving for ``--model``),
 ``bin_sequences``; with ``--workers``: ``workers``, ``worker_cost``, ``worker_tokens``,
 ``imbalance``, ``duplicated_tokens``, ``worker_sequences``; with ``--memory``: ``memory``
-(per-rank bytes of each sharding mode, the chosen mode under ``--budget-gib``, which implies
-``--memory``). With ``--input`` alone, the sharing breakdown only.
+(per-rank bytes of each sharding mode; every data-parallel x context-parallel x mode x policy
+x block candidate priced in memory and modeled step time, and the fastest that fits
+``--budget-gib``, which implies ``--memory``: docs/planning.md). With ``--input`` alone, the
+sharing breakdown only.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from dta_cli.common import emit_json
 import time
@@ -24,8 +27,14 @@ import time
 METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time)
 
 
+HARDWARE = ("peak_tflops", "utilization", "intra_node_gbs", "inter_node_gbs", "gpus_per_node",
+            "latency_us")  # dta.planning.timing.Hardware's fields, one flag each
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dta.options import WalkOptions
+    from dta.planning.cp import CP_SCHEME, CP_SCHEMES
+    from dta.planning.timing import PEAK_TFLOPS, Hardware
 
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, metavar="NAME",
@@ -60,22 +69,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=("bfloat16", "float16", "float32", "float64"),
                      help="compute dtype (fp32 masters under 16 bits; default: bfloat16)")
     mem.add_argument("--policy", default="auto", choices=("auto", "retain", "recompute"),
-                     help="walker memory policy priced (default: auto, the first that fits "
-                          "-- retain before recompute)")
+                     help="walker memory policy priced (default: auto, both: the choice is by "
+                          "modeled throughput among those that fit)")
     mem.add_argument("--block-tokens", type=int, default=None, metavar="B",
-                     help="price blocks of B tokens (0: nodes uncut; default: the largest "
-                          "block that fits, from none, 8192 .. 512)")
+                     help="price blocks of B tokens (0: nodes uncut; default: none, 8192 .. "
+                          "1024, and 512 when nothing fits with a longer one)")
     mem.add_argument("--headroom", type=float, default=None, metavar="F",
                      help="share of --budget-gib left free for the CUDA context, allocator "
                           "fragmentation and communication buffers (default: 0.1)")
     mem.add_argument("--context-parallel", default="auto", metavar="C",
-                     help="ranks per tree whose K/V are spread over them (docs/context-parallel"
-                          ".md; default: auto, the smallest of 1, 2, 4, 8 dividing W that fits)")
+                     help="ranks per tree (docs/planning.md; default: auto, every C of "
+                          "1, 2, 4, 8, 16 dividing W)")
+    mem.add_argument("--context-parallel-scheme", default=CP_SCHEME, choices=CP_SCHEMES,
+                     help="how a group of C ranks divides its tree (dta.planning.cp; default: "
+                          f"{CP_SCHEME}: rows outside attention, heads inside)")
     mem.add_argument("--lora-r", type=int, default=0, metavar="R",
                      help="price a LoRA run: rank-R adapters, the base frozen (replicate and "
                           "zero1; grads and optimizer count the adapters only)")
     mem.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
                      help="adapted modules for --lora-r (default: q_proj,k_proj,v_proj,o_proj)")
+    hw = Hardware()
+    tm = parser.add_argument_group("time model (with --memory; docs/planning.md)")
+    peaks = ", ".join(f"{k} {v:g}" for k, v in PEAK_TFLOPS.items())
+    tm.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                    help=f"dense peak TFLOP/s per GPU (default: an H100 SXM's by --compute-dtype: "
+                         f"{peaks})")
+    tm.add_argument("--utilization", type=float, default=None, metavar="U",
+                    help=f"share of the peak the walk sustains (default: {hw.utilization:g})")
+    tm.add_argument("--intra-node-gbs", type=float, default=None, metavar="GBS",
+                    help=f"GB/s a GPU sends at inside a node (default: {hw.intra_node_gbs:g}, "
+                         "NVLink 4 per direction)")
+    tm.add_argument("--inter-node-gbs", type=float, default=None, metavar="GBS",
+                    help=f"GB/s a GPU sends at across nodes (default: {hw.inter_node_gbs:g}, "
+                         "one 400 Gb/s NIC per GPU)")
+    tm.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                    help=f"GPUs per node (default: {hw.gpus_per_node})")
+    tm.add_argument("--latency-us", type=float, default=None, metavar="US",
+                    help=f"microseconds per collective call (default: {hw.latency_us:g})")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 
@@ -128,6 +158,7 @@ def _memory(args, tree) -> dict:
     from dta.planning.memory import (BLOCKS, CONTEXT_PARALLEL, GIB, HEADROOM, MODES,
                                      POLICY_ORDER, ModelShape, batch_extent, estimate,
                                      plan_memory)
+    from dta.planning.timing import Hardware
 
     config = _memory_config(args.model)
     path, node = batch_extent(tree)
@@ -140,28 +171,38 @@ def _memory(args, tree) -> dict:
                                                      args.lora_targets.split(",") if t.strip()])
     modes = MODES if not adapters else tuple(m for m in MODES if m != "fsdp")
     budget = None if args.budget_gib is None else args.budget_gib * GIB
-    if args.block_tokens is not None:  # a walk setting: validated as the walker does
-        from dta.options import WalkOptions
+    from dta.options import WalkOptions
 
+    if args.block_tokens is not None:  # a walk setting: validated as the walker does
         WalkOptions.make({"block_tokens": "--block-tokens"}, block_tokens=args.block_tokens)
+    # the walk the time model plans each group's calls with (packing, pack cap: the defaults)
+    walk = WalkOptions.make({"min_shared": "--min-shared"}, min_shared=args.min_shared)
     policies = POLICY_ORDER if args.policy == "auto" else (args.policy,)
     cps = _context_parallel(args.context_parallel, args.workers, CONTEXT_PARALLEL)
     blocks = BLOCKS if args.block_tokens is None else (args.block_tokens or None,)
-    plan = plan_memory(config, args.workers, float("inf") if budget is None else budget,
-                       path_tokens=path, call_tokens=call, policies=policies, blocks=blocks,
-                       compute_dtype=args.compute_dtype, adapter_params=adapters, modes=modes,
-                       headroom=HEADROOM if args.headroom is None else args.headroom,
-                       context_parallel=cps)
+    hardware = Hardware(**{f: getattr(args, f) for f in HARDWARE if getattr(args, f) is not None})
+    kw = dict(path_tokens=path, call_tokens=call, policies=policies, blocks=blocks,
+              compute_dtype=args.compute_dtype, adapter_params=adapters, modes=modes,
+              headroom=HEADROOM if args.headroom is None else args.headroom,
+              context_parallel=cps, cp_schemes=(args.context_parallel_scheme,))
+    limit = float("inf") if budget is None else budget
+    plan = plan_memory(config, args.workers, limit, tree=tree, hardware=hardware, walk=walk,
+                       **kw)
+    first = plan_memory(config, args.workers, limit, **kw).chosen  # the memory order's pick
     pick = plan.chosen if plan.chosen is not None else plan.cheapest
     if budget is None:  # nothing to choose for: the last policy (recompute), the given block
-        pick = estimate(config, args.workers, MODES[0], path_tokens=path, call_tokens=call,
+        pick = estimate(config, args.workers, modes[0], path_tokens=path, call_tokens=call,
                         policy=policies[-1], block_tokens=blocks[0] if len(blocks) == 1 else None,
                         compute_dtype=args.compute_dtype, adapter_params=adapters,
-                        context_parallel=cps[0])
+                        context_parallel=cps[0], cp_scheme=args.context_parallel_scheme)
     rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
                      policy=pick.policy, compute_dtype=args.compute_dtype,
                      block_tokens=pick.block_tokens, adapter_params=adapters,
-                     context_parallel=pick.context_parallel) for m in modes]
+                     context_parallel=pick.context_parallel, cp_scheme=pick.cp_scheme)
+            for m in modes]
+    for e in [pick, first] + rows:  # their modeled step, on the same batch
+        if e is not None and e.time is None:
+            plan.pricer.price(e)
     chosen = plan.chosen.mode if budget is not None and plan.chosen is not None else None
     shape = ModelShape.of(config)
     block = pick.block_tokens
@@ -170,11 +211,13 @@ def _memory(args, tree) -> dict:
           f"{pick.data_parallel}), {args.compute_dtype} compute, {pick.policy}, block "
           f"{block or 'none'}; longest path {path:,} tokens, largest call "
           f"{min(call, block) if block else call:,} (largest node {call:,})):")
-    print(f"  {'mode':<10} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}")
+    print(f"  {'mode':<10} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}"
+          f" {'step':>8}")
     for r in rows:
         mark = "  <- chosen" if r.mode == chosen else ""
         print(f"  {r.mode:<10} " + " ".join(f"{v / GIB:>8.2f}G" for v in (
-            r.params, r.grads, r.optimizer, r.activations, r.total)) + mark)
+            r.params, r.grads, r.optimizer, r.activations, r.total)) +
+            f" {r.time.step_s:>7.1f}s" + mark)
     split = pick.split
     print("  activations: " + ", ".join(f"{k} {v / GIB:.2f}G" for k, v in split.items()))
     if budget is not None:
@@ -182,23 +225,65 @@ def _memory(args, tree) -> dict:
             f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}, "
             f"context_parallel={pick.context_parallel}"
             if chosen else "no mode fits") + f" ({plan.message()})")
+    _print_time(plan, pick if chosen else None, first)
     # dta train runs every sharding mode with context_parallel > 1 (fsdp and zero1 shard
-    # over the whole world, each group's gradient counted once: docs/context-parallel.md)
+    # over the whole world: docs/context-parallel.md)
     runnable = bool(chosen)
     if adapters:
         print(f"  LoRA r={args.lora_r} on {args.lora_targets}: {adapters:,} adapter parameters "
               "(grads and optimizer state; the base is frozen)")
+    t = pick.time
     return {"model": args.model, "params": shape.params, "lora_params": adapters,
             "path_tokens": path,
             "call_tokens": min(call, block) if block else call, "node_tokens": node,
             "compute_dtype": args.compute_dtype, "policy": pick.policy,
             "block_tokens": block or 0, "activation_split": split, "budget_bytes": budget,
             "context_parallel": pick.context_parallel, "data_parallel": pick.data_parallel,
+            "cp_scheme": pick.cp_scheme,
             "usable_bytes": plan.budget if budget is not None else None,
             "chosen": chosen, "choice": pick.label() if chosen else None,
-            "runnable": runnable,
+            "rule": plan.rule, "runnable": runnable,
             "shortfall_bytes": int(plan.shortfall) if budget is not None else None,
-            "modes": [r.as_dict() for r in rows]}
+            "flops_per_rank": t.flops_per_rank, "group_efficiency": t.group_efficiency,
+            "bytes_sent": t.bytes_sent, "step_seconds": t.step_s,
+            "tokens_per_second": t.tokens_per_s, "time": asdict(t),
+            "hardware": plan.hardware,
+            "first_fit": None if first is None else {
+                "choice": first.label(), "data_parallel": first.data_parallel,
+                "step_seconds": first.time.step_s},
+            "modes": [r.as_dict() for r in rows],
+            "candidates": [e.as_dict() for e in plan.tried]}
+
+
+def _print_time(plan, chosen, first) -> None:
+    """Per data-parallel x context-parallel x mode: the fastest candidate that fits (else the
+    smallest), its per-rank FLOPs, bytes sent and modeled step."""
+    from dta.planning.memory import GIB, MODES
+
+    h = plan.hardware
+    print(f"time per step (a model, docs/planning.md: {h['peak_tflops']:g} TFLOP/s peak x "
+          f"{h['utilization']:g} ({h['compute_dtype']}) per GPU, {h['intra_node_gbs']:g} GB/s "
+          f"in a node, {h['inter_node_gbs']:g} GB/s across, {h['gpus_per_node']} GPUs a node, "
+          f"{h['latency_us']:g} us a collective, no overlap; --peak-tflops --utilization "
+          "--intra-node-gbs --inter-node-gbs --gpus-per-node --latency-us):")
+    print(f"  {'D x C':<7} {'mode':<10} {'policy':<9} {'block':>5} {'GiB/GPU':>8} "
+          f"{'TFLOP/rank':>10} {'GB sent':>8} {'step s':>7} {'tokens/s':>9} {'effic.':>6}")
+    best = {}
+    for e in plan.tried:  # fitting first, the fastest of them; else the smallest
+        rank = (0, e.time.step_s) if e.total <= plan.budget else (1, e.total)
+        if (e.context_parallel, e.mode) not in best or rank < best[e.context_parallel, e.mode][1]:
+            best[e.context_parallel, e.mode] = (e, rank)
+    for (c, _), (e, rank) in sorted(best.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1]))):
+        t = e.time
+        mark = "  <- chosen" if e is chosen else "" if rank[0] == 0 else "  (does not fit)"
+        print(f"  {f'{e.data_parallel} x {c}':<7} {e.mode:<10} {e.policy:<9} "
+              f"{e.block_tokens or 'none':>5} {e.total / GIB:>8.1f} {t.flops_per_rank / 1e12:>10.0f} "
+              f"{t.bytes_sent / 1e9:>8.1f} {t.step_s:>7.1f} {t.tokens_per_s:>9.0f} "
+              f"{t.group_efficiency:>6.3f}{mark}")
+    if chosen is not None and first is not None:
+        print(f"  chosen by modeled throughput: {chosen.label()} ({chosen.time.step_s:.1f} s); "
+              f"the first that fits in the memory order, {first.label()} (data parallel "
+              f"{first.data_parallel}): {first.time.step_s:.1f} s")
 
 
 def _context_parallel(value: str, workers: int, sizes) -> tuple:

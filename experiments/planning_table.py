@@ -4,8 +4,8 @@ long trajectories -- four rollouts of L tokens on one 8,192-token prompt (L = 32
 sharding, policy and block, per-rank FLOPs, bytes sent, modeled step time, group efficiency
 and memory per GPU, under the split context-parallel scheme; beside it the replicated
 scheme's choice (its efficiency and step). The same call ``dta plan --memory --budget-gib 80``
-makes (``dta.planning.memory.plan_memory`` with the batch's tree, the default rates of
-``dta.planning.timing.Hardware``). A model, not a measurement.
+makes (``dta.planning.memory.plan_memory`` with the batch's tree, the default walk options
+and the default rates of ``dta.planning.timing.Hardware``). A model, not a measurement.
 
     python -m experiments.planning_table [--json]
 """
@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    from dta.options import WalkOptions
     from dta.planning.memory import CONTEXT_PARALLEL, GIB, SHAPES, plan_memory
 
     rows = []
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
             for gpus in GPUS:
                 sizes = tuple(c for c in CONTEXT_PARALLEL if gpus % c == 0)
                 got = {s: row(plan_memory(SHAPES[name], gpus, GIB_PER_GPU * GIB, tree=tree,
-                                          context_parallel=sizes, cp_schemes=(s,)))
+                                          context_parallel=sizes, cp_schemes=(s,),
+                                          walk=WalkOptions()))
                        for s in ("split", "replicated")}
                 rows.append(dict(length=length, model=name, gpus=gpus, **got))
                 r, o = got["split"], got["replicated"]

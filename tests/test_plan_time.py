@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from dta.options import WalkOptions
 from dta.planning import build_tree
 from dta.planning.cost import CostModel, features
 from dta.planning.cp import RECOMPUTE_FACTOR, HeadSplit
@@ -18,6 +19,7 @@ from dta.planning.memory import GIB, SHAPES, ModelShape, estimate, plan_memory
 from dta.planning.timing import PEAK_TFLOPS, Hardware, Pricer, sharding_traffic
 
 SIZES = (1, 2, 4, 8)
+WALK = WalkOptions()  # the walk's default packing settings
 
 
 def rollouts(n: int, prompt: int, own: int, seed: int = 0):
@@ -37,7 +39,7 @@ def priced(name, world, tree, *, C, mode="zero1", policy="recompute", block=2048
     est = estimate(SHAPES[name], world, mode, path_tokens=int(max(tree.lengths)),
                    call_tokens=block or int(max(tree.lengths)), policy=policy,
                    block_tokens=block, context_parallel=C, cp_scheme=scheme)
-    return Pricer(SHAPES[name], tree, hardware).price(est).time
+    return Pricer(SHAPES[name], tree, hardware, walk=WALK).price(est).time
 
 
 def test_flops_follow_the_tree_and_split_divides_them_by_c():
@@ -140,7 +142,6 @@ def test_calls_are_the_walkers_packs():
     then packs under the walk's packing and the cap by memory policy), and the groups are
     the runtime's balance over data-parallel groups."""
     from dta.model.models import build_model
-    from dta.options import WalkOptions
     from dta.planning.work import Workload
     from dta.planning.workers import assign_workers
     from dta.walk import Walker
@@ -185,7 +186,7 @@ def test_choice_is_by_modeled_throughput_not_the_first_fit(long128k):
     C, modes by communication) is not the fastest; with the tree, plan_memory chooses the
     shortest modeled step among everything that fits."""
     kw = dict(context_parallel=SIZES)
-    timed = plan_memory(SHAPES["qwen3-8b"], 8, 80 * GIB, tree=long128k, **kw)
+    timed = plan_memory(SHAPES["qwen3-8b"], 8, 80 * GIB, tree=long128k, walk=WALK, **kw)
     first = plan_memory(SHAPES["qwen3-8b"], 8, 80 * GIB, path_tokens=128_192,
                         call_tokens=120_000, **kw)
     assert timed.rule == "throughput" and first.rule == "memory"
@@ -203,7 +204,8 @@ def test_idle_groups_make_context_parallel_faster_than_data_parallel():
     """Four sequences on 8 GPUs: C = 1 fits (the memory order takes it) but leaves half of
     the 8 data-parallel groups idle; the time model gives the work to groups of C > 1."""
     tree = rollouts(4, 2048, 16_384)
-    timed = plan_memory(SHAPES["qwen3-8b"], 8, 80 * GIB, tree=tree, context_parallel=SIZES,
+    timed = plan_memory(SHAPES["qwen3-8b"], 8, 80 * GIB, tree=tree, walk=WALK,
+                        context_parallel=SIZES,
                         policies=("recompute",), blocks=(2048,))
     by_c = {e.context_parallel: e for e in timed.tried if e.mode == "zero1"}
     assert all(e.total <= timed.budget for e in by_c.values())
@@ -214,14 +216,16 @@ def test_idle_groups_make_context_parallel_faster_than_data_parallel():
 
 def test_plan_memory_keeps_its_signature_and_derives_the_extent_from_the_tree():
     tree = rollouts(2, 512, 1024)
-    a = plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree)
-    b = plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree, path_tokens=1536,
+    a = plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree, walk=WALK)
+    b = plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree, walk=WALK, path_tokens=1536,
                     call_tokens=1024)
     assert a.chosen.label() == b.chosen.label() and a.chosen.time.step_s == b.chosen.time.step_s
     with pytest.raises(ValueError, match="path_tokens and call_tokens, or the batch's tree"):
         plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB)
+    with pytest.raises(ValueError, match="needs walk="):
+        plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree)
     with pytest.raises(ValueError, match="context-parallel scheme"):
-        plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree, cp_schemes=("ring",))
+        plan_memory(SHAPES["qwen3-8b"], 2, 80 * GIB, tree=tree, walk=WALK, cp_schemes=("ring",))
 
 
 def test_dta_plan_prints_the_rates_and_takes_them_as_flags(capsys):

@@ -58,11 +58,10 @@ from dataclasses import asdict, dataclass, field
 from dta.planning import cp
 from dta.planning.chunks import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
 from dta.planning.cp import CP_SCHEME, check_scheme
-from dta.planning.shapes import DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401 (re-exported)
+from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401
 
 MODES = ("replicate", "zero1", "fsdp")  # cheapest communication first
 GIB = 2 ** 30
-BUCKET_ELEMS = 1 << 24  # runtime.sharding.flat's reduce-scatter bucket (elements per rank)
 
 
 
@@ -265,9 +264,9 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
     (:mod:`dta.planning.timing`, ``hardware`` a :class:`~dta.planning.timing.Hardware`,
     default an H100-class GPU; the figures on ``estimate.time``) and the shortest modeled
     step among those that fit is chosen (ties: the memory order below); blocks under
-    SHORT_BLOCK only when nothing fits with a longer one. ``walk``: the run's
-    :class:`dta.options.WalkOptions`, whose packing settings plan each group's calls
-    (:mod:`dta.planning.work`; None: the defaults).
+    SHORT_BLOCK only when nothing fits with a longer one. ``walk`` (needed with a tree): the
+    run's :class:`dta.options.WalkOptions`, whose packing settings plan each group's calls as
+    the walker will (:mod:`dta.planning.work`).
 
     Without a tree (nothing to price time on): the first that fits in the memory order --
     the smallest C first, modes by communication, retain before recompute, the largest
@@ -278,6 +277,9 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
         call_tokens = node if call_tokens is None else call_tokens
     if path_tokens is None or call_tokens is None:
         raise ValueError("plan_memory needs path_tokens and call_tokens, or the batch's tree")
+    if tree is not None and walk is None:
+        raise ValueError("plan_memory(tree=...) needs walk=, the run's dta.options.WalkOptions "
+                         "(its packing settings plan each group's calls)")
     if adapter_params:
         modes = tuple(m for m in modes if m != "fsdp")
     if not 0 <= headroom < 1:

@@ -1,7 +1,8 @@
 """A model's shape for the planner: the sizes the memory and time models read from a config.
 
 :class:`ModelShape` is read once from a Hugging Face config (object or dict); ``SHAPES`` holds
-the Qwen3 dense shapes of the docs' tables. Integers only.
+the Qwen3 dense shapes of the docs' tables; ``DTYPE_BYTES`` and ``BUCKET_ELEMS`` the element
+sizes both models count in. Integers only.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SHAPES: dict[str, dict] = {
                       vocab_size=151936, tie_word_embeddings=False),
 }
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+BUCKET_ELEMS = 1 << 24  # runtime.sharding.flat's reduce-scatter bucket (elements per rank)
 
 
 def _get(config, name: str, default=None):

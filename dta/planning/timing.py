@@ -37,8 +37,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from dta.planning import cp
-from dta.planning.memory import BUCKET_ELEMS, DTYPE_BYTES, MemoryEstimate
-from dta.planning.shapes import ModelShape
+from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, ModelShape
 from dta.planning.work import Workload
 
 # Dense peak FLOP/s of an H100 SXM (80 GB; the H200's are the same), by compute dtype:
@@ -126,10 +125,10 @@ def sharding_traffic(mode: str, world: int, shape: ModelShape, policy: str, call
 
 
 class Pricer:
-    """Prices :class:`~dta.planning.memory.MemoryEstimate` candidates on one batch."""
+    """Prices the candidates of :func:`dta.planning.memory.plan_memory` on one batch."""
 
     def __init__(self, config, tree, hardware: Hardware | None = None, *,
-                 compute_dtype: str = "bfloat16", adapter_params: int = 0, walk=None):
+                 compute_dtype: str = "bfloat16", adapter_params: int = 0, walk):
         self.shape = ModelShape.of(config)
         self.work = Workload(tree, config, walk)
         self.hardware = hardware or Hardware()
@@ -138,8 +137,9 @@ class Pricer:
     def hardware_dict(self) -> dict:
         return self.hardware.as_dict(self.compute_dtype)
 
-    def price(self, est: MemoryEstimate) -> MemoryEstimate:
-        """``est`` with its :class:`TimeEstimate` set (``est.time``)."""
+    def price(self, est):
+        """``est`` (a :class:`dta.planning.memory.MemoryEstimate`) with its
+        :class:`TimeEstimate` set (``est.time``); returns ``est``."""
         hw, C, c = self.hardware, est.context_parallel, DTYPE_BYTES[self.compute_dtype]
         rate, link = hw.flop_rate(self.compute_dtype), hw.bandwidth(C)
         lat = hw.latency_us * 1e-6

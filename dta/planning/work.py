@@ -53,15 +53,17 @@ class Calls:
 class Workload:
     """A batch's tree, balanced over data-parallel groups and planned into calls on demand
     (cached). ``walk``: the run's :class:`dta.options.WalkOptions` (its packing, pack_tokens,
-    pack_cost and min_shared are used; policy and block are the candidate's); None: the
-    defaults."""
+    pack_cost and min_shared are read; its policy and block are the candidate's)."""
 
-    def __init__(self, tree: PrefixTree, config, walk=None):
-        from dta.options import WalkOptions
-
-        self.tree, self.walk = tree, walk if walk is not None else WalkOptions()
+    def __init__(self, tree: PrefixTree, config, walk):
+        missing = [f for f in ("packing", "pack_tokens", "pack_cost", "min_shared")
+                   if not hasattr(walk, f)]
+        if missing:
+            raise ValueError(f"the time model needs the run's walk options "
+                             f"(dta.options.WalkOptions), got {type(walk).__name__}")
+        self.tree, self.walk = tree, walk
         self.cost = CostModel.from_config(config)
-        self.pack_cost = self.walk.pack_cost or PackCost.from_config(config)
+        self.pack_cost = walk.pack_cost or PackCost.from_config(config)
         self.sequence_tokens = int(np.sum(tree.lengths))  # what the step trains
         self._groups: dict[int, list[PrefixTree]] = {}
         self._calls: dict[tuple, list[Calls]] = {}
