@@ -22,7 +22,8 @@ THIRD_PARTY = {  # what a package must never import, whatever its layer
 # Groups of dta/ and runtime/: a sub-package or a top-level module. Layer 0 is the bottom.
 LAYERS = {
     # the library: metadata and records, then planning, then the model interface, then the walk
-    "dta.tree": 0, "dta.records": 0, "dta.losses": 0, "dta.advantages": 0,
+    "dta.tree": 0, "dta.records": 0, "dta.losses": 0, "dta.advantages": 0, "dta.versions": 0,
+    "dta.paths": 0,
     "dta.batch": 1, "dta.planning": 1,
     "dta.importing": 2, "dta.objective": 2, "dta.options": 2,
     "dta.model": 3,
@@ -36,8 +37,9 @@ LAYERS = {
     "runtime.errors": 0, "runtime.checkpoints": 0,
     "runtime.dcp": 1,
     "runtime.sharding": 2,
-    "runtime.ray_runtime": 3, "runtime.areal": 3, "runtime.verl": 3,
-    "runtime": 4,
+    "runtime.engine": 3,  # the engine core every front door adapts to
+    "runtime.ray_runtime": 4, "runtime.areal": 4, "runtime.verl": 4,
+    "runtime": 5,
 }
 
 
