@@ -25,15 +25,19 @@ import numpy as np
 from dta.planning.packs import POLICIES as PACKINGS
 from dta.planning.packs import PackCost
 
-__all__ = ["WalkOptions", "WalkOptionError", "POLICIES", "PACKINGS", "ROUTER_AUX_LOSS", "AUTO"]
+__all__ = ["WalkOptions", "WalkOptionError", "POLICIES", "PACKINGS", "ROUTER_AUX_LOSS", "AUTO",
+           "NO_CUT"]
 
 POLICIES = ("retain", "recompute")  # memory policies (dta/walk.py: Retain, Recompute)
 ROUTER_AUX_LOSS = ("refuse", "exclude")  # dta.model.modeling.check_router_aux_loss
 # the split attention's kernels (dta.model.attention_kernels: the table's rows per device)
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 # ``block_tokens`` as a run config may give it: the memory model's choice for the budget when
-# one is set (runtime.sharding.auto), else the field's default (dta.config.walk.walk_options)
+# one is set (runtime.engine.resolve), else the field's default (dta.config.walk.walk_options)
 AUTO = "auto"
+# ``block_tokens`` that never cuts a node: the one spelling, in settings, configs, flags and
+# reports alike (None is refused: it is not a block)
+NO_CUT = 0
 
 
 class WalkOptionError(ValueError):
@@ -72,7 +76,7 @@ class WalkOptions:
     pack_tokens: the cap of a pack in tokens (None: :func:`dta.planning.packs.default_cap`, by
         memory policy and the longest sequence); capped at ``block_tokens``.
     block_tokens: the longest piece of a node forwarded in one call (``dta.planning.blocks``;
-        the default is AReaL-DTA's examples' ``dta_block_size``); None or 0: never cut.
+        the default is AReaL-DTA's examples' ``dta_block_size``); ``NO_CUT`` (0): never cut.
     head_rows: queued LM-head rows that force a flush (None: ``logits_chunk``; 0: every
         pack's head at its push).
     logits_chunk: rows of ``[rows, vocab]`` logits the LM head materializes at a time.
@@ -97,7 +101,7 @@ class WalkOptions:
     policy: str = "retain"
     packing: str = "auto"
     pack_tokens: int | None = None
-    block_tokens: int | None = 2048
+    block_tokens: int = 2048
     head_rows: int | None = None
     logits_chunk: int = 1024
     temperature: float = 1.0
@@ -127,9 +131,7 @@ class WalkOptions:
         choice("policy", POLICIES)
         choice("packing", PACKINGS)
         count("pack_tokens", 1, "a positive number of tokens (or None: by memory policy)", True)
-        count("block_tokens", 0, "a positive number of tokens, or 0 / None for no cut", True)
-        if self.block_tokens == 0:
-            object.__setattr__(self, "block_tokens", None)
+        count("block_tokens", NO_CUT, f"a positive number of tokens, or {NO_CUT} for no cut")
         count("head_rows", 0, "a number of rows >= 0 (or None: logits_chunk)", True)
         count("logits_chunk", 1, "a number of rows >= 1")
         count("min_shared", 1, "a number of tokens >= 1")

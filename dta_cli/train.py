@@ -69,6 +69,11 @@ def print_summary(summary: dict, file=None) -> None:
                          for b in summary.get("state_bytes") or [])
         console.print(f"sharding {summary['sharding']}: params + grads + optimizer per worker "
                       f"{held}; parameter norm {summary.get('param_norm', float('nan')):.6f}")
+    auto = summary.get("sharding_auto")
+    if auto:  # what the memory model chose, and at which context-parallel size it priced
+        console.print(f"memory model ({_size(auto['budget_bytes'])} budget per worker, "
+                      f"{_size(auto['usable_bytes'])} usable): {auto['choice']}, priced at "
+                      f"context parallel {'/'.join(map(str, auto['priced_context_parallel']))}")
     if "ray_start_s" in summary:
         console.print(f"startup: Ray {summary['ray_start_s']:.1f} s, workers "
                       f"{summary.get('workers_start_s', 0):.1f} s")

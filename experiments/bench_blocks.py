@@ -63,13 +63,13 @@ def child(block: int, prompt: int, leaf_len: int, leaves: int, size: str, device
     def step():
         model.zero_grad(set_to_none=True)
         return accumulate_gradients(model, batch, NLL(), policy="recompute",
-                                    block_tokens=block or None,
+                                    block_tokens=block,
                                     logits_chunk=logits_chunk).walk
 
     # a 16-token step first: the libraries' code and thread pools a first backward loads
     # (~0.4 GB of RSS on CPU, whatever the step) are not the step's activations
     tiny = Batch.from_records([{"input_ids": s[:16], "loss_mask": np.ones(16)} for s in seqs[:2]])
-    accumulate_gradients(model, tiny, NLL(), policy="recompute", block_tokens=block or None,
+    accumulate_gradients(model, tiny, NLL(), policy="recompute", block_tokens=block,
                          logits_chunk=logits_chunk)
     model.zero_grad(set_to_none=True)
     # CPU: the current RSS sampled every millisecond by a thread (ru_maxrss cannot see a

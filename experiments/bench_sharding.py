@@ -50,13 +50,17 @@ def one_rank(rank, world, mode):
         from dta.model.models import build_model
         return build_model("qwen3", SHAPE, dtype=dtype or "float32", seed=0).to(device)
 
+    from omegaconf import OmegaConf
+
+    from runtime.engine import resolve_run_config
+
+    settings = resolve_run_config(OmegaConf.merge(cfg, {"ray": {"num_workers": world}}), None)
     worker_mod.build_replica = build
     try:
-        w = worker_mod.DFSWorker(rank, world, as_dict(cfg))
+        w = worker_mod.DFSWorker(rank, world, as_dict(cfg), settings)
     finally:
         worker_mod.build_replica = original
-    w.group = True
-    w._build_strategy()
+    w.parallelize()  # run_ranks made the process group
     batch = _batch(SHAPE["vocab_size"])
     ids = assign_workers(PrefixTree(batch.input_ids), world).workers[rank]
     stats = w.step(0, batch.subset(ids) if ids else None, batch_totals(batch))

@@ -35,7 +35,7 @@ def census(block: int, scale: float = 1.0, stack: bool = False, threads: int = 2
     batch, seqs, _ = shared_prefix_batch(model.config.vocab_size, prompt, leaf, 4)
 
     def step(b):
-        return accumulate_gradients(model, b, NLL(), policy="recompute", block_tokens=block or None,
+        return accumulate_gradients(model, b, NLL(), policy="recompute", block_tokens=block,
                                     logits_chunk=max(1, round(1024 * scale)))
 
     # what a first backward loads is not the step's (as in the benchmark)

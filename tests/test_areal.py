@@ -610,7 +610,7 @@ def test_dta_run_config_drives_the_actor(model_dir, eager_areal):
     assert options.policy == "recompute" and options.dtype is None
     assert options.block_tokens == 2048  # walker.block_tokens=auto without a budget
     assert actor_config_from_dta(load_config(preset, [f"model.path={model_dir}",
-                                                      "walker.block_tokens=0"]))[1].block_tokens is None
+                                                      "walker.block_tokens=0"]))[1].block_tokens == 0
     with pytest.raises(ValueError, match="block_tokens"):
         DTAOptions(block_tokens=-1)
     assert actor_config_from_dta(load_config(preset, [f"model.path={model_dir}",

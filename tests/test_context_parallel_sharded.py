@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dta.config.schema import as_dict, load_config
+from dta.config.schema import load_config
 from runtime.sharding.local import run_ranks
 from tests.test_sharding import _step, rel_l2
 
@@ -30,17 +30,10 @@ def overrides(mode, dtype, policy, workers=WORLD, cp=C):
 
 
 def _worker(cfg, rank, world):
-    from dta.model.models import make_truly_float64
-    from runtime.ray_runtime.worker import DFSWorker
+    from tests.workers import local_worker
 
-    w = DFSWorker(rank, world, as_dict(cfg))
-    if cfg.model.dtype == "float64":  # HF norms upcast to fp32: make the check truly fp64
-        make_truly_float64(w.model)
-    if world > 1:
-        w.group = True  # the process group exists (run_ranks made it)
-        w._context_parallel()  # as setup_group: the CP groups, then the strategy
-        w._build_strategy()
-    return w
+    # as setup_group: the layout's groups, context parallelism, then the sharding mode
+    return local_worker(cfg, rank, world, truly_float64=True)
 
 
 def train_cases(rank, world, cases):

@@ -13,7 +13,7 @@ import torch
 peft = pytest.importorskip("peft", reason="the optional lora extra: pip install -e '.[lora]'")
 
 from dta.batch import Batch  # noqa: E402
-from dta.config.schema import ConfigError, as_dict, load_config  # noqa: E402
+from dta.config.schema import ConfigError, load_config  # noqa: E402
 from dta.config.keys import check_dta_train  # noqa: E402
 from dta.reference import sequence_logprobs  # noqa: E402
 
@@ -32,13 +32,14 @@ def _logprobs(model, batch):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     from dta_cli.batches import BatchSource
-    from runtime.ray_runtime.worker import DFSWorker, build_replica
+    from runtime.ray_runtime.worker import build_replica
+    from tests.workers import local_worker
 
     tmp = tmp_path_factory.mktemp("lora")
     cfg = _cfg()
     threads = torch.get_num_threads()
     try:
-        w = DFSWorker(0, 1, as_dict(cfg))
+        w = local_worker(cfg)
         before = {k: v.clone() for k, v in w.model.state_dict().items()}
         source = BatchSource(cfg, 512)
         stats = [w.step(k, source.batch(k), None) for k in range(2)]
@@ -78,7 +79,7 @@ def test_state_bytes_count_the_adapters(trained):
 
 def test_checkpoint_holds_the_adapters_and_resumes(trained):
     from runtime.checkpoints.checkpoint import load_tensors
-    from runtime.ray_runtime.worker import DFSWorker
+    from tests.workers import local_worker
 
     w = trained["worker"]
     saved = load_tensors(os.path.join(trained["ckpt"], "model.pt"))
@@ -86,7 +87,7 @@ def test_checkpoint_holds_the_adapters_and_resumes(trained):
     assert set(saved) == set(trainable)
     threads = torch.get_num_threads()
     try:
-        fresh = DFSWorker(0, 1, as_dict(trained["cfg"]))
+        fresh = local_worker(trained["cfg"])
     finally:
         torch.set_num_threads(threads)
     assert fresh.load_checkpoint(trained["ckpt"])["step"] == 2
@@ -147,14 +148,11 @@ def test_unknown_target_named():
 
 
 def _zero1_ranks(rank, world, extra):
-    from runtime.ray_runtime.worker import DFSWorker
     from tests.test_sharding import _step
+    from tests.workers import local_worker
 
     cfg = _cfg(*extra)
-    w = DFSWorker(rank, world, as_dict(cfg))
-    if world > 1:
-        w.group = True  # run_ranks made the process group
-        w._build_strategy()
+    w = local_worker(cfg, rank, world)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     return {"state": w.state()["model"], "state_bytes": stats[-1]["state_bytes"],
             "sharding": stats[-1]["sharding"]}

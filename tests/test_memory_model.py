@@ -61,7 +61,8 @@ def test_auto_sharding_is_resolved_on_the_driver_before_workers_start():
     trainer = Trainer(cfg)  # not started: no Ray, no workers
     batch = BatchSource(cfg, trainer.vocab_size).batch(0)
     assert trainer.resolve_sharding(batch) == "replicate"  # a tiny model fits anywhere
-    assert trainer.cfg.train.sharding == "replicate"
+    assert trainer.settings.layout.sharding == "replicate"
+    assert trainer.cfg.train.sharding == "auto"  # the config stays as written
     report = trainer.sharding_report
     assert report["chosen"] == "replicate" and report["path_tokens"] > 0
     tight = load_config(None, ["workload.scale=tiny", "train.sharding=auto",
@@ -138,7 +139,7 @@ def test_dta_plan_full_scale_qwen3_14b_on_8x80_chooses_a_block_that_fits(capsys)
 
 def test_block_tokens_config_key():
     from dta.config.schema import ConfigError, load_config
-    from runtime.sharding.auto import resolve
+    from runtime.engine import resolve_run_config
 
     assert load_config(None, []).walker.block_tokens == "auto"
     assert load_config(None, ["walker.block_tokens=0"]).walker.block_tokens == 0
@@ -146,22 +147,25 @@ def test_block_tokens_config_key():
         with pytest.raises(ConfigError, match="walker.block_tokens"):
             load_config(None, [f"walker.block_tokens={bad}"])
     cfg = load_config(None, ["walker.block_tokens=auto"])
-    mode, walk, _ = resolve(cfg, SHAPES["qwen3-8b"])
+    settings = resolve_run_config(cfg, SHAPES["qwen3-8b"])
+    mode, walk = settings.layout.sharding, settings.walk
     assert (mode, walk.block_tokens) == ("replicate", 2048)  # no budget: the walker's default
     cfg = load_config(None, ["train.sharding=fsdp", "train.memory_budget_gib=80",
                              "ray.num_workers=8", "walker.policy=recompute",
                              "model.dtype=bfloat16"])
 
-    class Tree:  # batch_extent's view of a τ²-like batch: a 15,562-token path, a 5,534 node
-        sequences = [[0] * 15562]
+    import numpy as np
 
-        def __len__(self):
-            return 2
+    from dta.planning.memory import batch_extent
+    from dta.tree import PrefixTree
 
-        def length(self, u):
-            return 5534
-
-    mode, walk, report = resolve(cfg, SHAPES["qwen3-14b"], Tree())
+    # a τ²-like batch: a 15,562-token path whose nodes are at most 5,534 tokens
+    x, y, z1, z2, w = (np.full(n, t) for n, t in ((5534, 1), (5534, 2), (4494, 3), (4494, 4),
+                                                   (3000, 5)))
+    tree = PrefixTree([np.r_[x, y, z1], np.r_[x, y, z2], np.r_[x, w]])
+    assert batch_extent(tree) == (15562, 5534)
+    settings = resolve_run_config(cfg, SHAPES["qwen3-14b"], tree)
+    mode, walk, report = settings.layout.sharding, settings.walk, settings.report
     block = walk.block_tokens
     assert mode == "fsdp" and 0 < block < 5534 and report["block_tokens"] == block
     assert walk.policy == "recompute"  # the config's other walk settings, in the same object

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from dta.config.schema import as_dict, load_config
+from dta.config.schema import load_config
 from tests.test_hybrid_packs import _check, reference  # noqa: F401 (the fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +48,7 @@ def test_two_node_cluster_smoke_equals_one_process(tmp_path):
     from safetensors.torch import load_file
 
     from dta_cli.batches import BatchSource
-    from runtime.ray_runtime.worker import DFSWorker
+    from tests.workers import local_worker
 
     out, export = tmp_path / "result.json", tmp_path / "spread"
     run = (f"{sys.executable} -m dta_cli train --address {{address}} --no-progress --json "
@@ -73,7 +73,7 @@ def test_two_node_cluster_smoke_equals_one_process(tmp_path):
     cfg = load_config(None, TINY)
     threads = torch.get_num_threads()
     try:
-        one = DFSWorker(0, 1, as_dict(cfg))  # one worker over the whole batch, no Ray
+        one = local_worker(cfg)  # one worker over the whole batch, no Ray
         before = {k: v.clone() for k, v in one.model.state_dict().items()}
         one.step(0, BatchSource(cfg, 512).batch(0), None)
     finally:

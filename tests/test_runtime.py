@@ -189,9 +189,8 @@ def test_local_instance_listens_on_loopback_only(ray_local):
 def test_two_workers_match_one_worker_and_unpacked(ray_local):
     from dta.reference import unpacked_gradients
     from dta.train import clip_and_step
-    from runtime.ray_runtime.worker import (DFSWorker, build_replica, make_optimizer,
-                                            make_training_loss)
-    from dta.config.schema import as_dict
+    from runtime.ray_runtime.worker import build_replica, make_optimizer, make_training_loss
+    from tests.workers import local_worker
 
     # walker.block_tokens=5: the workers walk every longer node in pieces of <= 5 tokens
     cfg = tiny_cfg("optimizer.lr=1e-3", "optimizer.max_grad_norm=null", "walker.block_tokens=5")
@@ -211,7 +210,7 @@ def test_two_workers_match_one_worker_and_unpacked(ray_local):
 
     threads = torch.get_num_threads()
     try:
-        one = DFSWorker(0, 1, as_dict(cfg))  # the single-worker path, in this process
+        one = local_worker(cfg)  # the single-worker path, in this process
         one.step(0, batch, None)
     finally:
         torch.set_num_threads(threads)  # the worker sets its own thread count

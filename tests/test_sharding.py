@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from dta.config.schema import ConfigError, as_dict, load_config
+from dta.config.schema import ConfigError, load_config
 from runtime.sharding.local import run_ranks
 
 CASES = [("zero1", "float64", "retain"), ("zero1", "float32", "recompute"),
@@ -26,16 +26,9 @@ def overrides(mode, dtype, policy):
 
 
 def _worker(cfg, rank, world):
-    from dta.model.models import make_truly_float64
-    from runtime.ray_runtime.worker import DFSWorker
+    from tests.workers import local_worker
 
-    w = DFSWorker(rank, world, as_dict(cfg))
-    if cfg.model.dtype == "float64":  # HF norms upcast to fp32: make the check truly fp64
-        make_truly_float64(w.model)
-    if world > 1:
-        w.group = True  # the process group exists (run_ranks made it)
-        w._build_strategy()
-    return w
+    return local_worker(cfg, rank, world, truly_float64=True)  # HF norms upcast otherwise
 
 
 def _step(w, cfg, k, rank, world, source=None):

@@ -50,7 +50,7 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_mismatches_are_refused(tmp_
     for mode in MODES:
         cfg = load_config(None, overrides(mode, "float64", "retain"))
         one = _worker(cfg, 0, 1)  # ray.num_workers=1: a replica
-        assert one.strategy.mode == "replicate"
+        assert one.core.layout.sharding == "replicate"
         meta = one.load_checkpoint(two[mode]["path"])
         assert meta["world_size"] == 2 and meta["sharding"] == mode and meta["step"] == 1
         loaded = one.state()

@@ -32,7 +32,7 @@ def train_cases(rank, world, cases, directory):
         lockstep = []
         for k in range(2):
             _step(w, cfg, k, rank, world)
-            sync = getattr(w.strategy, "sync", None)
+            sync = getattr(w.core.mode, "sync", None)
             lockstep.append(sync.stats() if sync is not None else None)
         path = w.export_hf(os.path.join(directory, "-".join(case)))  # every rank: a collective
         out.append({"state": w.state()["model"], "param_norm": w.param_norm(),
@@ -108,14 +108,14 @@ def multi_graph_backward(rank, world):
     from dta.train import accumulate_gradients
     from dta_cli.batches import BatchSource
     from runtime.ray_runtime.worker import make_training_loss
-    from runtime.sharding import make_strategy
+    from runtime.sharding import make_mode
     from runtime.sharding.common import optimizer_factory
     from runtime.sharding.lockstep import LockstepError
 
     cfg = load_config(None, overrides("fsdp", "float64", "retain"))
     model = build_model(cfg.model.family, cfg.model.size, dtype=cfg.model.dtype)
-    strategy = make_strategy("fsdp", model, optimizer_factory(cfg.optimizer), policy="retain")
-    assert strategy.walk_options == {"head_rows": 0}
+    strategy = make_mode("fsdp", model, optimizer_factory(cfg.optimizer), policy="retain")
+    assert strategy.walk_needs("retain") == {"head_rows": 0}
     batch = BatchSource(cfg, 512).batch(0)
     strategy.zero_grad()
     try:

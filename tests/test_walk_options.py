@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dta.batch import Batch
-from dta.config.schema import ConfigError, load_config
+from dta.config.schema import ConfigError, as_dict, load_config
 from dta.config.walk import CONFIG_KEYS, walk_options
-from dta.options import AUTO, WalkOptionError, WalkOptions
+from dta.options import AUTO, NO_CUT, WalkOptionError, WalkOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ("dta", "runtime", "dta_cli")  # the library, the runtimes, the CLI
@@ -48,7 +48,9 @@ def test_frozen_unknown_fields_refused_and_replace_validates():
         WalkOptions(polcy="retain")
     with pytest.raises(WalkOptionError, match="logits_chunk: 0 must be"):
         o.replace(logits_chunk=0)
-    assert o.replace(block_tokens=0).block_tokens is None  # 0: no cut
+    assert o.replace(block_tokens=NO_CUT).block_tokens == 0  # the one spelling of no cut
+    with pytest.raises(WalkOptionError, match="block_tokens: None must be .* or 0 for no cut"):
+        o.replace(block_tokens=None)
     assert WalkOptions.given(o) is o and WalkOptions.given(o, {}) is o
     assert WalkOptions.given(o, {"policy": "recompute"}).policy == "recompute"
     assert WalkOptions.given(None, {"pack_tokens": 64}).pack_tokens == 64
@@ -91,13 +93,13 @@ def test_the_config_builds_the_walk_settings_once():
     cfg = load_config(None, ["walker.policy=recompute", "walker.logits_chunk=64",
                              "walker.block_tokens=0", "actor.router_aux_loss_coef=0.01"])
     walk = walk_options(cfg)
-    assert walk == WalkOptions(policy="recompute", logits_chunk=64, block_tokens=None,
+    assert walk == WalkOptions(policy="recompute", logits_chunk=64, block_tokens=NO_CUT,
                                router_aux_loss_coef=0.01)
     auto = load_config(None, [])
     assert auto.walker.block_tokens == AUTO
     assert walk_options(auto).block_tokens == WalkOptions.default("block_tokens")
-    assert walk_options(auto, resolved_block=512).block_tokens == 512  # the memory model's
-    assert walk_options(auto, resolved_block=0).block_tokens is None
+    assert walk_options(auto, auto_block=512).block_tokens == 512  # the memory model's
+    assert walk_options(auto, auto_block=NO_CUT).block_tokens == NO_CUT
 
 
 def test_areal_options_produce_walk_options_and_name_their_keys():
@@ -156,8 +158,31 @@ def test_the_same_object_reaches_the_walker_through_the_trainer(tiny, monkeypatc
     assert res.walk.plan["block_tokens"] == 5 and res.walk.recomputed_tokens > 0
 
 
-def test_the_same_object_reaches_the_ray_worker_and_its_walker(monkeypatch):
-    from dta.config.schema import as_dict
+def _constructions(monkeypatch) -> list:
+    """Every WalkOptions built from here on, but the self-check's probes (its own settings,
+    dta/selfcheck.py): the stack of each."""
+    import inspect
+
+    built, post_init = [], WalkOptions.__post_init__
+
+    def spy(self):
+        stack = [f.filename for f in inspect.stack()[1:]]
+        if not any(f.endswith(os.path.join("dta", "selfcheck.py")) for f in stack):
+            built.append(stack[:6])
+        post_init(self)
+
+    monkeypatch.setattr(WalkOptions, "__post_init__", spy)
+    return built
+
+
+def test_the_driver_resolved_object_reaches_the_worker_through_ray_unchanged(monkeypatch):
+    """The walk options the driver resolved reach the worker's walker through Ray's
+    serialization (cloudpickle, what an actor's arguments go through): equal, and the very
+    object the worker received; the worker builds none and patches none."""
+    import ray.cloudpickle
+
+    from dta.losses import batch_totals
+    from runtime.engine import RunSettings
     from runtime.ray_runtime import driver
     from runtime.ray_runtime.worker import DFSWorker
 
@@ -174,15 +199,36 @@ def test_the_same_object_reaches_the_ray_worker_and_its_walker(monkeypatch):
     monkeypatch.setattr(driver, "start_workers", start_workers)
     with pytest.raises(RuntimeError, match="stop here"):
         trainer._start_workers()
-    assert handed["walk"] is trainer.walk
-    worker = DFSWorker(0, 1, as_dict(cfg), walk=handed["walk"])
-    assert worker.walk is trainer.walk
+    assert handed["settings"] is trainer.settings and trainer.settings.walk is trainer.walk
+    received = ray.cloudpickle.loads(ray.cloudpickle.dumps(handed["settings"]))
+    assert isinstance(received, RunSettings) and received.walk == trainer.walk
+    assert received.walk is not trainer.walk  # another process's copy, as a Ray actor gets it
+    built = _constructions(monkeypatch)
+    worker = DFSWorker(0, 1, as_dict(cfg), received)
+    assert worker.walk is received.walk
     seen = _capture_walkers(monkeypatch)
     batch = _batch(worker.model.config.vocab_size)
-    from dta.losses import batch_totals
-
     stats = worker.step(0, batch, batch_totals(batch))
-    assert seen and all(o is trainer.walk for o in seen) and stats["updated"]
+    assert stats["updated"] and stats["max_call_tokens"] <= 6  # the driver's block reached it
+    assert seen and all(o is received.walk for o in seen)
+    assert built == [], f"the worker built walk options: {built[0]}"
+
+
+def test_a_walk_not_resolved_for_its_layout_is_refused_by_the_core():
+    """fsdp under retain walks with one LM-head flush per pack: the driver's resolution puts
+    it in the walk (head_rows=0); the core refuses a walk without it instead of patching."""
+    from runtime.engine import EngineCore, ParallelLayout
+    from runtime.engine.layout import LayoutError
+    from tests.workers import settings_for
+
+    cfg = load_config(None, ["workload.scale=tiny", "train.sharding=fsdp",
+                             "walker.policy=retain", "ray.num_workers=2"])
+    settings = settings_for(cfg, 2)
+    assert settings.layout == ParallelLayout(world=2, sharding="fsdp")
+    assert settings.walk == walk_options(cfg).replace(head_rows=0)
+    with pytest.raises(LayoutError, match="head_rows"):
+        EngineCore(lambda dtype: None, layout=settings.layout, walk=walk_options(cfg),
+                   make_optimizer=None, compute_dtype="float32")
 
 
 # ------------------------------------------------------- each default in one place --

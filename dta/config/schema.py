@@ -27,6 +27,7 @@ from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, Interpolatio
 from dta.config.errors import ConfigError
 from dta.config.walk import walk_options
 from dta.options import AUTO, WalkOptions
+from dta.planning.memory import MODES as SHARDING_MODES
 
 __all__ = ["ModelConfig", "WorkloadConfig", "WalkerConfig", "LossConfig", "OptimizerConfig",
            "TrainConfig", "StreamConfig", "RayConfig", "NormConfig", "ActorConfig", "Config",
@@ -126,8 +127,10 @@ class TrainConfig:
     memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
     # Ranks per tree (docs/context-parallel.md): each group of this many workers walks the same
     # trees with their K/V spread over the group; the data-parallel size is ray.num_workers /
-    # context_parallel (trees are balanced over the data-parallel groups). 1: off.
-    context_parallel: int = 1
+    # context_parallel (trees are balanced over the data-parallel groups). 1: off. auto: the
+    # memory model's choice among 1, 2, 4, 8 dividing ray.num_workers for memory_budget_gib
+    # (with the sharding mode and the block, as `dta plan --memory --context-parallel auto`).
+    context_parallel: Any = 1
 
 
 @dataclass
@@ -297,7 +300,7 @@ CHOICES: dict[str, tuple] = {
     "walker.reduction": ("token_mean", "seq_mean", "sum"),
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
-    "train.sharding": ("replicate", "zero1", "fsdp", "auto"),
+    "train.sharding": (*SHARDING_MODES, AUTO),  # runtime.sharding registers one class each
     "ray.placement": ("pack", "spread"),
     "actor.kl_estimator": ("k1", "k2", "k3"),
     "actor.adv_norm.mean_level": ("batch", "group", None),
@@ -332,7 +335,8 @@ _RANGES: dict[str, tuple] = {
     "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
     "train.keep_last": (lambda v: v >= 0, ">= 0 (0: keep all)"),
     "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
-    "train.context_parallel": (lambda v: v >= 1, ">= 1 (ranks per tree; 1: off)"),
+    "train.context_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
+        v, bool) and v >= 1), "an integer >= 1 (ranks per tree; 1: off) or auto"),
     "stream.target_sequences": (lambda v: v >= 0, ">= 0"),
     "stream.target_tokens": (lambda v: v >= 0, ">= 0"),
     "workload.sequences_per_step": (lambda v: v >= 0, ">= 0"),
@@ -389,8 +393,8 @@ def validate_config(cfg) -> None:
         raise ConfigError("bad value for config key 'train.sharding': fsdp with LoRA "
                           "(model.lora.r > 0) is not supported; use replicate or zero1 (the "
                           "adapters' gradients and optimizer state are small)")
-    cp, workers = int(_get(cfg, "train.context_parallel")), int(_get(cfg, "ray.num_workers"))
-    if workers % cp:
+    cp, workers = _get(cfg, "train.context_parallel"), int(_get(cfg, "ray.num_workers"))
+    if cp != AUTO and workers % int(cp):
         raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} does not "
                           f"divide ray.num_workers={workers} (the data-parallel size is "
                           "ray.num_workers / train.context_parallel)")

@@ -1,9 +1,10 @@
 """A run config's walk settings: the ``walker.*`` keys (and ``actor.router_aux_loss_coef``) as
 one :class:`dta.options.WalkOptions`, the only place a config becomes walk settings.
 
-``walker.block_tokens=auto`` is resolved here once: to the memory model's choice when the
-caller has one (``runtime.sharding.auto.resolve``, for ``train.memory_budget_gib`` or
-``train.sharding=auto``), else to the WalkOptions default. Errors name the config key.
+``walker.block_tokens=auto`` becomes a block here, once: ``auto_block``, the memory model's
+choice when the caller has one (``runtime.engine.resolve``, for ``train.memory_budget_gib``
+or ``train.sharding=auto``), else the WalkOptions default. "No cut" is
+:data:`dta.options.NO_CUT` (0) wherever it is written. Errors name the config key.
 This module never imports torch.
 """
 from __future__ import annotations
@@ -21,17 +22,17 @@ CONFIG_KEYS = {"policy": "walker.policy", "logits_chunk": "walker.logits_chunk",
 SPELLING = {field: f"config key '{key}'" for field, key in CONFIG_KEYS.items()}
 
 
-def walk_options(cfg, *, resolved_block: int | None = None) -> WalkOptions:
-    """The run's WalkOptions. ``resolved_block``: the memory model's block for
-    ``walker.block_tokens=auto`` (0: no cut); None: the WalkOptions default. Raises
+def walk_options(cfg, *, auto_block: int | None = None) -> WalkOptions:
+    """The run's WalkOptions. ``auto_block``: what ``walker.block_tokens=auto`` becomes (the
+    memory model's block; ``NO_CUT``: no cut); unset, the WalkOptions default. Raises
     :class:`ConfigError` naming the key of a bad value."""
     values = {}
     for field, key in CONFIG_KEYS.items():
         section, name = key.split(".")
         values[field] = cfg[section][name]
     if values["block_tokens"] == AUTO:
-        values["block_tokens"] = WalkOptions.default("block_tokens") if resolved_block is None \
-            else resolved_block
+        values["block_tokens"] = WalkOptions.default("block_tokens") if auto_block is None \
+            else auto_block
     try:
         return WalkOptions.make(SPELLING, **values)
     except WalkOptionError as exc:

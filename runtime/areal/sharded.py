@@ -31,7 +31,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from runtime.sharding import make_strategy, master_dtype_for
+from runtime.engine.layout import Reduction
+from runtime.engine.step import optimizer_step
+from runtime.sharding import make_mode, master_dtype_for, mode_class
 
 __all__ = ["ShardedLayout", "resolve_sharding"]
 
@@ -61,7 +63,7 @@ class ShardedLayout:
 
     def __init__(self, mode: str, model, make_optimizer, *, compute_dtype: torch.dtype,
                  policy: str, group=None, context_parallel: int = 1):
-        if mode not in ("zero1", "fsdp"):
+        if not mode_class(mode).sharded:
             raise ValueError(f"ShardedLayout shards zero1 or fsdp, not {mode!r}")
         built = next(model.parameters()).dtype
         if built != master_dtype_for(compute_dtype):
@@ -69,9 +71,12 @@ class ShardedLayout:
                              f"{master_dtype_for(compute_dtype)} (the master dtype of "
                              f"{compute_dtype}), got {built}")
         self.mode, self.compute_dtype, self.group = mode, compute_dtype, group
-        self.strategy = make_strategy(mode, model, make_optimizer, group=group,
-                                      compute_dtype=compute_dtype, policy=policy,
-                                      context_parallel=context_parallel)
+        self.policy = policy
+        # the engine's DTATrainEngine drops a context-parallel copy itself (optimizer_step);
+        # fsdp's in-backward sum counts each group's C copies: divided by C
+        self.strategy = make_mode(mode, model, make_optimizer, group=group,
+                                  compute_dtype=compute_dtype, policy=policy,
+                                  divide_factor=context_parallel)
         self.model = self.strategy.model
         self.optimizer = self.strategy.optimizer
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -81,7 +86,7 @@ class ShardedLayout:
     @property
     def walk_options(self) -> dict:
         """Walker options the mode needs (``dta.walk.Walker`` keyword arguments)."""
-        return dict(getattr(self.strategy, "walk_options", {}))
+        return dict(mode_class(self.mode).walk_needs(self.policy))
 
     # ------------------------------------------------------------------- the step --
     def zero_grad(self) -> None:
@@ -92,7 +97,7 @@ class ShardedLayout:
     def step(self, max_grad_norm) -> tuple[float, bool]:
         """Reduce (SUM) the gradients, clip by the global norm, step; on a non-finite norm
         nothing is updated. Returns ``(grad_norm, updated)``."""
-        return self.strategy.reduce_and_step(max_grad_norm)
+        return optimizer_step(self.strategy, Reduction(), max_grad_norm)
 
     @contextlib.contextmanager
     def walk_session(self):

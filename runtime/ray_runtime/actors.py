@@ -78,10 +78,11 @@ def _check_resources(cfg, num_workers: int, gpus: float) -> None:
                 f"ray.num_workers) but the cluster has {float(total.get(kind, 0)):g}")
 
 
-def start_workers(cfg, num_workers: int, *, fault=None, generation: int = 1,
-                  walk=None) -> WorkerGroup:
+def start_workers(cfg, num_workers: int, *, settings, fault=None,
+                  generation: int = 1) -> WorkerGroup:
     """Start ``num_workers`` actors and form their process group (see the module doc);
-    ``walk``: the run's :class:`dta.options.WalkOptions`, handed to every worker unchanged."""
+    ``settings``: the run's resolved :class:`runtime.engine.RunSettings` (layout and walk),
+    handed to every worker unchanged."""
     import ray
 
     r = cfg.ray
@@ -98,8 +99,8 @@ def start_workers(cfg, num_workers: int, *, fault=None, generation: int = 1,
     workers = [
         actor_cls.options(num_cpus=float(r.cpus_per_worker), num_gpus=float(gpus),
                           max_restarts=0, max_task_retries=0, **placement.options(rank)).remote(
-                              rank, num_workers, cfg_dict, use_gpu=gpus > 0, fault=fault,
-                              walk=walk)
+                              rank, num_workers, cfg_dict, settings, use_gpu=gpus > 0,
+                              fault=fault)
         for rank in range(num_workers)]
     try:
         infos = ray.get([w.info.remote() for w in workers], timeout=float(r.step_timeout_s))

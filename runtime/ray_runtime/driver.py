@@ -26,12 +26,12 @@ from typing import Callable
 
 from dta.batch import Batch, BatchError
 from dta.config.schema import as_dict
-from dta.config.walk import walk_options
 from dta.losses import batch_totals
-from dta.options import AUTO, WalkOptions
+from dta.options import AUTO, NO_CUT, WalkOptions
 from dta.planning.workers import WorkerPlan, assign_workers, default_cost_model
 from dta.tree import PrefixTree
 from runtime.checkpoints import checkpoint as ckpt
+from runtime.engine import RunSettings, resolve_run_config
 from runtime.ray_runtime.actors import WorkerGroup, start_workers
 from runtime.ray_runtime.cluster import ClusterHandle, start_or_join
 from runtime.errors import StepFailed, TrainingError, WorkerError
@@ -51,10 +51,9 @@ class Trainer:
         self.fault = parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
         self.log = log or (lambda msg: None)
         self.vocab_size, self.max_positions, self.hf_config = model_limits(cfg)
-        # the walk settings, built once from the config (walker.block_tokens=auto: the
-        # memory model may choose the block in resolve_sharding); every worker gets this object
-        self.walk: WalkOptions = walk_options(cfg)
-        self.sharding_report: dict | None = None
+        # the run's resolved settings (layout and walk; auto decided by the memory model on
+        # the first batch): built once in resolve_sharding, handed to every worker unchanged
+        self._settings: RunSettings | None = None
         self.required = required_fields(cfg)
         self.cost_model = default_cost_model(self.hf_config)
         self.cluster: ClusterHandle | None = None
@@ -70,9 +69,27 @@ class Trainer:
 
     # ---------------------------------------------------------------- lifecycle --
     @property
+    def settings(self) -> RunSettings:
+        """The run's resolved settings (resolved now, without a batch, if not yet)."""
+        if self._settings is None:
+            self.resolve_sharding()
+        return self._settings
+
+    @property
+    def walk(self) -> WalkOptions:
+        """The run's walk settings: the object every worker walks with."""
+        return self.settings.walk
+
+    @property
+    def sharding_report(self) -> dict | None:
+        """The memory model's report, when it chose (train.sharding=auto, or an auto block
+        under train.memory_budget_gib)."""
+        return self.settings.report
+
+    @property
     def sharded(self) -> bool:
-        """Sharded state (train.sharding zero1/fsdp on several workers): DCP checkpoints."""
-        return str(self.cfg.train.sharding) != "replicate" and self.num_workers > 1
+        """Sharded state (zero1/fsdp on several workers): DCP checkpoints."""
+        return self.settings.layout.sharded
 
     def latest_checkpoint(self) -> str | None:
         if self.sharded:
@@ -97,28 +114,28 @@ class Trainer:
         return self.group.backend if self.group is not None else None
 
     def resolve_sharding(self, batch: Batch | None = None) -> str:
-        """Turn ``train.sharding=auto`` into a mode and ``walker.block_tokens=auto`` into a
-        block (memory model, first batch's extent; ``runtime.sharding.auto``)."""
-        from omegaconf import OmegaConf
-
-        from runtime.sharding.auto import needs_budget, resolve
-        if not needs_budget(self.cfg) and self.cfg.walker.block_tokens != AUTO:
-            return str(self.cfg.train.sharding)
+        """Resolve the run's settings once (``runtime.engine.resolve_run_config``):
+        ``train.sharding=auto`` and ``walker.block_tokens=auto`` by the memory model on the
+        first batch's tree, context parallelism priced at ``train.context_parallel``; the
+        layout and the walk every worker receives. Returns the sharding mode. The config is
+        left as written (checkpoints record both)."""
+        if self._settings is not None:
+            return self._settings.layout.sharding
         tree = PrefixTree(batch.input_ids) if batch is not None else None
         try:
-            mode, self.walk, report = resolve(self.cfg, self.hf_config, tree)
+            self._settings = resolve_run_config(self.cfg, self.hf_config, tree)
         except ValueError as exc:
             raise TrainingError(str(exc)) from None
-        cfg = OmegaConf.create(as_dict(self.cfg))
-        if str(cfg.train.sharding) == "auto":
-            self.sharding_report = report
-            self.log(f"train.sharding=auto -> {mode}")
-        block = self.walk.block_tokens or 0
-        if cfg.walker.block_tokens == AUTO:
-            self.log(f"walker.block_tokens=auto -> {block or 'no cut'}")
-        cfg.train.sharding, cfg.walker.block_tokens = mode, block  # what ran, in checkpoints
-        self.cfg = cfg
-        return mode
+        layout, walk = self._settings.layout, self._settings.walk
+        if str(self.cfg.train.sharding) == AUTO:
+            self.log(f"train.sharding=auto -> {layout.sharding} (priced at "
+                     f"train.context_parallel={layout.context_parallel})")
+        if self.cfg.train.context_parallel == AUTO:
+            self.log(f"train.context_parallel=auto -> {layout.context_parallel}")
+        if self.cfg.walker.block_tokens == AUTO:
+            block = walk.block_tokens
+            self.log(f"walker.block_tokens=auto -> {'no cut' if block == NO_CUT else block}")
+        return layout.sharding
 
     def start(self) -> "Trainer":
         """Ray, then the workers; a failure on the way undoes what was started."""
@@ -143,7 +160,7 @@ class Trainer:
     def _start_workers(self) -> None:
         self._generation += 1
         self.group = start_workers(self.cfg, self.num_workers, fault=self.fault,
-                                   generation=self._generation, walk=self.walk)
+                                   generation=self._generation, settings=self.settings)
         self.broken = None
         self.log(f"{self.num_workers} workers ({self.backend}, "
                  f"{'GPU' if self.backend == 'nccl' else 'CPU'}) ready")
@@ -183,13 +200,13 @@ class Trainer:
     @property
     def context_parallel(self) -> int:
         """Ranks per tree (train.context_parallel): ranks [g·C, (g+1)·C) form group g."""
-        return int(self.cfg.train.context_parallel)
+        return self.settings.layout.context_parallel
 
     def plan(self, batch: Batch, tree: PrefixTree | None = None) -> WorkerPlan:
         """Trees balanced over the data-parallel groups (ray.num_workers / context_parallel):
         the ranks of a context-parallel group walk the same share."""
         tree = tree or PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
-        return assign_workers(tree, self.num_workers // self.context_parallel, self.cost_model)
+        return assign_workers(tree, self.settings.layout.data_parallel, self.cost_model)
 
     # ---------------------------------------------------------------------- step --
     def step(self, batch: Batch, step: int | None = None) -> StepStats:
@@ -275,6 +292,7 @@ class Trainer:
         if self.broken:
             raise TrainingError(f"refusing to checkpoint unusable workers ({self.broken})")
         meta = {"config": as_dict(self.cfg), "num_workers": self.num_workers,
+                "settings": self.settings.record(),  # what auto resolved to, the walk
                 "plan": {"method": self.history[-1].plan_method if self.history else None,
                          "cost_model": repr(self.cost_model)},
                 "history": [s.brief() for s in self.history], **(extra or {})}

@@ -129,7 +129,7 @@ def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, source: BatchSourceLik
         return {"steps": 0, "completed_steps": start}
     first = source.batch(start)
     trainer.validate(first)  # bad input fails before Ray starts
-    trainer.resolve_sharding(first)  # train.sharding=auto: by the memory model
+    trainer.resolve_sharding(first)  # the run's settings, once (auto: by the memory model)
     log_dir = t.log_dir or t.checkpoint_dir
     metrics = MetricsLog(log_dir, run_id=trainer.run_id) if log_dir else None
     every, last_saved = int(t.checkpoint_every), None
@@ -179,7 +179,7 @@ def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, source: BatchSourceLik
             if metrics is not None:
                 metrics.close()
         out = summarize(trainer.history, trainer)
-        out["sharding"] = str(trainer.cfg.train.sharding)
+        out["sharding"] = trainer.settings.layout.sharding  # what ran (auto resolved)
         if trainer.sharding_report is not None:
             out["sharding_auto"] = trainer.sharding_report
         out["param_norm"] = trainer.param_norms()[0]  # after the last step

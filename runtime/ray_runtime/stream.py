@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from dta.batch import Batch
 
@@ -105,7 +105,3 @@ class StreamingBatcher:
                 t0 = time.perf_counter()  # the consumer's step ran in between
         if self.pending and not self.drop_last:
             yield self._cut("end", time.perf_counter() - t0)
-
-
-def iter_batches(source: Iterable, **kw) -> Iterator[StreamBatch]:
-    return iter(StreamingBatcher(source, **kw))

@@ -1,4 +1,4 @@
-"""Sharding the training state over the data-parallel ranks, applied from outside the walk.
+"""Sharding the training state over the ranks, applied from outside the walk.
 
 The walker (``dta.train.accumulate_gradients``) never knows it is distributed: a mode wraps
 the model and the optimizer before the walk and does all the communication around it.
@@ -6,36 +6,38 @@ the model and the optimizer before the walk and does all the communication aroun
 - ``replicate`` (:mod:`.replicate`): full replicas, one gradient all-reduce per step;
 - ``zero1`` (:mod:`.zero1`): compute parameters gathered once per step, gradients
   accumulated locally, one reduce-scatter per step, fp32 masters and optimizer state sharded;
-- ``fsdp`` (:mod:`.fsdp`): FSDP2 ``fully_shard`` (parameters sharded, gathered per call);
-- ``auto``: the cheapest of them that fits a memory budget (``dta.planning.memory``).
+- ``fsdp`` (:mod:`.fsdp`): FSDP2 ``fully_shard`` (parameters sharded, gathered per call).
 
-Every mode has the same small interface: ``model``, ``optimizer``, ``zero_grad()``,
-``reduce_and_step(max_grad_norm) -> (grad norm, updated)``, ``state_bytes()``,
-``param_norm()``, ``full_state()``, ``walk_options`` (walker options the mode needs) and,
-for checkpoints, ``sharded_state()`` /
-``load_sharded_state()`` (:mod:`runtime.dcp`).
+A mode is a registered class behind one interface (:mod:`.base`: ``ShardingMode``,
+``register``; the names are the memory model's, ``dta.planning.memory.MODES``). Which mode a
+run uses -- ``auto`` included -- is decided once, by the engine's layout
+(``runtime.engine``), which is also the only caller of a mode's step.
 """
 from __future__ import annotations
 
 import torch
 
-from runtime.sharding.flat import master_dtype_for
+from dta.planning.memory import MODES as PRICED
+from runtime.sharding.base import ShardingMode, master_dtype_for, mode_class, register, registered
+from runtime.sharding import fsdp, replicate, zero1  # noqa: F401  (registers the modes)
 
-MODES = ("replicate", "zero1", "fsdp")
+MODES = registered()  # replicate, zero1, fsdp: the priced modes, each registered once
+if MODES != tuple(PRICED):
+    raise ImportError(f"runtime.sharding registers {MODES}; the memory model prices "
+                      f"{tuple(PRICED)}: every priced mode needs a registered class")
 
 
-def make_strategy(mode: str, model, make_optimizer, *, group=None,
-                  compute_dtype: torch.dtype | None = None, policy: str = "recompute",
-                  context_parallel: int = 1):
-    """Wrap ``model`` (built in the master dtype) for ``mode``; ``compute_dtype``: the
-    dtype the walk runs in (16-bit: fp32 masters are kept and the compute copy is cast);
-    ``policy``: the walker's memory policy (fsdp matches the ranks' calls accordingly).
-    Pass the strategy's ``walk_options`` (``getattr(s, "walk_options", {})``) to the walker.
-    ``context_parallel``: C > 1 when the ranks come in context-parallel groups of C whose
-    gradients are identical (fsdp reduces inside the backward: it divides the sum by C;
-    replicate and zero1 reduce after the walk, where the group's other ranks drop theirs)."""
+def make_mode(name: str, model, make_optimizer, *, group=None,
+              compute_dtype: torch.dtype | None = None, policy: str = "recompute",
+              divide_factor: int = 1) -> ShardingMode:
+    """The mode ``name`` over ``model`` (built in ``mode_class(name).storage_dtype``);
+    ``compute_dtype``: the dtype the walk runs in (16-bit: fp32 masters are kept and the
+    compute copy is cast); ``policy``: the walker's memory policy (fsdp matches the ranks'
+    calls accordingly); ``divide_factor``: what an in-backward reduction divides the world's
+    sum by (the engine's layout decides: ``runtime.engine.layout.Reduction``)."""
+    cls = mode_class(name)
     compute_dtype = compute_dtype or next(model.parameters()).dtype
-    if mode in ("zero1", "fsdp"):
+    if cls.sharded:
         # The walker's self-check (dta.selfcheck, cached per model) probes the model with its
         # own walks and forwards; run it here, on the unsharded model and outside the ranks'
         # matched calls, so that the sharded walks find it done.
@@ -43,18 +45,8 @@ def make_strategy(mode: str, model, make_optimizer, *, group=None,
         ensure_self_check(model)
         for p in model.parameters():
             p.grad = None
-    if mode == "replicate":
-        from runtime.sharding.replicate import Replicate
-        return Replicate(model.to(compute_dtype), make_optimizer, group=group)
-    if mode == "zero1":
-        from runtime.sharding.zero1 import Zero1
-        return Zero1(model, make_optimizer, group=group, compute_dtype=compute_dtype)
-    if mode == "fsdp":
-        from runtime.sharding.fsdp import FSDP
-        return FSDP(model, make_optimizer, group=group, compute_dtype=compute_dtype,
-                    policy=policy, context_parallel=context_parallel)
-    raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES} (or auto, "
-                     "resolved before the workers start)")
+    return cls(model, make_optimizer, group=group, compute_dtype=compute_dtype, policy=policy,
+               divide_factor=divide_factor)
 
 
-__all__ = ["MODES", "make_strategy", "master_dtype_for"]
+__all__ = ["MODES", "ShardingMode", "make_mode", "master_dtype_for", "mode_class", "register"]

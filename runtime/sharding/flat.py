@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from runtime.sharding.base import master_dtype_for
 
 BUCKET_ELEMS = 1 << 24  # elements per rank in one reduce-scatter bucket
 
@@ -34,11 +35,6 @@ class Piece:
     start: int  # first element of the parameter (flattened) in this slice
     stop: int
     offset: int  # where it lies in this rank's slice
-
-
-def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """fp32 master weights under 16-bit compute; otherwise the compute dtype itself."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class FlatShards:

@@ -16,11 +16,14 @@ Layout, applied to the model from outside before the walk:
 - the ranks walk different trees, so their calls are kept matched by
   :mod:`.lockstep` (dummy one-token calls where a rank has nothing to do). Under the
   walker's retain policy a pack's backward runs long after its forward (at its pop): the
-  lockstep's retain protocol matches those backwards, and :attr:`FSDP.walk_options` asks
+  lockstep's retain protocol matches those backwards, and :meth:`FSDP.walk_needs` asks
   the walker for one LM-head flush per pack, so that one backward covers one decoder call.
 
-The step: clip by the global norm (sharded grads + vocab shards), AdamW on the local shards,
-regather the vocab weights.
+The in-backward reduce-scatter sums over the whole world and divides by ``divide_factor``:
+1, unless the engine's layout says a context-parallel group's C ranks hold copies of one
+gradient (``runtime.engine.layout.Reduction``), then C. The step: the global norm (sharded
+grads + vocab shards), the engine's clip, AdamW on the local shards, regather the vocab
+weights.
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from runtime.sharding.common import clip_coefficient, optimizer_bytes, tensor_bytes
-from runtime.sharding.flat import FlatShards, master_dtype_for
+from runtime.sharding.base import ShardingMode, master_dtype_for, register
+from runtime.sharding.common import optimizer_bytes, tensor_bytes
+from runtime.sharding.flat import FlatShards
 from runtime.sharding.lockstep import Lockstep, LockstepDecoder
 
 
@@ -40,11 +44,10 @@ def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if id(p) in ids and p.requires_grad]
 
 
-class FSDP:
-    mode = "fsdp"
-
+@register("fsdp")
+class FSDP(ShardingMode):
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
-                 policy: str = "recompute", context_parallel: int = 1):
+                 policy: str = "recompute", divide_factor: int = 1):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -71,12 +74,11 @@ class FSDP:
         fully_shard(decoder, mesh=self.mesh, mp_policy=mp,
                     ignored_params={p for _, p in vocab if id(p) in in_decoder})
         self.units.append(decoder)
-        # SUM: the ranks' shares add up. Context parallel (C > 1): the C ranks of a group
-        # backward the same calls with identical gradients, reduce-scattered here inside the
-        # backward, so the sum counts each group C times: divide it by C.
-        self.context_parallel = int(context_parallel)
+        # SUM: the ranks' shares add up; divided by the layout's factor (C when the C ranks
+        # of a context-parallel group backward copies of one gradient: runtime.engine.layout)
+        self.divide_factor = int(divide_factor)
         for unit in self.units:
-            unit.set_gradient_divide_factor(float(self.context_parallel))
+            unit.set_gradient_divide_factor(float(self.divide_factor))
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         # No backward prefetch (each unit "prefetches" itself, a no-op): whether FSDP's
         # prefetch all-gathers depends on which of the rank's own graphs are pending, which
@@ -105,10 +107,11 @@ class FSDP:
         backward)."""
         return list(self.vocab.params)
 
-    @property
-    def walk_options(self) -> dict:
-        """Walker options this mode needs (``dta.walk.Walker`` keyword arguments)."""
-        return {"head_rows": 0} if self.policy == "retain" else {}
+    @classmethod
+    def walk_needs(cls, policy: str) -> dict:
+        """Under retain one backward must cover one decoder call: the LM head flushed per
+        pack (:mod:`.lockstep`)."""
+        return {"head_rows": 0} if policy == "retain" else {}
 
     # ------------------------------------------------------------------ memory --
     def _sample(self, module, args):
@@ -132,33 +135,35 @@ class FSDP:
         self._peak_unsharded = 0
         self.sync.begin()
 
-    def reduce_and_step(self, max_grad_norm) -> tuple[float, bool]:
+    def reduce_gradients(self) -> None:
         self.sync.end()  # follow the peers' remaining calls; FSDP's reduce-scatters are done
         vb = self.vocab.bytes()["compute_grads"]
         self.vocab.reduce_gradients()
         sharded_grads = sum(tensor_bytes(p.grad) for p in self.sharded)
         self._grad_bytes = sharded_grads + vb
+
+    def grad_norm(self) -> float:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.sharded:
             if p.grad is not None:
                 local += p.grad.to_local().double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
-        norm = math.sqrt(float(local) + self.vocab.grad_norm_squared())
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.vocab.zero_master_grads()
-            return norm, False
-        coef = clip_coefficient(norm, max_grad_norm)
-        if coef != 1.0:
-            for p in self.sharded:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-            self.vocab.scale_gradients(coef)
+        return math.sqrt(float(local) + self.vocab.grad_norm_squared())
+
+    def scale_gradients(self, coef: float) -> None:
+        for p in self.sharded:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        self.vocab.scale_gradients(coef)
+
+    def apply_update(self) -> None:
         self.optimizer.step()
+        self.discard_gradients()
+        self.vocab.gather_parameters()
+
+    def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.vocab.zero_master_grads()
-        self.vocab.gather_parameters()
-        return norm, True
 
     def sharded_state(self) -> dict:
         """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""

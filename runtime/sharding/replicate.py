@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dta.train import clip_and_step
+from runtime.sharding.base import ShardingMode, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
 
 
@@ -41,11 +41,14 @@ def allreduce_gradients(params, bucket_elems: int = 1 << 24, group=None) -> None
         p.grad = g if n > 0 else None
 
 
-class Replicate:
-    mode = "replicate"
+@register("replicate")
+class Replicate(ShardingMode):
+    sharded = False
 
-    def __init__(self, model, make_optimizer, *, group=None):
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, **_):
         self.model, self.group = model, group
+        if compute_dtype is not None:
+            self.model.to(compute_dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -54,11 +57,31 @@ class Replicate:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def reduce_and_step(self, max_grad_norm) -> tuple[float, bool]:
+    @property
+    def local_grad_params(self) -> list:
+        return list(self.params)
+
+    def reduce_gradients(self) -> None:
         self._grad_bytes = sum(tensor_bytes(p.grad) for p in self.params)
         if self.world > 1:
             allreduce_gradients(self.params, group=self.group)
-        return clip_and_step(self.model, self.optimizer, max_grad_norm)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_norm(self) -> float:
+        grads = self._grads()  # as torch.nn.utils.clip_grad_norm_ computes it
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def scale_gradients(self, coef: float) -> None:
+        for g in self._grads():
+            g.mul_(coef)
+
+    def apply_update(self) -> None:
+        self.optimizer.step()  # the gradients stay (readable after the step)
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> dict:
         # every weight held (a LoRA model's frozen base too); grads/optimizer: trained only

@@ -216,11 +216,11 @@ def load_replicated_into_sharded(path: str, strategy) -> dict:
     optimizer = strategy.optimizer
     keys = state_keys(optimizer)
     state = replicated_logical_state(path, strategy.model, keys)  # all read before any copy
-    if strategy.mode == "zero1":
+    if strategy.name == "zero1":
         _load_flat(strategy.shards, optimizer, state, keys)
         return meta
-    if strategy.mode != "fsdp":
-        raise ShardedCheckpointError(f"cannot load {path!r} into a {strategy.mode} strategy")
+    if strategy.name != "fsdp":
+        raise ShardedCheckpointError(f"cannot load {path!r} into a {strategy.name} strategy")
     vocab = {id(p) for p in strategy.vocab.params}
     for name, p in strategy.model.named_parameters():
         if not p.requires_grad or id(p) in vocab:

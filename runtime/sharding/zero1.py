@@ -14,14 +14,14 @@ import math
 
 import torch
 
-from runtime.sharding.common import clip_coefficient, optimizer_bytes
+from runtime.sharding.base import ShardingMode, register
+from runtime.sharding.common import optimizer_bytes
 from runtime.sharding.flat import FlatShards
 
 
-class Zero1:
-    mode = "zero1"
-
-    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None):
+@register("zero1")
+class Zero1(ShardingMode):
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, **_):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # frozen weights (a LoRA model's base): no master, no shard, held in the compute dtype
@@ -41,22 +41,28 @@ class Zero1:
             p.grad = None
         self.shards.zero_master_grads()
 
-    def reduce_and_step(self, max_grad_norm) -> tuple[float, bool]:
-        b = self.shards.bytes()
-        self._grad_bytes = b["compute_grads"]
+    @property
+    def local_grad_params(self) -> list:
+        return list(self.shards.params)
+
+    def reduce_gradients(self) -> None:
+        self._grad_bytes = self.shards.bytes()["compute_grads"]
         self.shards.reduce_gradients()
         self._grad_bytes = max(self._grad_bytes, self.shards.bytes()["grad_shard"])
-        norm = math.sqrt(self.shards.grad_norm_squared())
-        if not math.isfinite(norm):
-            self.shards.zero_master_grads()
-            return norm, False
-        coef = clip_coefficient(norm, max_grad_norm)
-        if coef != 1.0:
-            self.shards.scale_gradients(coef)
+
+    def grad_norm(self) -> float:
+        return math.sqrt(self.shards.grad_norm_squared())
+
+    def scale_gradients(self, coef: float) -> None:
+        self.shards.scale_gradients(coef)
+
+    def apply_update(self) -> None:
         self.optimizer.step()
         self.shards.zero_master_grads()
         self.shards.gather_parameters()
-        return norm, True
+
+    def discard_gradients(self) -> None:
+        self.shards.zero_master_grads()
 
     def state_bytes(self) -> dict:
         b = self.shards.bytes()
@@ -82,7 +88,3 @@ class Zero1:
         if not hasattr(self, "_mesh"):
             self._mesh = init_device_mesh(self.shards.device.type, (self.shards.world,))
         return {"zero1": FlatShardsState(self.shards, self.optimizer, self._mesh)}
-
-    def master_state(self) -> dict:
-        return {n: p.detach().cpu().clone() for n, p in zip(self.shards.names,
-                                                            self.shards.params)}

@@ -1,0 +1,232 @@
+"""``EngineCore``: one rank of DTA training, whatever the front door.
+
+A front door (the Ray worker, AReaL's ``DTATrainEngine``, verl's ``DTAEngine``) translates its
+configuration into what the core takes -- a model builder (``runtime.engine.model``), the
+resolved :class:`~runtime.engine.resolve.RunSettings` (layout + walk, ``runtime.engine.resolve``),
+an optimizer factory, the compute dtype and the device -- and its batches into a
+:class:`dta.batch.Batch` and a loss; the core does the rest:
+
+1. ``EngineCore(...)`` builds the model in the dtype the layout's mode stores it in;
+2. :meth:`parallelize` -- once ``torch.distributed`` is up (or on one rank) -- makes the
+   layout's process groups, applies context parallelism to the model
+   (``dta.model.context_parallel.parallelize_context``), reads who reduces what
+   (``runtime.engine.layout.reduction_of``) and shards it (``runtime.sharding.make_mode``);
+3. a step: :meth:`train_step` (or its pieces, for a front door that walks its own way:
+   :meth:`zero_grad`, :meth:`accumulate` / :meth:`walker`, :meth:`optimizer_step`):
+   the walk with the run's one ``WalkOptions`` object, the one gradient reduction, the
+   clip, the update or the skip of a non-finite one (``runtime.engine.step``);
+4. checkpoints (DCP where sharded), Hugging Face export, the full state dict and the
+   parameter norm (``runtime.engine.checkpoint``).
+
+The walk settings are used as given: never rebuilt, never patched (a walk that lacks what the
+layout's mode needs is refused at construction).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dta.model.models import resolve_dtype
+from dta.options import WalkOptions
+from runtime.engine.layout import ParallelLayout, ProcessGroups, Reduction, build_groups, \
+    reduction_of
+from runtime.engine.resolve import check_walk
+from runtime.engine.step import optimizer_step
+
+__all__ = ["EngineCore", "StepOutcome"]
+
+
+@dataclass
+class StepOutcome:
+    """One rank's step. ``loss``: this rank's part of the run's loss (0 where its group's
+    head counts it); ``tree``: the walked tree's stats where this rank counts them, else
+    None; ``walk``: this rank's walk (None when it walked nothing); ``sent_bytes``: what the
+    context-parallel exchange sent; ``updated`` False on a non-finite norm or a batch
+    without a trained token (then ``skipped``)."""
+
+    loss: float = 0.0
+    sequences: int = 0
+    tree: object = None
+    walk: object = None
+    sent_bytes: int = 0
+    grad_norm: float = 0.0
+    updated: bool = False
+    skipped: bool = False
+    accumulate_s: float = 0.0
+    update_s: float = 0.0
+
+
+class EngineCore:
+    """See the module doc. ``build(dtype) -> nn.Module``; ``make_optimizer(params)``."""
+
+    def __init__(self, build: Callable[[torch.dtype], torch.nn.Module], *,
+                 layout: ParallelLayout, walk: WalkOptions,
+                 make_optimizer: Callable, compute_dtype, device="cpu"):
+        from runtime.sharding import mode_class
+
+        check_walk(walk, layout)
+        self.layout, self.walk = layout, walk
+        self.make_optimizer = make_optimizer
+        self.compute_dtype = resolve_dtype(compute_dtype)
+        self.device = torch.device(device)
+        stored = mode_class(layout.sharding).storage_dtype(self.compute_dtype)
+        self.model = build(stored).to(self.device)
+        self.mode = None  # the sharding mode, made by parallelize()
+        self.groups = ProcessGroups()
+        self.reduction = Reduction()
+
+    # ------------------------------------------------------------------ setup --
+    def parallelize(self) -> "EngineCore":
+        """Groups, context parallelism, who reduces what, sharding (see the module doc):
+        once, on every rank, after ``torch.distributed`` is initialized (one rank: without)."""
+        from dta.model.context_parallel import parallelize_context
+        from runtime.sharding import make_mode
+
+        if self.mode is not None:
+            raise RuntimeError("the engine core is parallelized already")
+        self.groups = build_groups(self.layout)
+        if self.layout.context_parallel > 1:
+            self.model = parallelize_context(self.model, self.groups.context)
+        self.reduction = reduction_of(self.layout, self.model)
+        self.mode = make_mode(self.layout.sharding, self.model, self.make_optimizer,
+                              group=self.groups.world, compute_dtype=self.compute_dtype,
+                              policy=self.walk.policy,
+                              divide_factor=self.reduction.divide_factor)
+        self.model = self.mode.model
+        return self
+
+    def _require(self):
+        if self.mode is None:
+            raise RuntimeError("the engine core is not parallelized: call parallelize() once "
+                               "torch.distributed is up")
+        return self.mode
+
+    @property
+    def optimizer(self):
+        return self._require().optimizer
+
+    # ------------------------------------------------------------------- walks --
+    def walker(self):
+        """A walker of the model with the run's walk settings (self-checked)."""
+        from dta.train import checked_walker
+
+        return checked_walker(self.model, self.walk)
+
+    @contextlib.contextmanager
+    def walk_session(self):
+        """Around walks outside :meth:`train_step` (forward / eval): under fsdp the ranks'
+        decoder calls are matched for its duration; otherwise nothing."""
+        sync = getattr(self._require(), "sync", None)
+        if sync is None or sync.active:
+            yield
+            return
+        sync.begin()
+        try:
+            yield
+        except BaseException:
+            sync.active = False
+            raise
+        sync.end()
+
+    @torch.no_grad()
+    def logprobs(self, batch, *, minmax: bool = False):
+        """The batch's per-token log-probs by a forward-only walk (no graph)."""
+        from dta.train import forward_logprobs
+
+        return forward_logprobs(self.model, batch, options=self.walk, minmax=minmax)
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (under fsdp this also opens the step's matched calls)."""
+        self._require().zero_grad()
+
+    def accumulate(self, batch, loss, *, totals=None, reduction: str = "token_mean",
+                   progress=None):
+        """Add ``batch``'s loss gradient into ``.grad`` by one walk with the run's walk
+        settings; returns (``dta.train.StepResult``, bytes the context-parallel exchange
+        sent)."""
+        from dta.model.context_parallel import context_parallel_of
+        from dta.train import accumulate_gradients
+
+        cp = context_parallel_of(self.model)
+        sent = cp.sent_bytes if cp is not None else 0
+        res = accumulate_gradients(self.model, batch, loss, reduction=reduction, totals=totals,
+                                   options=self.walk, progress=progress)
+        return res, (cp.sent_bytes - sent if cp is not None else 0)
+
+    def optimizer_step(self, max_grad_norm) -> tuple[float, bool]:
+        """The one reduction, the clip, the update or the skip: ``(norm, updated)``."""
+        return optimizer_step(self._require(), self.reduction, max_grad_norm)
+
+    def train_step(self, batch, loss, *, totals, max_grad_norm, reduction: str = "token_mean",
+                   progress=None, prepare: Callable | None = None,
+                   before_reduce: Callable | None = None) -> StepOutcome:
+        """One optimizer update from this rank's share ``batch`` (None: nothing to walk) of
+        a global batch whose normalizers are ``totals``. A global batch without a trained
+        token changes nothing (every rank sees the same totals: no collective is entered).
+        ``prepare(batch) -> batch`` runs after the gradients are cleared (e.g. log-probs
+        of the current policy); ``before_reduce()`` between the walk and the reduction."""
+        self._require()
+        t0 = time.perf_counter()
+        out = StepOutcome()
+        if totals is not None and totals.trainable_tokens == 0:
+            out.skipped = True
+            return out
+        self.zero_grad()
+        if batch is not None and len(batch):
+            if prepare is not None:
+                batch = prepare(batch)
+            res, out.sent_bytes = self.accumulate(batch, loss, totals=totals,
+                                                  reduction=reduction, progress=progress)
+            out.walk, out.sequences = res.walk, len(batch)
+            out.loss = float(res.loss) if self.reduction.counts_loss else 0.0
+            out.tree = res.tree if self.reduction.counts_tree else None
+        t1 = time.perf_counter()
+        if before_reduce is not None:
+            before_reduce()
+        out.grad_norm, out.updated = self.optimizer_step(max_grad_norm)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out.accumulate_s, out.update_s = t1 - t0, time.perf_counter() - t1
+        return out
+
+    # ------------------------------------------------------------------ state --
+    def full_state(self) -> dict:
+        """The model's state dict on CPU (gathered where sharded: every rank calls it)."""
+        return self._require().full_state()
+
+    def param_norm(self) -> float:
+        """L2 norm of what the optimizer steps (the masters where sharded: a collective)."""
+        return self._require().param_norm()
+
+    def state_bytes(self) -> dict:
+        return self._require().state_bytes()
+
+    def gradients(self) -> dict:
+        """CPU copies of the model's gradients (replicated: after the step, reduced and
+        clipped)."""
+        return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()
+                if p.grad is not None}
+
+    # ------------------------------------------------------------ checkpoints --
+    def save(self, directory: str, step: int, meta: dict, *, run_id: str | None = None,
+             keep_last: int | None = None) -> str:
+        from runtime.engine import checkpoint
+
+        self._require()
+        return checkpoint.save(self, directory, step, meta, run_id=run_id, keep_last=keep_last)
+
+    def load(self, path: str) -> dict:
+        from runtime.engine import checkpoint
+
+        self._require()
+        return checkpoint.load(self, path)
+
+    def export_hf(self, path: str, *, merged: bool = False) -> str:
+        from runtime.engine import checkpoint
+
+        self._require()
+        return checkpoint.export_hf(self, path, merged=merged)

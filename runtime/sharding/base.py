@@ -1,0 +1,124 @@
+"""The one interface of a sharding mode, and the registry that names them.
+
+A mode is a registered class (``@register``, as verl's ``EngineRegistry``): the names are
+:data:`dta.planning.memory.MODES` -- the modes the memory model prices, the one list the
+config, the planner and the runtimes read -- and a registered class for a name the planner
+does not price (or a priced name left without a class) is refused when this package is
+imported. The engine core (:mod:`runtime.engine`) is the only caller of the step's pieces:
+
+1. ``zero_grad()`` before the walk (fsdp also opens its matched-call session);
+2. the walk accumulates into the model's ``.grad``; a context-parallel rank whose gradient
+   is a copy of its group head's drops what ``local_grad_params`` holds
+   (``runtime.engine.step.reduce_gradients``);
+3. ``reduce_gradients()``: the mode's collective, a SUM over its group (all-reduce,
+   reduce-scatter);
+4. ``grad_norm()`` (global; a collective where sharded), then the engine's one clip rule
+   (``scale_gradients(coef)``) and ``apply_update()``, or ``discard_gradients()`` on a
+   non-finite norm.
+
+``walk_needs(policy)`` is what the mode asks of the walk (fsdp under retain: one LM-head
+flush per pack); it is part of the one resolution of the walk settings
+(``runtime.engine.resolve.walk_for_layout``), never patched in afterwards.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from dta.planning.memory import MODES as PRICED
+
+__all__ = ["ShardingMode", "register", "mode_class", "registered"]
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: the sharding mode ``name`` (one of the priced modes, once)."""
+    def add(cls):
+        if name not in PRICED:
+            raise ValueError(f"sharding mode {name!r} is not priced by the memory model "
+                             f"(dta.planning.memory.MODES: {PRICED})")
+        if name in _REGISTRY:
+            raise ValueError(f"sharding mode {name!r} is registered twice "
+                             f"({_REGISTRY[name].__name__}, {cls.__name__})")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return add
+
+
+def registered() -> tuple[str, ...]:
+    """The registered modes, in the planner's order (least communication first)."""
+    return tuple(m for m in PRICED if m in _REGISTRY)
+
+
+def mode_class(name: str) -> type:
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown sharding mode {name!r}; choose one of {registered()}")
+    return cls
+
+
+def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """fp32 master weights under 16-bit compute; otherwise the compute dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class ShardingMode:
+    """What every mode provides (see the module doc). Built on the model in
+    :meth:`storage_dtype`; ``make_optimizer(params)`` builds the optimizer over what the mode
+    steps."""
+
+    name: ClassVar[str]
+    sharded: ClassVar[bool] = True  # state split over the ranks: DCP checkpoints
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @classmethod
+    def storage_dtype(cls, compute: torch.dtype) -> torch.dtype:
+        """The dtype the model is built in (masters for a sharded mode)."""
+        return master_dtype_for(compute) if cls.sharded else compute
+
+    @classmethod
+    def walk_needs(cls, policy: str) -> dict:
+        """WalkOptions fields this mode needs under the memory ``policy``."""
+        return {}
+
+    # ------------------------------------------------------------------ the step --
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def local_grad_params(self) -> list:
+        """Parameters whose gradients the walk leaves on this rank, reduced after it."""
+        raise NotImplementedError
+
+    def reduce_gradients(self) -> None:
+        raise NotImplementedError
+
+    def grad_norm(self) -> float:
+        raise NotImplementedError
+
+    def scale_gradients(self, coef: float) -> None:
+        raise NotImplementedError
+
+    def apply_update(self) -> None:
+        raise NotImplementedError
+
+    def discard_gradients(self) -> None:
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- reporting --
+    def state_bytes(self) -> dict:
+        raise NotImplementedError
+
+    def param_norm(self) -> float:
+        raise NotImplementedError
+
+    def full_state(self) -> dict:
+        raise NotImplementedError
+
+    def sharded_state(self) -> dict:
+        raise NotImplementedError

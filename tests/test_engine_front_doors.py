@@ -1,0 +1,84 @@
+"""One engine core behind the front doors (runtime/engine): the same batches trained for 2
+steps through a front door on every layout -- replicate, zero1, fsdp; context parallel C = 1
+and 2 -- on 2 local gloo ranks end at the parameters the same front door reaches in one
+process (float64 <= 1e-10 relative L2, and the parameter norm), with C = 2's path attention
+really exchanged between the ranks.
+
+A front door is an entry of ``FRONT_DOORS``: ``train(rank, world, mode, C)`` runs 2 steps
+through it on this rank and returns ``{"state", "param_norm", "layout", "sent"}``; the
+reference is ``train(0, 1, "replicate", 1)``. The Ray worker (``DFSWorker``, without Ray) is
+the first; AReaL's ``DTATrainEngine`` and verl's ``DTAEngine`` join when they are adapters of
+the core."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dta.config.schema import load_config
+from runtime.sharding import MODES
+from runtime.sharding.local import run_ranks
+
+WORLD = 2
+LAYOUTS = [(mode, cp) for cp in (1, 2) for mode in MODES]
+TOL = 1e-10
+
+
+def _rel_l2(a, b):
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+# ------------------------------------------------------------------ front doors --
+def ray_worker(rank, world, mode, cp):
+    """``dta train``'s worker: the run config, the driver's resolved settings, 2 steps of
+    the driver's batches (the trees balanced over the data-parallel groups)."""
+    from tests.test_sharding import _step
+    from tests.workers import local_worker
+
+    # blocks of 16 tokens: the paths span several packs, so C = 2 spreads their K/V
+    cfg = load_config(None, ["workload.scale=tiny", "model.dtype=float64",
+                             "walker.policy=recompute", "walker.block_tokens=16",
+                             "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
+                             f"train.sharding={mode}", f"ray.num_workers={world}",
+                             f"train.context_parallel={cp}"])
+    w = local_worker(cfg, rank, world, truly_float64=True)
+    stats = [_step(w, cfg, k, rank, world) for k in range(2)]
+    assert all(s["updated"] for s in stats)
+    return {"state": w.state()["model"], "param_norm": w.param_norm(),
+            "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats)}
+
+
+FRONT_DOORS = {"ray_worker": ray_worker}
+
+
+# ------------------------------------------------------------------------ tests --
+def _on_ranks(rank, world, door, layouts):
+    torch.set_num_threads(1)
+    return [FRONT_DOORS[door](rank, world, mode, cp) for mode, cp in layouts]
+
+
+def _reference(door):
+    threads = torch.get_num_threads()
+    try:
+        return FRONT_DOORS[door](0, 1, "replicate", 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("door", list(FRONT_DOORS))
+def test_every_layout_equals_one_process(door):
+    ref = _reference(door)
+    results = run_ranks(_on_ranks, WORLD, door, LAYOUTS, timeout=900.0)
+    for i, (mode, cp) in enumerate(LAYOUTS):
+        for rank in range(WORLD):
+            got = results[rank][i]
+            layout = got["layout"]
+            assert (layout.sharding, layout.context_parallel, layout.rank) == (mode, cp, rank)
+            assert (got["sent"] > 0) == (cp > 1), (mode, cp, rank, got["sent"])
+            err = _rel_l2(got["state"], ref["state"])
+            assert err <= TOL, f"{door} {mode} C={cp} rank {rank}: relative L2 {err:.3g}"
+            assert got["param_norm"] == pytest.approx(ref["param_norm"], rel=TOL)
+        print(f"{door} {mode} C={cp}: relative L2 vs one process "
+              f"{max(_rel_l2(r[i]['state'], ref['state']) for r in results):.2g}, sent "
+              f"{[r[i]['sent'] for r in results]} bytes")
