@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# transformers' extras that change what it imports at run time (not its dev/test/docs tools)
+RUNTIME_EXTRAS = ("kernels", "integrations", "torch", "accelerate", "tokenizers", "sentencepiece")
 HYBRID_TESTS = ["tests/test_hybrid.py", "tests/test_hybrid_packs.py", "tests/test_gdn_kernels.py"]
 
 
@@ -78,7 +80,9 @@ def pip_target(target: Path, *specs: str) -> None:
 def install(version: str, work: Path) -> tuple[Path, list[str]]:
     """transformers ``version`` in a folder of its own, with those of its own requirements
     that the venv's versions do not satisfy (old releases pin tokenizers / huggingface-hub
-    below the venv's), also --no-deps; returns the folder and what else went in."""
+    below the venv's; an optional one such as ``kernels`` counts where the venv has it,
+    since transformers imports what is installed), also --no-deps; returns the folder and
+    what else went in."""
     from importlib.metadata import PackageNotFoundError, distributions, version as have
     from packaging.requirements import Requirement
 
@@ -89,13 +93,16 @@ def install(version: str, work: Path) -> tuple[Path, list[str]]:
     extra = []
     for line in dist.requires or []:
         req = Requirement(line)
-        if req.marker is not None or req.name in ("torch",):
+        if req.name == "torch" or not req.specifier:
+            continue
+        optional = req.marker is not None  # an extra's pin: it matters only where installed
+        if optional and not any(req.marker.evaluate({"extra": e}) for e in RUNTIME_EXTRAS):
             continue
         try:
             ok = req.specifier.contains(have(req.name), prereleases=True)
         except PackageNotFoundError:
-            ok = False
-        if not ok:
+            ok = optional
+        if not ok and f"{req.name}{req.specifier}" not in extra:
             extra.append(f"{req.name}{req.specifier}")
     if extra and not (target / ".deps-done").exists():
         pip_target(target, *extra)
