@@ -39,21 +39,53 @@ class NodeTerms:
     rec_seq: np.ndarray | None = None
     rec_pos: np.ndarray | None = None
     rec_pair: np.ndarray | None = None
+    pack_pairs: int | None = None  # pairs of the whole pack (None: these), see ``within``
+
+    @property
+    def pairs(self) -> int:
+        """(row, target) pairs of the whole pack, whichever rows of it these terms hold."""
+        return len(self.rows) if self.pack_pairs is None else self.pack_pairs
 
     @property
     def empty(self) -> bool:
-        return len(self.rows) == 0
+        """No pair in the whole pack (a context-parallel rank may hold none of a pack's)."""
+        return self.pairs == 0
+
+    def within(self, part) -> "NodeTerms":
+        """The terms of a pack's rows ``part.lo .. part.hi - 1`` (``dta.model.placement.
+        PackPart``: a context-parallel rank's real rows), re-indexed from 0; ``pairs`` still
+        counts the whole pack's."""
+        if part.whole:
+            return self
+        rows = self.rows.cpu().numpy() if self.rows.numel() else np.zeros(0, np.int64)
+        p0, p1 = (int(x) for x in np.searchsorted(rows, [part.lo, part.hi]))  # rows are sorted
+        o0, o1 = (int(x) for x in np.searchsorted(self.occ_pair_np, [p0, p1]))
+        out = NodeTerms(self.rows[p0:p1] - part.lo, self.targets[p0:p1],
+                        self.occ_pair[o0:o1] - p0, self.weight[o0:o1],
+                        {k: v[o0:o1] for k, v in self.fields.items()},
+                        occ_pair_np=self.occ_pair_np[o0:o1] - p0, pack_pairs=self.pairs)
+        if self.rec_pair is not None:
+            keep = (self.rec_pair >= p0) & (self.rec_pair < p1)
+            out.rec_seq, out.rec_pos = self.rec_seq[keep], self.rec_pos[keep]
+            out.rec_pair = self.rec_pair[keep] - p0
+        return out
 
     @staticmethod
     def concat(parts: list[tuple["NodeTerms", int]]) -> "NodeTerms":
         """The terms of several nodes as one, each node's rows shifted by its row offset (its
         place in a pack, or in a batch of head rows); pairs and occurrences stay sorted."""
-        parts = [(t, off) for t, off in parts if not t.empty]
-        if len(parts) == 1 and parts[0][1] == 0:
+        whole = sum(t.pairs for t, _ in parts)
+        recorded = any(t.rec_pair is not None for t, _ in parts)
+        parts = [(t, off) for t, off in parts if len(t.rows)]
+        if len(parts) == 1 and parts[0][1] == 0 and parts[0][0].pairs == whole:
             return parts[0][0]
         if not parts:
-            return NodeTerms(*(torch.zeros(0, dtype=torch.long),) * 3, torch.zeros(0), {},
-                             occ_pair_np=np.zeros(0, dtype=np.int64))
+            none = np.zeros(0, dtype=np.int64)
+            out = NodeTerms(*(torch.zeros(0, dtype=torch.long),) * 3, torch.zeros(0), {},
+                            occ_pair_np=none, pack_pairs=whole)
+            if recorded:
+                out.rec_seq = out.rec_pos = out.rec_pair = none
+            return out
         pair_off = np.cumsum([0] + [len(t.rows) for t, _ in parts[:-1]])
         t0 = parts[0][0]
         out = NodeTerms(
@@ -61,7 +93,8 @@ class NodeTerms:
             torch.cat([t.occ_pair + int(po) for (t, _), po in zip(parts, pair_off)]),
             torch.cat([t.weight for t, _ in parts]),
             {k: torch.cat([t.fields[k] for t, _ in parts]) for k in t0.fields},
-            occ_pair_np=np.concatenate([t.occ_pair_np + po for (t, _), po in zip(parts, pair_off)]))
+            occ_pair_np=np.concatenate([t.occ_pair_np + po for (t, _), po in zip(parts, pair_off)]),
+            pack_pairs=whole)
         if t0.rec_pair is not None:
             out.rec_seq = np.concatenate([t.rec_seq for t, _ in parts])
             out.rec_pos = np.concatenate([t.rec_pos for t, _ in parts])
@@ -232,7 +265,11 @@ class Recorder:
         for buf, values in zip(self.buffers, per_pair):
             buf[idx] = values.detach()[pair].to(buf.dtype)
 
-    def split(self):
+    def split(self, combine=None):
+        """Per sequence, per buffer; ``combine``: sums the buffers over the processes that
+        recorded parts of them (a context-parallel group: each position written by one)."""
+        if combine is not None:
+            combine(self.buffers)
         sizes = [int(n) for n in self.lengths]
         return [list(torch.split(buf, sizes)) for buf in self.buffers]
 

@@ -39,6 +39,7 @@ import torch
 from dta import versions
 from dta.model.lora import base_model_class, is_peft_model
 from dta.model.modeling import ModelInterface, ModelInterfaceError
+from dta.model.placement import alone
 
 # Relative error allowed per part, by dtype. Loose enough for rounding (float64 models whose
 # norms upcast to float32 agree to ~1e-7; bf16 paths to ~1e-2), tight enough for any
@@ -101,7 +102,9 @@ def self_check(model, *, raise_on_failure: bool = False) -> SelfCheckReport:
             p.grad = None
         # the walker may be built inside no_grad (a forward-only step): the probe needs grad
         _compare_gdn_kernel(model, report)  # first: a wrong kernel is named, not its effects
-        with torch.inference_mode(False), torch.enable_grad():
+        # the probe walks in this process alone (a context-parallel group's ranks each
+        # check the model they share the walk of; dta.model.placement)
+        with torch.inference_mode(False), torch.enable_grad(), alone(model):
             try:
                 _compare(model, seqs, report)
             except (ModelInterfaceError, RuntimeError, TypeError, AttributeError) as e:

@@ -79,8 +79,13 @@ class VerifyReport:
     blocks_cut: int = 0  # pieces the cut added to the tree
     trainable_parameters: int = 0  # LoRA: the adapters' (every parameter without)
     frozen_with_grad: int = 0  # frozen tensors that got a gradient on either side (must be 0)
-    context_parallel: int = 1  # ranks of the group the DFS side's K/V were spread over
+    context_parallel: int = 1  # ranks of the group the DFS side's walks were divided over
     context_parallel_sent_bytes: int = 0  # what this rank sent in the DFS side's walks
+    context_parallel_path_kv_bytes: int = 0  # the most path K/V (+ gradients) it stored at once
+    path_tokens: int = 0  # the longest path a pack attended to (cached tokens)
+    # per rank of the group (``dta verify --context-parallel``): sent_bytes, path_kv_bytes,
+    # path_kv_alone_bytes (one process walking the same batch alone), path_kv_share
+    context_parallel_ranks: dict | None = None
 
     def max_rel_err(self) -> float:
         """The figure held to the tolerance: everything in float64; outside float64 the
@@ -90,9 +95,16 @@ class VerifyReport:
         return worst(errs + [self.update_rel_err] if self.dtype == "float64" else errs)
 
     def passed(self, tolerance: float) -> bool:
-        """Every error finite and within ``tolerance``."""
+        """Every error finite and within ``tolerance`` (and a context-parallel walk's ranks
+        exchanged data: one that sent nothing checked nothing of it)."""
         err = self.max_rel_err()
-        return math.isfinite(err) and err <= tolerance and self.frozen_with_grad == 0
+        return math.isfinite(err) and err <= tolerance and self.frozen_with_grad == 0 \
+            and not self.vacuous
+
+    @property
+    def vacuous(self) -> bool:
+        """A context-parallel check whose rank sent nothing."""
+        return self.context_parallel > 1 and self.context_parallel_sent_bytes == 0
 
     def as_dict(self) -> dict:
         return {**asdict(self), "max_rel_err": self.max_rel_err()}
@@ -166,10 +178,15 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         m.zero_grad(set_to_none=True)
     cp = context_parallel_of(parallelize_context(dfs_model, context_parallel_group))
     sent = cp.sent_bytes if cp is not None else 0
+    if cp is not None:
+        cp.path_bytes_peak = cp.path_bytes
 
     with _bar(progress, "DFS (unique tokens)") as bar:
         dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, options=walk,
                                    record=True, progress=bar)
+    if cp is not None and cp.partial_gradients:  # each rank holds its share: the group's sum
+        cp.sum_gradients(dfs_model)
+    path_kv = cp.path_bytes_peak if cp is not None else 0
     with _bar(progress, "unpacked (tokens)") as bar:
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
                                  temperature=walk.temperature, progress=bar,
@@ -222,7 +239,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         blocks_cut=dfs.walk.plan["blocks_cut"],
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         frozen_with_grad=int(frozen_with_grad), context_parallel=cp.size if cp else 1,
-        context_parallel_sent_bytes=cp.sent_bytes - sent if cp else 0)
+        context_parallel_sent_bytes=cp.sent_bytes - sent if cp else 0,
+        context_parallel_path_kv_bytes=path_kv, path_tokens=dfs.walk.plan.get("max_prefix", 0))
 
 
 def _lp_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -59,7 +59,7 @@ from dta.model.lora import check_peft_model
 from dta.model.modeling import ModelInterface, NodeState, check_router_aux_loss
 from dta.objective import NodeTerms, Objective, Recorder, WalkResult
 from dta.options import POLICIES, WalkOptions
-from dta.model.packmask import mask_support, pack_mask
+from dta.model.packmask import mask_support
 from dta.planning.blocks import cut_blocks
 from dta.planning.index import PlanningError
 from dta.planning.packs import PackCost, PackLayout, PackPlan, default_cap, plan_packs
@@ -197,15 +197,20 @@ class Walker:
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame], routes: NodeRouting,
                  capture: bool = False, tape: Tape | None = None):
-        """The pack's last hidden states [T, H], its own new per-layer state, and its routing
-        (``dta.model.routing.RouterCall``: the replayed experts forced, the routers read). ``tape``:
-        the attention over the path kept (first forward) or taken back (re-forward)."""
-        ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])
+        """The pack's last hidden states of the rows this process forwards [rows, H]
+        (``ModelInterface.part``: every row, or a context-parallel rank's), its own new
+        per-layer state, and its routing (``dta.model.routing.RouterCall``: the replayed
+        experts forced, the routers read). ``tape``: the attention over the path kept (first
+        forward) or taken back (re-forward)."""
+        rows = self.io.part(layout).rows
+        ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])[rows]
         ids = torch.as_tensor(ids, device=self.device)
-        pos = torch.as_tensor(layout.positions, device=self.device).unsqueeze(0)
+        pos = torch.as_tensor(layout.positions[rows], device=self.device).unsqueeze(0)
         cache = self.io.pack_cache(self._path_pieces(tree, layout, path), layout)
-        mask = pack_mask(layout, self.model, self.device, self.dtype, self.mask_support)
-        with self.io.moe.call(routes.rows(layout.tree_nodes), capture) as routed, taped(tape):
+        mask = self.io.pack_mask(layout, self.device, self.dtype, self.mask_support)
+        forced = routes.rows(layout.tree_nodes)
+        with self.io.moe.call(None if forced is None else forced[rows], capture) as routed, \
+                taped(tape):
             out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
                                   **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
         P = layout.prefix
@@ -243,9 +248,12 @@ class Walker:
             return self.io.state_through(f.state, f.layout, local)
 
     def _terms(self, tree, layout: PackLayout, objective: Objective, record: bool) -> NodeTerms:
-        return NodeTerms.concat([
+        """The loss terms of the pack's rows this process forwards (``empty``: the pack has
+        none, on any process)."""
+        terms = NodeTerms.concat([
             (objective.terms(tree, int(u), self.device, self.terms_dtype, record=record),
              int(layout.offsets[i])) for i, u in enumerate(layout.tree_nodes)])
+        return terms.within(self.io.part(layout))
 
     def _check_routing(self, batch, tree: PrefixTree) -> None:
         """One routing per shared token, before anything is forwarded: once per batch and
@@ -313,14 +321,15 @@ class Walker:
                     res.depth(len(path))
                 if progress is not None:
                     progress(layout.tokens)
-        res.logprobs, res.entropy, *mm = rec.split()
+        res.logprobs, res.entropy, *mm = rec.split(self.io.placement.combine)
         if minmax:
             res.vocab_min, res.vocab_max = mm
         return res
 
     def _stats(self, plan: PackPlan, tree: PrefixTree) -> dict:
         return {**plan.stats(), "block_tokens": self.options.block_tokens,
-                "blocks_cut": len(plan.tree) - len(tree)}  # pieces added by the cut
+                "blocks_cut": len(plan.tree) - len(tree),  # pieces added by the cut
+                "max_prefix": max((p.prefix for p in plan.packs), default=0)}  # longest path
 
     @staticmethod
     def _active(tree: PrefixTree, objective: Objective, aux: bool = False) -> np.ndarray:
@@ -353,7 +362,7 @@ class TrainingWalk:
         self.rec = Recorder(self.tree, walker.device, walker.dtype) if record else None
         self.routes = NodeRouting(objective.batch, self.tree, walker.device)
         self.aux = router_aux(walker.options.router_aux_loss_coef, self.tree, objective,
-                              walker.io.moe)
+                              walker.io)
         self.queue, self.path, self.waiting = HeadQueue(), [], []
         self.flush_rows = walker.options.flush_rows
 
@@ -410,10 +419,12 @@ class TrainingWalk:
 
     def finish(self) -> WalkResult:
         self.leaf()
+        placement = self.w.io.placement  # each process evaluated its rows' loss terms
+        self.res.loss = placement.total(self.res.loss)
         self.res.aux_loss = self.aux.value
         self.res.loss += self.aux.value
         if self.rec is not None:
-            self.res.logprobs, self.res.entropy = self.rec.split()
+            self.res.logprobs, self.res.entropy = self.rec.split(placement.combine)
         return self.res
 
     # ------------------------------------------------------------- model, head, autograd --

@@ -28,7 +28,7 @@ LAYERS = {
     "dta.importing": 2, "dta.objective": 2, "dta.options": 2,
     "dta.model": 3,
     "dta.config": 4, "dta.reference": 4, "dta.walk": 4,
-    "dta.context_parallel": 5, "dta.selfcheck": 5,
+    "dta.local_ranks": 5, "dta.selfcheck": 5,
     "dta.train": 6,
     "dta.verify": 7,
     "dta.fidelity": 8,

@@ -26,12 +26,10 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from dta.model.context_parallel import sharded_of
 from dta.model.hf_cache import OffsetLayer, new_cache
 from dta.model import attention_kernels
 from dta.model.packmask import PackView, count_dense
@@ -48,10 +46,10 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     forward over cached keys split at the cache boundary (:mod:`dta.model.split_attention`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    sharded = sharded_of(key)  # context parallel: a piece may be a sharded piece
-    if sharded is not None:
-        return sharded.attend(module, query, key, value, attention_mask, dropout, scaling,
-                              _tape, kwargs)
+    layer = getattr(key, "dta_attend", None)  # a cache layer that attends itself (context
+    if layer is not None:  # parallelism: dta.model.cp_attention), handed over with the keys
+        return layer.attend(module, query, key, value, attention_mask, dropout, scaling,
+                            _tape, kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     view = getattr(attention_mask, "dta_pack", None)
     if view is not None:
@@ -63,7 +61,7 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     forms = _mask_forms(attention_mask, query)
     if forms is not None and forms.split is not None and not (dropout and module.training):
         out = split_attention(query, key, value, forms.split, scaling,
-                              _pieces.get(id(key)), _pieces.get(id(value)), _tape,
+                              _pieces_of(key), _pieces_of(value), _tape,
                               attention_kernels.backend)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
@@ -98,7 +96,7 @@ def _pack_attention(module, query, key, value, mask, view: PackView, dropout, sc
         lo = view.reach()
         if lo is None:
             out = split_attention(query, key, value, view.split(mask), scaling,
-                                  _pieces.get(id(key)), _pieces.get(id(value)), _tape,
+                                  _pieces_of(key), _pieces_of(value), _tape,
                                   attention_kernels.backend)
             if out is not None:
                 return out.transpose(1, 2).contiguous(), None
@@ -134,20 +132,16 @@ class MaskForms:
         return self._additive
 
 
-# the forms of the masks alive now, by the mask's id; an entry goes with its mask (a weakref
-# finalizer), so nothing derived from a forward's mask outlives that forward
-_forms: dict[int, list[MaskForms]] = {}
-
-
 def _mask_forms(mask, query) -> MaskForms | None:
     """A boolean mask's additive form and split, made once per forward instead of once per
-    layer call: every layer of a forward passes the same mask tensor (per layer type)."""
+    layer call: every layer of a forward passes the same mask tensor (per layer type), which
+    carries its forms (``dta_forms``: they go with the mask, so nothing derived from a
+    forward's mask outlives that forward)."""
     if mask is None or mask.dtype != torch.bool:
         return None
-    forms = _forms.get(id(mask))
+    forms = getattr(mask, "dta_forms", None)
     if forms is None:
-        forms = _forms[id(mask)] = []
-        weakref.finalize(mask, _forms.pop, id(mask), None)
+        forms = mask.dta_forms = []
     for f in forms:
         if f.dtype == query.dtype:
             return f
@@ -158,7 +152,7 @@ def _mask_forms(mask, query) -> MaskForms | None:
 
 def register() -> str:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(GQA_NAME, sdpa_gqa_forward)
     AttentionMaskInterface.register(GQA_NAME, counted_sdpa_mask)
@@ -185,7 +179,6 @@ def _set_impl(model, name: str) -> None:
             configs[id(cfg)] = cfg
     for cfg in configs.values():
         cfg._attn_implementation = name
-    _forms.clear()
 
 
 @contextlib.contextmanager
@@ -232,15 +225,15 @@ def taped(tape: Tape | None):
         _tape = None
 
 
-# the pieces a joined K/V tensor was made of, by the joined tensor's id, while it lives (a
-# weakref finalizer): the split attention saves the pieces for its backward -- the frames'
-# K/V, alive anyway -- instead of the joined copy of the whole path's K/V
-_pieces: dict[int, tuple] = {}
-
-
+# a joined K/V tensor carries the pieces it was made of (``dta_pieces``), which the split
+# attention saves for its backward -- the frames' K/V, alive anyway -- instead of the joined
+# copy of the whole path's K/V
 def _remember_pieces(joined: torch.Tensor, pieces: tuple) -> None:
-    _pieces[id(joined)] = pieces
-    weakref.finalize(joined, _pieces.pop, id(joined), None)
+    joined.dta_pieces = pieces
+
+
+def _pieces_of(joined: torch.Tensor) -> tuple | None:
+    return getattr(joined, "dta_pieces", None)
 
 
 class PathLayer(OffsetLayer):

@@ -352,26 +352,33 @@ def supports(module) -> str | None:
 
 
 def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
-    """The GDN layer's forward over a pack (``layer``: its ``dta.model.hf_cache.PackStateLayer``)."""
+    """The GDN layer's forward over a pack (``layer``: its ``dta.model.hf_cache.PackStateLayer``):
+    the projections of the rows given (``hidden_states`` [1, rows, hidden]); the conv and the
+    delta rule over every row of the pack for the heads the layer holds (:class:`AllHeads`,
+    or context parallelism's split, ``dta.model.cp_gdn``)."""
     from transformers.activations import ACT2FN
 
     plan, ix = layer.plan, layer.plan.tensors(hidden_states.device)
-    _, T, _ = hidden_states.shape
+    T, rows = plan.tokens, hidden_states.shape[1]
+    heads = AllHeads(module) if layer.heads is None else layer.heads(module)
     mixed_qkv, z, b, a = _projections(module, hidden_states)
+    mixed_qkv, z, b, a = heads.to_heads(mixed_qkv[0], z[0], b[0], a[0])
     from dta.model.gdn_kernels import segment_kernel, kernel_conv, kernel_delta_rule
 
     kernel = segment_kernel(hidden_states) if layer.kernels else None
-    src = conv_source(mixed_qkv[0], layer.initial[0], plan.kernel)
-    conv_args = (src, module.conv1d.weight.squeeze(1), module.conv1d.bias, plan, ix)
+    src = conv_source(mixed_qkv, layer.initial[0], plan.kernel)
+    conv_args = (src, heads.channels(module.conv1d.weight.squeeze(1)),
+                 heads.channels(module.conv1d.bias), plan, ix)
     conv = tree_conv(*conv_args) if kernel is None else kernel_conv(kernel, *conv_args)
     conv_state = handed_on_conv_states(src, plan, ix)
     mixed_qkv = ACT2FN[module.activation](conv).to(mixed_qkv.dtype)
-    query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query, key, value = torch.split(mixed_qkv, [heads.key_dim, heads.key_dim, heads.value_dim], dim=-1)
     query = query.reshape(T, -1, module.head_k_dim)
     key = key.reshape(T, -1, module.head_k_dim)
     value = value.reshape(T, -1, module.head_v_dim)
-    beta = b[0].sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a[0].float() + module.dt_bias)
+    query, key = heads.queries(query, key)
+    beta = b.sigmoid()
+    g = -heads.heads(module.A_log).float().exp() * F.softplus(a.float() + heads.heads(module.dt_bias))
     if kernel is None:
         core, state = tree_delta_rule(query, key, value, g, beta, layer.initial[1], plan, ix)
     else:
@@ -379,7 +386,35 @@ def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
     STATS.calls += 1
     layer.final = (conv_state, state)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(1, T, -1))
+    return module.out_proj(heads.to_rows(core.reshape(T, -1)).reshape(1, rows, -1))
+
+
+class AllHeads:
+    """Every head and channel of a GDN layer, every row: what ``pack_forward`` reads from a
+    layer that holds them all (nothing exchanged, nothing sliced)."""
+
+    def __init__(self, module):
+        self.key_dim, self.value_dim = module.key_dim, module.value_dim
+
+    @staticmethod
+    def to_heads(mixed, z, b, a):
+        return mixed, z, b, a
+
+    @staticmethod
+    def channels(w):
+        return w
+
+    @staticmethod
+    def heads(p):
+        return p
+
+    @staticmethod
+    def queries(query, key):
+        return query, key
+
+    @staticmethod
+    def to_rows(core):
+        return core
 
 
 def _dispatching_forward(self, hidden_states, *args, **kwargs):

@@ -240,13 +240,13 @@ class HeadQueue:
 
     def __init__(self):
         self.jobs: list[HeadJob] = []
-        self.rows = 0  # queued (row, target) pairs
+        self.rows = 0  # queued (row, target) pairs (of the whole packs)
 
     def add(self, hidden: torch.Tensor, terms) -> HeadJob:
         job = HeadJob(hidden.detach(), terms)
-        if not job.done:
+        if not job.done:  # a pack with pairs (a context-parallel rank may hold none of them)
             self.jobs.append(job)
-            self.rows += len(terms.rows)
+            self.rows += terms.pairs  # the whole pack's: every rank flushes at the same push
         return job
 
     def flush(self, evaluate) -> bool:

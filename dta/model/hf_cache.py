@@ -152,7 +152,11 @@ class PackStateLayer(_StateLayer):
     """A GDN layer's cache over a pack: the initial (conv, recurrent) state (the final state of
     the node the pack hangs from; None: zeros), the pack's plan, and after the forward the
     handed-on nodes' final states (``final``). Only ``dta.model.gdn.pack_forward`` runs over
-    it; HF's cache API sees a layer that has a previous state."""
+    it; HF's cache API sees a layer that has a previous state. ``heads``: None -- every head
+    of the layer -- or, on a layer that holds some heads only (context parallelism,
+    ``dta.model.cp_gdn``), ``heads(module)``: their split."""
+
+    heads = None
 
     def __init__(self, initial: tuple | None, plan, positions: int = 0):
         super().__init__(initial, positions)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from dta.model import hf_cache, recurrent
-from dta.model.context_parallel import ShardedPathLayer, ShardedState, context_parallel_of
+from dta.model.placement import placement_of
 from dta.model.routing import MoERouters
 
 NodeState = list  # per layer: a tuple of tensors (attention: (keys, values))
@@ -167,8 +167,9 @@ def _own(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
-    if isinstance(layer, ShardedPathLayer):
-        layer.check_attended(where)
+    own = getattr(layer, "node_state", None)  # a layer that knows its node's state (dta's)
+    if own is not None:
+        return own(start, end, where)
     offset, keys, values = hf_cache.layer_kv(layer)  # a PathLayer holds positions offset.. only
     if offset + keys.shape[2] != end or start < offset:  # e.g. a sliding cache layer
         raise ModelInterfaceError(
@@ -180,20 +181,38 @@ def _attention_node_state(layer, start: int, end: int, where: str) -> tuple:
     return keys[:, :, start - offset:], values[:, :, start - offset:]
 
 
-def _attention_through(state: tuple, layout, local: int, rows: np.ndarray) -> tuple:
-    """An attention layer's K/V rows of a pack on the root path through local node ``local``,
-    and whether later packs may reuse them: the whole state or a slice (a view) may; rows
-    gathered by ``index_select`` may not (a backward through them frees the saved index)."""
-    if isinstance(state, ShardedState):  # context parallel: this rank's share of the rows
-        return state.through(layout, rows)
+class Piece(tuple):
+    """(K, V) of one frame's rows on a path -- the rows this process stores of them
+    (``kv_rows``; all of them alone) -- with their true ``positions`` (numpy) and
+    ``covers``: the path rows the piece stands for."""
+
+    def __new__(cls, kv, positions: np.ndarray, covers: int):
+        self = super().__new__(cls, kv)
+        self.positions, self.covers = positions, int(covers)
+        return self
+
+
+def _attention_through(state: tuple, layout, local: int, rows: np.ndarray,
+                       kv_rows: tuple[int, int]) -> tuple:
+    """An attention layer's K/V rows of a pack on the root path through local node ``local``
+    -- of the pack's rows ``kv_rows`` this process stores, all of them alone -- and whether
+    later packs may reuse them: the whole state or a slice (a view) may; rows gathered by
+    ``index_select`` may not (a backward through them frees the saved index)."""
+    a, b = kv_rows
     k, v = state
-    if len(rows) == layout.tokens:
-        return state, True
-    a, b = int(rows[0]), int(rows[0]) + len(rows)
-    if np.array_equal(rows, np.arange(a, b)):
-        return (k[:, :, a:b], v[:, :, a:b]), True
-    idx = torch.as_tensor(rows, device=k.device)
-    return (k.index_select(2, idx), v.index_select(2, idx)), False
+    mine = rows if (a, b) == (0, layout.tokens) else rows[(rows >= a) & (rows < b)]
+    kv, reusable = state, True
+    if len(mine) == 0:
+        kv = k[:, :, :0], v[:, :, :0]
+    elif len(mine) != b - a:
+        local = mine - a
+        lo, hi = int(local[0]), int(local[0]) + len(local)
+        if np.array_equal(local, np.arange(lo, hi)):
+            kv = k[:, :, lo:hi], v[:, :, lo:hi]
+        else:
+            idx = torch.as_tensor(local, device=k.device)
+            kv, reusable = (k.index_select(2, idx), v.index_select(2, idx)), False
+    return Piece(kv, np.asarray(layout.positions)[mine], len(rows)), reusable
 
 
 _STATE_TENSORS = {"attention": 2, recurrent.RECURRENT: 2}  # (K, V); (conv, recurrent)
@@ -204,7 +223,9 @@ _NEEDS_GRAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model 
 # "recurrent": a Gated DeltaNet layer's (conv, recurrent) state, continued from the final state
 # of the node a pack hangs from (dta/model/recurrent.py; inside a pack, dta/model/gdn.py)
 _KINDS = {"attention": (_attention_cache_layer, _attention_node_state, _attention_through),
-          recurrent.RECURRENT: (recurrent.path_state, recurrent.node_state, recurrent.state_through)}
+          recurrent.RECURRENT: (recurrent.path_state, recurrent.node_state,
+                                lambda state, layout, local, rows, kv_rows:
+                                recurrent.state_through(state, layout, local, rows))}
 
 
 class ModelInterface:
@@ -213,14 +234,9 @@ class ModelInterface:
     def __init__(self, model):
         self.model = model
         self.name = type(model).__name__
-        # the group a pack's attention pieces are stored over, applied to the model from
-        # outside (dta.model.context_parallel.parallelize_context); None: this process alone
-        self.context_parallel = context_parallel_of(model)
-        if self.context_parallel is not None and \
-                getattr(model.config, "_attn_implementation", None) not in ("sdpa", "dta_sdpa"):
-            raise ModelInterfaceError(
-                f"{self.name}: context parallel needs attention implementation 'sdpa' (run as "
-                f"'dta_sdpa'), not {model.config._attn_implementation!r}")
+        # which rows of a pack and which heads of a layer this process holds: every one, or
+        # a context-parallel group's share (dta.model.placement; applied from outside)
+        self.placement = placement_of(model)
         self.decoder = model.get_decoder()
         self.embedding = EmbeddingInput(model)
         # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
@@ -240,25 +256,29 @@ class ModelInterface:
         with recurrent.packed(self.recurrent_modules), self.moe.scope():
             yield
 
+    def part(self, layout):
+        """The rows of the pack this process forwards (``dta.model.placement.PackPart``)."""
+        return self.placement.part(layout.tokens)
+
+    def pack_mask(self, layout, device, dtype, support):
+        """The attention mask argument of a pack's forward (``dta.model.packmask``)."""
+        return self.placement.mask(layout, self.model, device, dtype, support)
+
     def pack_cache(self, pieces: list | None, layout):
         """The cache of one pack's forward: per layer, the path's pieces (``state_through``
         of each frame on the path; None for a root pack) -- attention layers join the K/V
         pieces, recurrent layers start from the last piece (the final state of the node the
         pack hangs from) and follow the pack's local tree."""
-        from dta.model.attention import PathLayer, path_cache
-
-        cp = self.context_parallel
-        if not self.recurrent_modules and cp is None:
-            return path_cache(pieces, len(self.layer_kinds))
+        attention = self.placement.attention_layer
         if not self.recurrent_modules:
-            return hf_cache.new_cache([ShardedPathLayer(pieces[i] if pieces else [], cp)
+            return hf_cache.new_cache([attention(pieces[i] if pieces else [], layout)
                                        for i in range(len(self.layer_kinds))])
         plan = recurrent.pack_plan(layout, self.recurrent_modules[0])
-        attention = PathLayer if cp is None else lambda parts: ShardedPathLayer(parts, cp)
-        layers = [attention(pieces[i] if pieces else []) if kind == "attention" else None
+        layers = [attention(pieces[i] if pieces else [], layout) if kind == "attention" else None
                   for i, kind in enumerate(self.layer_kinds)]
         offset = layers[self._attention_layer].offset  # the path's positions before the pack
-        layers = [layer or recurrent.pack_layer(pieces[i][-1] if pieces else None, plan, offset)
+        layers = [layer or self.placement.recurrent_layer(pieces[i][-1] if pieces else None,
+                                                          plan, offset)
                   for i, layer in enumerate(layers)]
         return hf_cache.new_cache(layers)
 
@@ -267,19 +287,19 @@ class ModelInterface:
         K/V rows on the root path through it; the recurrent final state at it), and whether
         the pieces may be reused by later packs."""
         rows = layout.path_rows(local)
+        kv_rows = self.placement.kv_rows(layout.tokens)
         out, reusable = [], True
         for kind, layer_state in zip(self.layer_kinds, state):
-            piece, ok = _KINDS[kind][2](layer_state, layout, local, rows)
+            piece, ok = _KINDS[kind][2](layer_state, layout, local, rows, kv_rows)
             out.append(piece)
             reusable &= ok
         return out, reusable
 
     def covered(self, piece: list) -> int:
-        """Positions a frame's pieces cover (read from an attention layer's keys)."""
+        """Positions a frame's pieces cover (read from an attention layer's piece)."""
         if self._attention_layer is None:
             raise ModelInterfaceError(f"{self.name}: no attention layer to count positions")
-        kv = piece[self._attention_layer]
-        return int(kv.covers) if hasattr(kv, "covers") else int(kv[0].shape[2])
+        return piece[self._attention_layer].covers
 
     # ------------------------------------------------------------ trainable states --
     def state_needs_grad(self) -> list[tuple]:
@@ -319,35 +339,22 @@ class ModelInterface:
         """The node's state as its descendants read it: detached, owning its memory (see
         :meth:`detached`), and an autograd leaf (its ``.grad`` collects their gradient) only
         where it can depend on a trainable weight."""
-        if self.context_parallel is not None:  # attention K/V: this rank's rows only
-            return [self.context_parallel.shard(layer, needs) if kind == "attention" else
-                    tuple(_own(x.detach()).requires_grad_(need) for x, need in zip(layer, needs))
-                    for kind, layer, needs in zip(self.layer_kinds, state, self.state_needs_grad())]
-        return [tuple(x.requires_grad_(need) for x, need in zip(layer, needs))
-                for layer, needs in zip(self.detached(state), self.state_needs_grad())]
+        leaves = [tuple(x.requires_grad_(need) for x, need in zip(layer, needs))
+                  for layer, needs in zip(self.detached(state), self.state_needs_grad())]
+        return self.placement.stored(leaves, self.layer_kinds)
 
     def state_grads(self, state: NodeState, leaves: NodeState) -> list[tuple]:
         """(output, gradient) pairs of a popped pack: each state tensor of its forward with
-        the gradient its descendants left in its leaf (context parallel: every rank's slice,
-        gathered -- a collective, the same calls on every rank of the group)."""
-        pairs = []
-        for layer, layer_leaves in zip(state, leaves):
-            if isinstance(layer_leaves, ShardedState):
-                pairs += self.context_parallel.state_grads(layer, layer_leaves)
-                continue
-            pairs += [(out, lf.grad) for out, lf in zip(layer, layer_leaves) if lf.grad is not None]
-        return pairs
+        the gradient its descendants left in its leaf."""
+        return [(out, lf.grad) for layer, layer_leaves in zip(state, leaves)
+                for out, lf in zip(layer, layer_leaves) if lf.grad is not None]
 
     def detached(self, state: NodeState) -> NodeState:
         """The node's state detached, each tensor owning its memory: where a node's K/V are
         a slice of a cache that holds the whole path's K/V (a ``DynamicCache``; a
         ``PathLayer`` keeps the node's own K/V apart), a frame that kept the slice would keep
         every ancestor's K/V once more -- quadratic in the path's length when a long node is
-        walked in blocks. Context parallel: an attention layer's K/V as this rank's rows."""
-        if self.context_parallel is not None:
-            return [self.context_parallel.shard(layer) if kind == "attention" else
-                    tuple(_own(x.detach()) for x in layer)
-                    for kind, layer in zip(self.layer_kinds, state)]
+        walked in blocks."""
         return [tuple(_own(x.detach()) for x in layer) for layer in state]
 
     # ------------------------------------------------------------------ forward --

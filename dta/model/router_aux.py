@@ -46,7 +46,8 @@ class _PackRows:
     counts: np.ndarray  # [T, E] expert picks per row, summed over MoE layers
     probs: np.ndarray  # [T, E] router probabilities per row, summed over layers (values)
     coef: np.ndarray  # [T, E] ∂loss/∂(router probability) per row, accumulated
-    graph: torch.Tensor | None = None  # retain: [T, E] probabilities with their graph
+    part: object  # the rows this process forwards (dta.model.placement.PackPart)
+    graph: torch.Tensor | None = None  # retain: [rows, E] its rows' probabilities, with graph
 
 
 def layer_probs(routed) -> tuple[np.ndarray, torch.Tensor]:
@@ -61,29 +62,41 @@ def layer_probs(routed) -> tuple[np.ndarray, torch.Tensor]:
 
 
 class RouterAux:
-    """The aux loss's bookkeeping over one walk (module docstring)."""
+    """The aux loss's bookkeeping over one walk (module docstring). Under context
+    parallelism a process routes its own rows of a pack (``placement.part``): the rows'
+    counts and probabilities are gathered over the group, every process keeps the whole
+    pack's coefficients, and each backpropagates its own rows' surrogate."""
 
     capture = True
 
-    def __init__(self, coef: float, tree, seq_weights: np.ndarray, num_layers: int):
+    def __init__(self, coef: float, tree, seq_weights: np.ndarray, num_layers: int, placement):
         self.coef, self.tree, self.L = float(coef), tree, int(num_layers)
         self.omega = np.asarray(seq_weights, dtype=np.float64)
+        self.placement = placement
         self.packs: dict[int, _PackRows] = {}
         self.value = 0.0
 
     def _surrogate(self, rows: _PackRows, probs: torch.Tensor) -> list:
-        if not probs.requires_grad or not np.any(rows.coef):
+        if not probs.requires_grad or not np.any(rows.coef):  # the whole pack's: every rank
             return []
-        c = torch.as_tensor(rows.coef, device=probs.device, dtype=probs.dtype)
+        part = rows.part
+        c = torch.as_tensor(rows.coef[part.lo:part.hi], device=probs.device, dtype=probs.dtype)
+        c = part.pad(c, 0)
         return [((c * probs).sum(), torch.ones((), device=probs.device, dtype=probs.dtype))]
 
     def pushed(self, i: int, layout, path, routed, is_leaf: bool) -> list:
         """After pack i's forward: its rows' counts; the sequences ending in it add their
         value and their coefficients along the path. A leaf pack's (output, gradient) pairs
         to backpropagate now (a pack above it returns them at pop)."""
+        part = self.placement.part(layout.tokens)
         counts, probs = layer_probs(routed)
-        rows = _PackRows(counts, probs.detach().cpu().numpy().astype(np.float64),
-                         np.zeros_like(counts), None if is_leaf else probs)
+        mine = torch.stack([torch.as_tensor(counts[: part.real], device=probs.device,
+                                            dtype=torch.float64),
+                            probs[: part.real].detach().to(torch.float64)], dim=1)
+        whole = self.placement.gather_rows(mine, part).cpu().numpy()  # [T, 2, E]
+        counts = whole[:, 0]
+        rows = _PackRows(counts, whole[:, 1], np.zeros_like(counts), part,
+                         None if is_leaf else probs)
         self.packs[i] = rows
         tree = self.tree
         # the rows of each frame on the path that this pack's tokens follow
@@ -131,8 +144,9 @@ class RouterAux:
         return self._surrogate(rows, probs)
 
 
-def router_aux(coef: float, tree, objective, moe) -> RouterAux | NoRouterAux:
-    """The bookkeeping of one walk: ``RouterAux`` for coef > 0, else the no-op."""
+def router_aux(coef: float, tree, objective, io) -> RouterAux | NoRouterAux:
+    """The bookkeeping of one walk (``io``: its ``dta.model.modeling.ModelInterface``):
+    ``RouterAux`` for coef > 0, else the no-op."""
     if coef > 0:
-        return RouterAux(coef, tree, objective.sequence_weights, moe.layers)
+        return RouterAux(coef, tree, objective.sequence_weights, io.moe.layers, io.placement)
     return NoRouterAux()

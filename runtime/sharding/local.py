@@ -1,11 +1,11 @@
 """Run a function on W local gloo ranks and collect what each returns -- for tests and
 benchmarks of the sharding modes without Ray. The harness is the library's
-(``dta.context_parallel.run_group``: spawned processes, a file store, loopback only); this
+(``dta.local_ranks.run_group``: spawned processes, a file store, loopback only); this
 module only calls ``fn(rank, world, *args)`` instead of ``fn(group, *args)``. The function
 must be importable (defined at module level)."""
 from __future__ import annotations
 
-from dta.context_parallel import run_group
+from dta.local_ranks import run_group
 
 
 def _by_rank(group, fn, args):
