@@ -3,7 +3,7 @@
 AReaL's ``fsdp:dN`` backend means FSDP2 sharding over the N data-parallel ranks. The engine
 shards the same way: ``fsdp`` by default whenever there is more than one rank, or what
 ``actor.dta.sharding`` (:class:`~runtime.areal.options.DTAOptions`) says
-(:func:`resolve_sharding`); the runtime's modes (``runtime.sharding.make_strategy``) do all the communication around the
+(:func:`resolve_sharding`); the runtime's modes (``runtime.sharding.make_mode``) do all the communication around the
 walk, which never knows it is distributed:
 
 - ``zero1``: the compute-dtype parameters are gathered once per step and kept for the walk;

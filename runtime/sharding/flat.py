@@ -11,7 +11,8 @@ cut them). Rank ``r`` owns ``[r S, min((r + 1) S, N))`` and keeps, for its slice
   skips it;
 - the reduced gradient of the slice, in the reduction dtype (= master dtype).
 
-A step's communication (:meth:`FlatShards.reduce_and_step`) is a fixed set of collectives,
+A step's communication (:meth:`FlatShards.reduce_gradients`, ``grad_norm_squared``,
+``gather_parameters``) is a fixed set of collectives,
 whatever the walk did: an all-reduce of which parameters have a gradient, a reduce-scatter
 of the gradients, an all-reduce of the squared norm, and an all-gather of the updated
 weights back into the compute-dtype parameters.

@@ -103,7 +103,7 @@ class FSDP(ShardingMode):
     @property
     def local_grad_params(self) -> list:
         """Parameters whose gradients are accumulated on the rank during the walk and reduced
-        at ``reduce_and_step`` (the vocabulary weights; the layers' are reduced in the
+        at ``reduce_gradients`` (the vocabulary weights; the layers' are reduced in the
         backward)."""
         return list(self.vocab.params)
 
