@@ -264,13 +264,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         for it), the step runs on the fp32 master shards, and the model's ``.grad`` is not
         kept (it was reduce-scattered into the shards)."""
         self._require_optimizer()
-        if self.layout is not None:
-            if self.parallel.context_parallel > 1 and self.parallel.rank != self.parallel.head:
-                # the group's head alone gives the (identical) gradient of what was reduced
-                # after the walk (fsdp's layers were reduce-scattered in the backward, / C)
-                held = getattr(self.layout.strategy, "local_grad_params", None)
-                for p in (self.model.parameters() if held is None else held):
-                    p.grad = None
+        if self.layout is not None:  # context parallel: the layout's reduction counts it
             norm, updated = self.layout.step(self.optimizer_config.gradient_clipping)
         else:
             self.parallel.reduce_gradients(self._trainable())

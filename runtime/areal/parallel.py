@@ -75,6 +75,7 @@ class DataParallel:
         self.dp_group = self.mp_group = self.cpu_group = None
         self.own_global_group = False
         self.ready = False
+        self.partial = False  # context parallel: the group's ranks hold parts of its gradient
 
     def create(self, backend, parallel_strategy=None) -> None:
         strategy = strategy_of(backend, parallel_strategy)
@@ -143,18 +144,26 @@ class DataParallel:
         """Place the model for training: a full replica on ``device`` (context parallel:
         walking with its K/V spread over this rank's group)."""
         from dta.model.context_parallel import parallelize_context
+        from runtime.engine.layout import ParallelLayout, reduction_of
 
-        return parallelize_context(model.to(device), self.cp_group)
+        model = parallelize_context(model.to(device), self.cp_group)
+        layout = ParallelLayout(world=self.world_size, context_parallel=self.context_parallel,
+                                rank=self.rank)
+        self.partial = reduction_of(layout, model).partial  # read once, by the engine's rule
+        return model
 
     def reduce_gradients(self, params) -> None:
         """Average the gradients of ``params`` over the data-parallel ranks (a parameter
         without a gradient contributes zeros)."""
-        if self.dp_group is None or self.data_parallel_size == 1:
+        if self.dp_group is None or (self.data_parallel_size == 1 and not self.partial):
             return
+        # partial gradients (context parallel): the group's gradient is the sum of its
+        # ranks' parts, so the sum runs over the whole world
+        group = dist.group.WORLD if self.partial else self.dp_group
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.dp_group)
+            dist.all_reduce(p.grad, group=group)
             p.grad.div_(self.data_parallel_size)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from runtime.engine.layout import Reduction
+from runtime.engine.layout import ParallelLayout, reduction_of
 from runtime.engine.step import optimizer_step
 from runtime.sharding import make_mode, master_dtype_for, mode_class
 
@@ -72,11 +72,17 @@ class ShardedLayout:
                              f"{compute_dtype}), got {built}")
         self.mode, self.compute_dtype, self.group = mode, compute_dtype, group
         self.policy = policy
-        # the engine's DTATrainEngine drops a context-parallel copy itself (optimizer_step);
-        # fsdp's in-backward sum counts each group's C copies: divided by C
+        # who reduces what (runtime.engine.layout.reduction_of: the model's context-parallel
+        # contract, read there): partial gradients are summed over the world; copies of one
+        # gradient are counted once (fsdp divides its in-backward sum by C, the group's
+        # other ranks drop what is reduced after the walk)
+        layout = ParallelLayout(world=dist.get_world_size() if dist.is_initialized() else 1,
+                                context_parallel=context_parallel, sharding=mode,
+                                rank=dist.get_rank() if dist.is_initialized() else 0)
+        self.reduction = reduction_of(layout, model)
         self.strategy = make_mode(mode, model, make_optimizer, group=group,
                                   compute_dtype=compute_dtype, policy=policy,
-                                  divide_factor=context_parallel)
+                                  divide_factor=self.reduction.divide_factor)
         self.model = self.strategy.model
         self.optimizer = self.strategy.optimizer
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -97,7 +103,7 @@ class ShardedLayout:
     def step(self, max_grad_norm) -> tuple[float, bool]:
         """Reduce (SUM) the gradients, clip by the global norm, step; on a non-finite norm
         nothing is updated. Returns ``(grad_norm, updated)``."""
-        return optimizer_step(self.strategy, Reduction(), max_grad_norm)
+        return optimizer_step(self.strategy, self.reduction, max_grad_norm)
 
     @contextlib.contextmanager
     def walk_session(self):

@@ -42,8 +42,8 @@ __all__ = ["EngineCore", "StepOutcome"]
 
 @dataclass
 class StepOutcome:
-    """One rank's step. ``loss``: this rank's part of the run's loss (0 where its group's
-    head counts it); ``tree``: the walked tree's stats where this rank counts them, else
+    """One rank's step. ``loss``: what this rank adds to the run's loss (0 on a
+    context-parallel rank whose group's head reports it); ``tree``: the walked tree's stats where this rank counts them, else
     None; ``walk``: this rank's walk (None when it walked nothing); ``sent_bytes``: what the
     context-parallel exchange sent; ``updated`` False on a non-finite norm or a batch
     without a trained token (then ``skipped``)."""

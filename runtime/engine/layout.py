@@ -189,8 +189,8 @@ class Reduction:
         C > 1, not the head): it drops what the walk left on it before the SUM.
     divide_factor: what a reduction inside the backward (fsdp's reduce-scatter, which sees
         every rank's gradient before any drop) divides the world's SUM by.
-    counts_loss / counts_tree: this rank's loss / tree figures enter the run's sums (one
-        rank per group for figures every rank of a group computes alike).
+    counts_loss / counts_tree: this rank's loss / tree figures enter the run's sums (the
+        group's head alone: every rank of a group reports the group's loss and tree).
     """
 
     partial: bool = False
@@ -210,7 +210,7 @@ def reduction_of(layout: ParallelLayout, model) -> Reduction:
     cp = context_parallel_of(model)
     if C == 1 or cp is None:
         return Reduction()
+    head = layout.is_head  # the loss and the tree are the group's, alike on its C ranks
     if bool(getattr(cp, "partial_gradients", False)):
-        return Reduction(partial=True, counts_tree=layout.is_head)
-    head = layout.is_head
+        return Reduction(partial=True, counts_loss=head, counts_tree=head)
     return Reduction(drop_local=not head, divide_factor=C, counts_loss=head, counts_tree=head)

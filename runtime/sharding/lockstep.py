@@ -206,9 +206,32 @@ class LockstepDecoder(torch.nn.Module):
             return out
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         layers = list(cache.layers) if cache is not None else []
-        kv = [t for layer in layers for t in (layer.keys, layer.values)]
-        hidden, *kv = _Tie.apply(self.sync, out.last_hidden_state, *kv)
-        for i, layer in enumerate(layers):
-            layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
+        slots = [_state_of(layer) for layer in layers]
+        hidden, *tied = _Tie.apply(self.sync, out.last_hidden_state,
+                                   *(t for _, names in slots for t in names))
+        at = 0
+        for layer, (attr, names) in zip(layers, slots):
+            n = len(names)
+            if attr == "cells":
+                layer.cells = tuple(tied[at:at + n])
+            else:
+                layer.keys, layer.values = tied[at], tied[at + 1]
+            at += n
         out.last_hidden_state = hidden
         return out
+
+
+def _state_of(layer) -> tuple[str, tuple]:
+    """The tensors a decoder call left in a cache layer, to tie to the hidden state: a
+    context-parallel layer's ``cells`` (its heads' K/V, ``dta.model.cp_attention``), else
+    ``keys`` / ``values``. A layer without them is refused: its backward could reach FSDP's
+    hooks before the tie announces it."""
+    cells = getattr(layer, "cells", None)
+    if isinstance(cells, tuple) and cells and all(torch.is_tensor(t) for t in cells):
+        return "cells", cells
+    kv = (getattr(layer, "keys", None), getattr(layer, "values", None))
+    if all(torch.is_tensor(t) for t in kv):
+        return "keys", kv
+    raise LockstepError(f"fsdp: a decoder call left a {type(layer).__name__} cache layer "
+                        "without K/V tensors; the lockstep cannot tie its state to the call's "
+                        "output (train this model with replicate or zero1)")
