@@ -35,6 +35,7 @@ class NodeTerms:
     weight: torch.Tensor  # [K] weight of each occurrence
     fields: dict[str, torch.Tensor]  # [K] each
     occ_pair_np: np.ndarray | None = None  # occ_pair on the host (chunk bounds, no device sync)
+    rows_np: np.ndarray | None = None  # rows on the host (a rank's rows: ``within``)
     # for recording log-probs per sequence: pair of each (sequence, position)
     rec_seq: np.ndarray | None = None
     rec_pos: np.ndarray | None = None
@@ -57,13 +58,14 @@ class NodeTerms:
         counts the whole pack's."""
         if part.whole:
             return self
-        rows = self.rows.cpu().numpy() if self.rows.numel() else np.zeros(0, np.int64)
+        rows = self.rows_np if self.rows_np is not None else self.rows.cpu().numpy()
         p0, p1 = (int(x) for x in np.searchsorted(rows, [part.lo, part.hi]))  # rows are sorted
         o0, o1 = (int(x) for x in np.searchsorted(self.occ_pair_np, [p0, p1]))
         out = NodeTerms(self.rows[p0:p1] - part.lo, self.targets[p0:p1],
                         self.occ_pair[o0:o1] - p0, self.weight[o0:o1],
                         {k: v[o0:o1] for k, v in self.fields.items()},
-                        occ_pair_np=self.occ_pair_np[o0:o1] - p0, pack_pairs=self.pairs)
+                        occ_pair_np=self.occ_pair_np[o0:o1] - p0,
+                        rows_np=rows[p0:p1] - part.lo, pack_pairs=self.pairs)
         if self.rec_pair is not None:
             keep = (self.rec_pair >= p0) & (self.rec_pair < p1)
             out.rec_seq, out.rec_pos = self.rec_seq[keep], self.rec_pos[keep]
@@ -95,6 +97,8 @@ class NodeTerms:
             {k: torch.cat([t.fields[k] for t, _ in parts]) for k in t0.fields},
             occ_pair_np=np.concatenate([t.occ_pair_np + po for (t, _), po in zip(parts, pair_off)]),
             pack_pairs=whole)
+        if all(t.rows_np is not None for t, _ in parts):
+            out.rows_np = np.concatenate([t.rows_np + off for t, off in parts])
         if t0.rec_pair is not None:
             out.rec_seq = np.concatenate([t.rec_seq for t, _ in parts])
             out.rec_pos = np.concatenate([t.rec_pos for t, _ in parts])
@@ -168,7 +172,8 @@ class Objective:
 
         fields = {k: tensor(occ[f"field:{k}"][by_pair], dtype=dtype) for k in self.fields}
         t = NodeTerms(tensor(rows), tensor(targets), tensor(occ_pair),
-                      tensor(occ["w"][by_pair], dtype=dtype), fields, occ_pair_np=occ_pair)
+                      tensor(occ["w"][by_pair], dtype=dtype), fields, occ_pair_np=occ_pair,
+                      rows_np=rows)
         if record:
             t.rec_seq = np.concatenate(rec["seq"]).astype(np.int64)
             t.rec_pos, t.rec_pair = all_pos, inverse.reshape(-1)

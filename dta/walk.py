@@ -197,11 +197,10 @@ class Walker:
     # --------------------------------------------------------------------- the model --
     def _forward(self, tree: PrefixTree, layout: PackLayout, path: list[Frame], routes: NodeRouting,
                  capture: bool = False, tape: Tape | None = None):
-        """The pack's last hidden states of the rows this process forwards [rows, H]
-        (``ModelInterface.part``: every row, or a context-parallel rank's), its own new
-        per-layer state, and its routing (``dta.model.routing.RouterCall``: the replayed
-        experts forced, the routers read). ``tape``: the attention over the path kept (first
-        forward) or taken back (re-forward)."""
+        """The last hidden states of the pack's rows this process forwards [rows, H] (all,
+        or a context-parallel rank's: ``ModelInterface.part``), its own new per-layer state,
+        and its routing (``dta.model.routing.RouterCall``: replayed experts forced, routers
+        read). ``tape``: the attention over the path kept or (re-forward) taken back."""
         rows = self.io.part(layout).rows
         ids = np.concatenate([tree.tokens(int(u)) for u in layout.tree_nodes])[rows]
         ids = torch.as_tensor(ids, device=self.device)
@@ -209,8 +208,8 @@ class Walker:
         cache = self.io.pack_cache(self._path_pieces(tree, layout, path), layout)
         mask = self.io.pack_mask(layout, self.device, self.dtype, self.mask_support)
         forced = routes.rows(layout.tree_nodes)
-        with self.io.moe.call(None if forced is None else forced[rows], capture) as routed, \
-                taped(tape):
+        forced = None if forced is None else forced[rows]
+        with self.io.moe.call(forced, capture) as routed, taped(tape):
             out = self.io.decoder(position_ids=pos, attention_mask=mask, use_cache=True,
                                   **self.io.embed(ids.unsqueeze(0)), **{self.io.cache_kwarg: cache})
         P = layout.prefix
@@ -248,12 +247,11 @@ class Walker:
             return self.io.state_through(f.state, f.layout, local)
 
     def _terms(self, tree, layout: PackLayout, objective: Objective, record: bool) -> NodeTerms:
-        """The loss terms of the pack's rows this process forwards (``empty``: the pack has
-        none, on any process)."""
-        terms = NodeTerms.concat([
+        """The loss terms of the pack's rows this process forwards (``empty``: none anywhere)."""
+        return NodeTerms.concat([
             (objective.terms(tree, int(u), self.device, self.terms_dtype, record=record),
-             int(layout.offsets[i])) for i, u in enumerate(layout.tree_nodes)])
-        return terms.within(self.io.part(layout))
+             int(layout.offsets[i])) for i, u in enumerate(layout.tree_nodes)]
+        ).within(self.io.part(layout))
 
     def _check_routing(self, batch, tree: PrefixTree) -> None:
         """One routing per shared token, before anything is forwarded: once per batch and
@@ -347,7 +345,6 @@ class Walker:
         return active
 
 
-
 class TrainingWalk:
     """One training walk (:meth:`Walker.train`): the path of frames, the leaf packs waiting
     for the LM head, the head's queue; what differs between the memory policies is behind
@@ -420,9 +417,8 @@ class TrainingWalk:
     def finish(self) -> WalkResult:
         self.leaf()
         placement = self.w.io.placement  # each process evaluated its rows' loss terms
-        self.res.loss = placement.total(self.res.loss)
         self.res.aux_loss = self.aux.value
-        self.res.loss += self.aux.value
+        self.res.loss = placement.total(self.res.loss) + self.aux.value
         if self.rec is not None:
             self.res.logprobs, self.res.entropy = self.rec.split(placement.combine)
         return self.res

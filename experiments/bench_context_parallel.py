@@ -5,8 +5,10 @@ One batch: ``--rollouts`` rollouts of ``--rollout`` tokens on one ``--prompt``-t
 prompt (loss on the rollouts), float32, policy recompute, blocks of ``--block`` tokens, on a
 model whose attention has at least 4 K/V heads (default ``small-8x4``: the "small" model with
 8 query heads over 4 K/V heads of 32, so C = 2 and 4 divide the heads). For each C in
-``--sizes`` (default 1, 2, 4) C gloo ranks are spawned in one run (``dta.local_ranks``;
-C = 1 runs the same code on a group of one), and each rank reports, for one step:
+``--sizes`` (default 1, 2, 4) a group of C gloo ranks walks it (one world of the largest C
+is spawned once, ``dta.local_ranks``; each C runs on a group of its first C ranks while the
+others wait; C = 1 runs the same code on a group of one), and each rank reports, for one
+step:
 
 * ``flops``: the matmul / attention FLOPs its process ran, counted by
   ``torch.utils.flop_counter.FlopCounterMode`` (a separate, counted step);
@@ -117,15 +119,34 @@ def _rank(group, prompt: int, rollout: int, rollouts: int, block: int, size: str
                 path_tokens=prompt + rollout, grads=grads if cp.rank == 0 else None)
 
 
-def run(sizes, prompt: int, rollout: int, rollouts: int, block: int, size: str,
-        plain: bool = False) -> list[dict]:
+def _configs(group, configs: list[dict]) -> list:
+    """Every rank of one spawned world: each configuration on a group of its first C ranks
+    (the others wait), one after the other."""
+    import gc
+
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(group), []
+    for cfg in configs:
+        cfg = dict(cfg)
+        size = cfg.pop("context_parallel")
+        sub = dist.new_group(list(range(size)))  # every rank takes part in making it
+        out.append(_rank(sub, **cfg) if rank < size else None)
+        gc.collect()
+        dist.barrier(group)
+    return out
+
+
+def run(configs: list[dict]) -> list[dict]:
+    """Each configuration's ranks' results: one world of the largest C spawned once."""
     from dta.local_ranks import run_group
 
-    rows = []
-    for c in sizes:
-        ranks = run_group(_rank, c, prompt, rollout, rollouts, block, size, plain, timeout=3600)
-        rows.append(dict(context_parallel=c, rollout=rollout, ranks=ranks, plain=plain))
-    return rows
+    world = max(c["context_parallel"] for c in configs)
+    ranks = run_group(_configs, world, configs, timeout=3600)
+    return [dict(context_parallel=c["context_parallel"], rollout=c["rollout"],
+                 plain=c.get("plain", False),
+                 ranks=[ranks[r][i] for r in range(c["context_parallel"])])
+            for i, c in enumerate(configs)]
 
 
 def _row(r, base, g1) -> dict:
@@ -172,10 +193,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_context_parallel: --short {short} must divide the rollout tokens "
                          f"{args.rollouts} x {args.rollout} (the tokens walked are kept)")
     short_n = args.rollouts * args.rollout // short  # the same tokens walked, a shorter path
-    long_rows = run(args.sizes, args.prompt, args.rollout, args.rollouts, args.block, args.model)
-    short_rows = run(args.sizes, args.prompt, short, short_n, args.block, args.model)
-    plain_rows = run([1], args.prompt, args.rollout, args.rollouts, args.block, args.model,
-                     plain=True) if args.plain else []
+    common = dict(prompt=args.prompt, block=args.block, size=args.model)
+    configs = [dict(common, context_parallel=c, rollout=args.rollout, rollouts=args.rollouts)
+               for c in args.sizes] + \
+        [dict(common, context_parallel=c, rollout=short, rollouts=short_n) for c in args.sizes]
+    if args.plain:
+        configs.append(dict(common, context_parallel=1, rollout=args.rollout,
+                            rollouts=args.rollouts, plain=True))
+    rows = run(configs)
+    long_rows = [r for r in rows if r["rollout"] == args.rollout and not r["plain"]]
+    short_rows = [r for r in rows if r["rollout"] == short]
+    plain_rows = [r for r in rows if r["plain"]]
     base_long = next(r for r in long_rows if r["context_parallel"] == 1)
     base_short = next(r for r in short_rows if r["context_parallel"] == 1)
     g1 = base_long["ranks"][0]["grads"]

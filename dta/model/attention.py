@@ -53,7 +53,7 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     groups = getattr(module, "num_key_value_groups", 1)
     view = getattr(attention_mask, "dta_pack", None)
     if view is not None:
-        return _pack_attention(module, query, key, value, attention_mask, view, dropout,
+        return pack_attention(module, query, key, value, attention_mask, view, dropout,
                                scaling, **kwargs)
     if any(kwargs.get(k) is not None for k in FALLBACK_KWARGS):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -79,7 +79,7 @@ def sdpa_gqa_forward(module, query, key, value, attention_mask, dropout: float =
     return out.transpose(1, 2).contiguous(), None
 
 
-def _pack_attention(module, query, key, value, mask, view: PackView, dropout, scaling, **kwargs):
+def pack_attention(module, query, key, value, mask, view: PackView, dropout, scaling, **kwargs):
     """A pack's attention from its view (``mask``: the own keys' [1, 1, T, T] mask): split at
     the cache boundary; a window short of the path: one masked call over the cached keys
     inside it; what the split cannot serve: the dense mask (counted; said on a GPU)."""
@@ -250,16 +250,22 @@ class PathLayer(OffsetLayer):
         self.parts = parts
 
     def update(self, key_states, value_states, *args, **kwargs):
-        joined = key_states, value_states
-        if self.parts:
-            ks = (*(k for k, _ in self.parts), key_states)
-            vs = (*(v for _, v in self.parts), value_states)
-            joined = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
-            _remember_pieces(joined[0], ks)
-            _remember_pieces(joined[1], vs)
+        joined = join_path(self.parts, key_states, value_states)
         self.store(key_states, value_states)
         self.parts = []
         return joined
+
+
+def join_path(parts: list, keys: torch.Tensor, values: torch.Tensor) -> tuple:
+    """The path's K/V pieces and a forward's own K/V joined along the positions (one ``cat``
+    each), carrying their pieces for the split attention's backward."""
+    if not parts:
+        return keys, values
+    ks, vs = (*(k for k, _ in parts), keys), (*(v for _, v in parts), values)
+    joined = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+    _remember_pieces(joined[0], ks)
+    _remember_pieces(joined[1], vs)
+    return joined
 
 
 def path_cache(pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] | None, n_layers: int):

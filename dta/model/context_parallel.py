@@ -65,6 +65,9 @@ class ContextParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # where the group's small sums travel: NCCL takes CUDA tensors only
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if "nccl" in str(dist.get_backend(group)).lower() else torch.device("cpu")
         self.sent_bytes = 0
         self.collectives = 0
         self.exchanges = 0  # all-to-all exchanges made in forward (their tags: AllToAll)
@@ -127,12 +130,12 @@ class ContextParallel:
         import torch.distributed as dist
 
         width = -(-part.tokens // self.size)
-        x = x.detach()
+        x, device = x.detach().to(self.device), x.device
         padded = torch.cat([x, x.new_zeros(width - len(x), *x.shape[1:])]).contiguous()
         out = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(out, padded, group=self.group)
         self._sent(padded.numel() * padded.element_size())
-        return torch.cat([o[:n] for o, n in zip(out, self._lengths(part.tokens))])
+        return torch.cat([o[:n] for o, n in zip(out, self._lengths(part.tokens))]).to(device)
 
     def combine(self, tensors: list) -> None:
         """Sum ``tensors`` over the group, in place (one collective)."""
@@ -140,7 +143,7 @@ class ContextParallel:
             return
         import torch.distributed as dist
 
-        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        flat = torch.cat([t.reshape(-1).to(self.device, torch.float64) for t in tensors])
         dist.all_reduce(flat, group=self.group)
         self._sent(flat.numel() * flat.element_size())
         for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):

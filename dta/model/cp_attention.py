@@ -149,19 +149,14 @@ class SplitHeadsLayer(OffsetLayer):
         v = x[:, (hq + kv) * D:].reshape(T, kv, D).transpose(0, 1).unsqueeze(0)
         a, b = split.kv_rows(T)
         k, v = k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous()
-        scale = float(scaling) if scaling is not None else D ** -0.5
-        own = _bias(mask[0, 0][:, a:b], query.dtype)
-        path = [None if view.window is None else _bias(
-            (view.positions[:, None] - torch.as_tensor(p.positions, device=q.device)[None, :])
-            < view.window, query.dtype) for p in self.parts]
-        n = len(self.parts)
-        out, lse = PartialAttention.apply(q, k, v, scale, own, path, tape, self.offset, n,
-                                          *(p[0] for p in self.parts), *(p[1] for p in self.parts))
         self.cells = (k, v)
-        carry = torch.promote_types(query.dtype, torch.float32) if split.shared else query.dtype
-        y = out[0].transpose(0, 1).reshape(T, hq * D).to(carry)
-        if split.shared:  # the row owners merge the sharers' outputs by their lse
-            y = torch.cat([y, lse[0].transpose(0, 1).to(carry)], dim=1)
+        if split.shared:  # a share of the head's keys: a partial output the row owners merge
+            carry = torch.promote_types(query.dtype, torch.float32)
+            out, lse = self._partial(q, k, v, mask[0, 0][:, a:b], view, scaling, tape)
+            y = torch.cat([out[0].transpose(0, 1).reshape(T, hq * D).to(carry),
+                           lse[0].transpose(0, 1).to(carry)], dim=1)
+        else:  # whole heads: the walk's own attention over [path | pack], on these heads
+            y = self._whole_heads(module, q, k, v, mask, view, scaling).reshape(T, hq * D)
         widths = [split.heads_of(p)[0] * (D + split.shared) for p in range(cp.size)]
         blocks = cp.heads_to_rows(y, widths, part)
         outs = []
@@ -172,6 +167,31 @@ class SplitHeadsLayer(OffsetLayer):
             outs.append(pieces[0][0] if len(pieces) == 1 else _merge_rows(pieces))
         out = part.pad(torch.cat(outs, dim=1).to(query.dtype), 0)  # [rows, H, D]
         return out.unsqueeze(0), None
+
+    def _whole_heads(self, module, q, k, v, mask, view, scaling) -> torch.Tensor:
+        """[T, heads, D]: every row's attention for heads whose every path row this rank
+        holds -- ``dta.model.attention.pack_attention`` (split at the cache boundary through
+        the kernel table; a window short of the path: one masked call), as a process walking
+        alone runs it; a root pack: one masked call over its own keys."""
+        from dta.model.attention import join_path, pack_attention
+
+        if not self.offset:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        keys, values = join_path(self.parts, k, v)
+        return pack_attention(module, q, keys, values, mask, view, 0.0, scaling)[0][0]
+
+    def _partial(self, q, k, v, own, view, scaling, tape):
+        """(out, lse) of the queries over this rank's rows of its head: the path pieces it
+        stores (a window applied at their true positions) and its rows of the pack's keys."""
+        scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+        path = [None if view.window is None else _bias(
+            (view.positions[:, None] - torch.as_tensor(p.positions, device=q.device)[None, :])
+            < view.window, q.dtype) for p in self.parts]
+        return PartialAttention.apply(q, k, v, scale, _bias(own, q.dtype), path, tape,
+                                      self.offset, len(self.parts),
+                                      *(p[0] for p in self.parts), *(p[1] for p in self.parts))
 
 
 def _merge_rows(parts):
