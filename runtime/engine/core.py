@@ -110,11 +110,23 @@ class EngineCore:
         return self._require().optimizer
 
     # ------------------------------------------------------------------- walks --
-    def walker(self):
-        """A walker of the model with the run's walk settings (self-checked)."""
+    def walker(self, temperature: float | None = None):
+        """A walker of the model with the run's walk settings (self-checked).
+        ``temperature``: a front door whose batches carry their own sampling temperature
+        (verl's) walks them at it -- the run's walk with that one field replaced, derived
+        here once per temperature (the one place a walk differs from the resolved one)."""
         from dta.train import checked_walker
 
-        return checked_walker(self.model, self.walk)
+        return checked_walker(self.model, self.walk_at(temperature))
+
+    def walk_at(self, temperature: float | None) -> WalkOptions:
+        """The run's walk (the very object), or its copy at a batch's ``temperature``."""
+        if temperature is None or float(temperature) == self.walk.temperature:
+            return self.walk
+        cache = self.__dict__.setdefault("_walks", {})
+        if float(temperature) not in cache:
+            cache[float(temperature)] = self.walk.replace(temperature=float(temperature))
+        return cache[float(temperature)]
 
     @contextlib.contextmanager
     def walk_session(self):
