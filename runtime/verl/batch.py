@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from dta.batch import Batch
+from runtime.engine import comm
 from verl.utils import tensordict_utils as tu
 
 __all__ = ["SEQ_INDEX", "sequences", "one_sequence_batches", "walk_batch", "verl_view",
@@ -115,26 +116,24 @@ def temperature_of(data: TensorDict) -> float:
     return float(torch.tensor(t, dtype=torch.float32))
 
 
-def batch_normalizers(data: TensorDict, rows: list[np.ndarray], group, device=None) -> None:
-    """Fill in what verl's losses normalize by, over the data-parallel group, before the batch
-    is split into one-sequence micro-batches: ``batch_num_tokens`` and ``dp_size`` (as verl's
-    FSDP engine always does), and -- only where the caller left them unset -- the
-    ``global_batch_size`` (sequences with a trained token) and ``max_response_len`` (the
-    horizon of ``seq-mean-token-sum-norm``) that verl's losses would otherwise take from each
-    micro-batch. Set that way, the per-sequence losses sum to the loss verl's FSDP engine
-    computes with the whole batch as one micro-batch; set by the caller (verl's trainer sets
-    both), they are used unchanged. ``device``: where the collectives' tensors live (the
-    engine's device: NCCL reduces device tensors only)."""
-    import torch.distributed as dist
-
+def batch_normalizers(data: TensorDict, rows: list[np.ndarray], group, dp_size: int,
+                      device=None) -> None:
+    """Fill in what verl's losses normalize by, over the data-parallel group (``group``, of
+    ``dp_size`` ranks: one rank of each context-parallel group, which walk the same rows),
+    before the batch is split into one-sequence micro-batches: ``batch_num_tokens`` and
+    ``dp_size`` (as verl's FSDP engine always does), and -- only where the caller left them
+    unset -- the ``global_batch_size`` (sequences with a trained token) and
+    ``max_response_len`` (the horizon of ``seq-mean-token-sum-norm``) that verl's losses would
+    otherwise take from each micro-batch. Set that way, the per-sequence losses sum to the loss
+    verl's FSDP engine computes with the whole batch as one micro-batch; set by the caller
+    (verl's trainer sets both), they are used unchanged. ``device``: where the collectives'
+    tensors live (the engine's device: NCCL reduces device tensors only)."""
     mask = data["loss_mask"]
     per_row = [int(m.sum()) for m in (mask.unbind() if mask.is_nested else mask)]
-    dp = dist.get_world_size(group) if dist.is_initialized() else 1
     totals = torch.tensor([sum(per_row), sum(1 for n in per_row if n > 0)], dtype=torch.float64,
                           device=device)
-    if dp > 1:
-        dist.all_reduce(totals, group=group)
-    tu.assign_non_tensor(data, batch_num_tokens=int(totals[0]), dp_size=dp)
+    comm.all_reduce(totals, group)
+    tu.assign_non_tensor(data, batch_num_tokens=int(totals[0]), dp_size=int(dp_size))
     if tu.get_non_tensor_data(data=data, key="global_batch_size", default=None) is None:
         tu.assign_non_tensor(data, global_batch_size=int(totals[1]))
     if "responses" in data.keys() and \
@@ -142,6 +141,5 @@ def batch_normalizers(data: TensorDict, rows: list[np.ndarray], group, device=No
         resp = data["responses"]
         longest = torch.tensor([int(resp.offsets().diff().max()) if resp.is_nested
                                 else resp.shape[-1]], dtype=torch.float64, device=device)
-        if dp > 1:
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(longest, group, op="max")
         tu.assign_non_tensor(data, max_response_len=int(longest[0]))

@@ -1,43 +1,65 @@
-"""The dta engine's configuration: verl's ``FSDPEngineConfig`` with ``strategy: dta`` and the
-walk's options under ``dta``.
+"""The dta engine's configuration: verl's ``FSDPEngineConfig`` with ``strategy: dta``, the
+walk's options under ``dta`` and the sharding mode under ``dta_sharding``; and its one
+translation into the engine core's settings (:func:`settings_of`).
 
 A verl user switches an actor to DTA with one value, ``strategy: dta`` (verl picks the engine
 class by ``EngineRegistry.get_engine_cls(model_type, engine_config.strategy)``); every other
 engine key keeps its meaning where the dta engine has one (``model_dtype``,
-``mixed_precision``, ``param_offload`` ...; :func:`check_engine_config` refuses the ones it
-cannot honour). The walk's options (:class:`dta.options.WalkOptions`: ``policy``,
-``block_tokens``, ``packing``, ``pack_tokens``, ``logits_chunk``, ``min_shared`` ...) go in
-``dta``, validated by :class:`~dta.options.WalkOptions` itself (an unknown key is an error
-naming it); ``temperature`` comes from each batch, as verl's engines take it.
+``mixed_precision``, ``fsdp_size``, ``ulysses_sequence_parallel_size`` ...;
+:func:`check_engine_config` refuses the ones it cannot honour). The walk's options
+(:class:`dta.options.WalkOptions`: ``policy``, ``block_tokens``, ``packing``, ``pack_tokens``,
+``logits_chunk``, ``min_shared`` ...) go in ``dta``, validated by
+:class:`~dta.options.WalkOptions` itself (an unknown key is an error naming it);
+``temperature`` comes from each batch, as verl's engines take it.
+
+The layout (:func:`layout_of`, validated once by ``runtime.engine.ParallelLayout.make``):
+
+- ``ulysses_sequence_parallel_size`` is the context-parallel size C: groups of C consecutive
+  ranks walk one tree together, each rank its rows of every pack and its heads inside
+  attention (docs/context-parallel.md), as verl's Ulysses groups divide a micro-batch;
+- ``dta_sharding`` (``replicate`` | ``zero1`` | ``fsdp``) is how the training state is held;
+  unset, it is what verl's FSDP engine does with ``fsdp_size``: ``-1`` (verl's default: shard
+  over the whole world) is ``fsdp``, ``1`` (a DDP mesh) is ``replicate``; one rank holds
+  everything (``replicate``).
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
+from runtime.engine import LoraSpec, ModelSpec, ParallelLayout, RunSettings, policy_of, settle
 from verl.workers.config import FSDPEngineConfig
 from verl.workers.config.engine import EngineConfig
 
-__all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "check_engine_config"]
+__all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "check_engine_config",
+           "sharding_of", "layout_of", "model_spec", "settings_of"]
 
 # verl's dtype spellings (verl.utils.torch_dtypes) and the one it lacks, for verification
 _DTYPES = {"fp32": "float32", "32": "float32", "bf16": "bfloat16", "fp16": "float16",
            "16": "float16", "fp64": "float64", "64": "float64"}
 
+# ParallelLayout field -> the verl key that sets it (named in the layout's errors)
+SPELLING = {"world": "the world size of verl's process group",
+            "context_parallel": "engine_config.ulysses_sequence_parallel_size",
+            "sharding": "engine_config.dta_sharding"}
+
 
 @dataclass
 class DTAEngineConfig(FSDPEngineConfig):
-    """``FSDPEngineConfig`` plus ``dta``: the walk's options (``dta.options.WalkOptions``
-    fields but ``temperature``). In verl's config: ``actor_rollout_ref.actor.fsdp_config.
-    _target_=runtime.verl.DTAEngineConfig`` and ``+...fsdp_config.dta.<option>=<value>``."""
+    """``FSDPEngineConfig`` plus ``dta`` (the walk's options: ``dta.options.WalkOptions``
+    fields but ``temperature``) and ``dta_sharding`` (``replicate`` | ``zero1`` | ``fsdp``;
+    None: from ``fsdp_size``, see the module doc). In verl's config:
+    ``actor_rollout_ref.actor.fsdp_config._target_=runtime.verl.DTAEngineConfig``,
+    ``+...fsdp_config.dta.<option>=<value>`` and ``...fsdp_config.dta_sharding=zero1``."""
 
     strategy: str = "dta"
     dta: dict[str, Any] = field(default_factory=dict)
+    dta_sharding: Optional[str] = None
 
     def __post_init__(self):
         # FSDPEngineConfig's own check accepts fsdp strategies only; verl's actor config
@@ -49,21 +71,20 @@ class DTAEngineConfig(FSDPEngineConfig):
 
 def walk_options(engine_config, *, gradient_checkpointing: bool = False) -> WalkOptions:
     """The walk's options from ``engine_config.dta`` (absent on a plain ``FSDPEngineConfig``:
-    every option at its default). ``policy`` unset follows verl's
-    ``enable_gradient_checkpointing`` (``recompute``), as the AReaL adapter does."""
+    every option at its default); ``policy`` unset follows verl's
+    ``enable_gradient_checkpointing`` (``runtime.engine.policy_of``, the one rule)."""
     given = dict(getattr(engine_config, "dta", None) or {})
     if "temperature" in given:
         raise ValueError("engine_config.dta.temperature: the temperature comes from each batch "
                          "(verl's rollout.temperature), not from the engine config")
-    if "policy" not in given and gradient_checkpointing:
-        given["policy"] = "recompute"
+    given["policy"] = policy_of(given.get("policy"), gradient_checkpointing)
     spelling = {name: f"engine_config.dta.{name}" for name in (*WalkOptions.names(), *given)}
     return WalkOptions.make(spelling, **given)
 
 
 def model_dtype(engine_config) -> torch.dtype:
-    """The dtype the model is held and computed in: ``model_dtype`` (verl spellings, or
-    ``fp64`` for verification, which verl's own engines lack)."""
+    """The dtype the model computes in: ``model_dtype`` (verl spellings, or ``fp64`` for
+    verification, which verl's own engines lack)."""
     name = str(engine_config.model_dtype)
     return resolve_dtype(_DTYPES.get(name, name))
 
@@ -78,8 +99,6 @@ def check_engine_config(engine_config) -> None:
     if engine_config.param_offload or engine_config.optimizer_offload:
         refuse("param_offload" if engine_config.param_offload else "optimizer_offload",
                "the dta engine keeps its model and optimizer on the device (no offload)")
-    if engine_config.ulysses_sequence_parallel_size != 1:
-        refuse("ulysses_sequence_parallel_size", "the dta engine is data-parallel only")
     mp = engine_config.mixed_precision
     if mp is None or mp.get("param_dtype") is None:  # verl's FSDP engine would autocast: say so
         warnings.warn(f"engine_config.mixed_precision.param_dtype is unset: verl's FSDP engine "
@@ -95,3 +114,69 @@ def check_engine_config(engine_config) -> None:
                 "model_dtype (no autocast); set both to the same dtype")
     if getattr(engine_config, "qat", None) is not None and engine_config.qat.enable:
         refuse("qat", "quantization-aware training is not supported by the dta engine")
+
+
+# ------------------------------------------------------------------ the layout --
+def sharding_of(engine_config, world: int) -> str:
+    """The sharding mode: ``dta_sharding``, or unset what verl's FSDP engine does with
+    ``fsdp_size`` (see the module doc); the two keys must not disagree."""
+    given = getattr(engine_config, "dta_sharding", None)
+    size = int(engine_config.fsdp_size)
+    if given is not None:
+        if size != -1:
+            raise ValueError(f"engine_config.dta_sharding={given!r} with engine_config."
+                             f"fsdp_size={size}: the dta engine's sharding is dta_sharding; "
+                             "leave fsdp_size at -1")
+        return str(given)
+    if size < 0 or size >= world:
+        return "fsdp"  # verl: one FSDP mesh over the world
+    if size == 1:
+        return "replicate"  # verl: a DDP mesh, full replicas
+    raise ValueError(f"engine_config.fsdp_size={size} of {world} ranks: hybrid sharding is not "
+                     "a dta sharding mode; set engine_config.dta_sharding to replicate, zero1 "
+                     "or fsdp")
+
+
+def layout_of(engine_config, *, world: int, rank: int) -> ParallelLayout:
+    """This rank's layout: world, ``ulysses_sequence_parallel_size`` as the context-parallel
+    size, the sharding mode (:func:`sharding_of`); an error names the verl key."""
+    spelling = dict(SPELLING)
+    if getattr(engine_config, "dta_sharding", None) is None:
+        spelling["sharding"] = f"engine_config.fsdp_size={engine_config.fsdp_size}'s sharding"
+    return ParallelLayout.make(world=int(world),
+                               context_parallel=engine_config.ulysses_sequence_parallel_size,
+                               sharding=sharding_of(engine_config, world), rank=int(rank),
+                               spelling=spelling)
+
+
+def model_spec(model_config) -> ModelSpec:
+    """verl's ``model_config`` as the engine core's model: its local Hugging Face folder, sdpa
+    attention, LoRA adapters when ``lora_rank > 0`` (``lora_alpha``, ``target_modules`` by
+    the core's one rule, ``runtime.engine.lora_targets``; dropout-free)."""
+    path = getattr(model_config, "local_path", None) or model_config.path
+    rank = int(getattr(model_config, "lora_rank", 0) or 0)
+    lora = None
+    if rank > 0:
+        for key in ("exclude_modules", "target_parameters", "lora_adapter_path"):
+            if getattr(model_config, key, None):
+                raise NotImplementedError(f"model_config.{key}={getattr(model_config, key)!r}: "
+                                          "not supported by the dta engine's LoRA")
+        lora = LoraSpec(r=rank, alpha=float(model_config.lora_alpha),
+                        targets=model_config.target_modules)
+    return ModelSpec(path=path, attn_implementation="sdpa", lora=lora)
+
+
+def settings_of(engine_config, model_config, *, world: int, rank: int) -> RunSettings:
+    """The run's settings, resolved once: the layout (:func:`layout_of`) and the walk
+    (:func:`walk_options`, with what the sharding mode needs: ``runtime.engine.settle``)."""
+    layout = layout_of(engine_config, world=world, rank=rank)
+    lora = int(getattr(model_config, "lora_rank", 0) or 0)
+    if lora > 0 and layout.sharding == "fsdp":
+        key = "engine_config.dta_sharding=fsdp" if engine_config.dta_sharding is not None \
+            else f"engine_config.fsdp_size={engine_config.fsdp_size} (fsdp)"
+        raise NotImplementedError(f"{key} with model_config.lora_rank={lora}: LoRA under fsdp "
+                                  "is not supported; set engine_config.dta_sharding to "
+                                  "replicate or zero1")
+    walk = walk_options(engine_config, gradient_checkpointing=bool(
+        getattr(model_config, "enable_gradient_checkpointing", False)))
+    return settle(walk, layout)

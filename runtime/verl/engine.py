@@ -1,5 +1,6 @@
 """``DTAEngine``: verl's ``BaseEngine`` on DTA's depth-first prefix-tree walk, registered in
-verl's ``EngineRegistry`` as backend ``dta`` for language models (cuda and cpu).
+verl's ``EngineRegistry`` as backend ``dta`` for language models (cuda and cpu) -- an
+adapter of the engine core (``runtime.engine``, docs/engine.md).
 
 ``forward_backward_batch(data, loss_function, forward_only)`` keeps the contract of verl's
 ``FSDPEngineWithLMHead`` (verl 0.9.1): ``batch_num_tokens`` and ``dp_size`` are set on the
@@ -19,32 +20,40 @@ verl's loss aggregation (``agg_loss``: ``token-mean``, ``seq-mean-token-sum``,
 ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``) normalizes each micro-batch by the
 global batch's ``batch_num_tokens`` / ``global_batch_size`` / horizon, so per-row losses sum to
 the batch's loss exactly; :func:`runtime.verl.batch.batch_normalizers` fills the ones the
-caller left unset from the whole batch. Data parallelism: full replicas over verl's process
-group (``torch.distributed`` WORLD), gradients averaged before the step as FSDP's are.
-The model stays in eval mode (one deterministic forward for both walks: no dropout).
+caller left unset from the whole batch.
+
+What the engine core does (``runtime.engine.EngineCore``): build the model (LoRA by its one
+rule), apply context parallelism (``ulysses_sequence_parallel_size``) and the sharding mode
+(``dta_sharding``: replicate / zero1 / fsdp) by the layout (:func:`runtime.verl.config.
+settings_of`), walk with the run's one ``WalkOptions`` (at each batch's temperature:
+``core.walker(temperature=)``), the one gradient reduction (a SUM over the world), clip, step
+or skip, checkpoints and the full state. verl's losses multiply by ``dp_size`` because verl's
+FSDP averages gradients over the data-parallel ranks; the core sums them, so the surrogate
+the training walk backpropagates is divided by the data-parallel size (verl's reported losses
+are left as verl computes them). The model stays in eval mode (one deterministic forward for
+both walks: no dropout).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 
 from dta.losses import SequenceLoss
-from dta.model.lora import apply_lora, is_peft_model
-from dta.model.models import load_model
+from dta.model.context_parallel import context_parallel_of
+from dta.model.lora import is_peft_model
 from dta.objective import linearize
-from dta.train import checked_walker, clip_and_step
+from dta.train import checked_walker
 from dta.tree import PrefixTree
-
+from runtime.engine import EngineCore, build_model, comm
 from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 import runtime.verl.batch as vb
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
-from runtime.verl.config import check_engine_config, model_dtype, walk_options
+from runtime.verl.config import check_engine_config, model_dtype, model_spec, settings_of
 from runtime.verl.lora import ReferencePolicy, merged_weights
 
 __all__ = ["DTAEngine", "DTAEngineWithLMHead"]
@@ -60,12 +69,10 @@ class DTAEngine(BaseEngine):
         check_engine_config(engine_config)
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
-        self.options = walk_options(engine_config, gradient_checkpointing=bool(
-            getattr(model_config, "enable_gradient_checkpointing", False)))
+        self.spec = model_spec(model_config)
         self.dtype = model_dtype(engine_config)
-        self.lora = int(getattr(model_config, "lora_rank", 0) or 0) > 0
+        self.settings = self.core = self.policy = self.lr_scheduler = None
         self.mode = None
-        self.module = self.optimizer = self.lr_scheduler = None
         self.device = torch.device("cpu")
         self.last: dict[str, float] = {}
 
@@ -78,42 +85,53 @@ class DTAEngine(BaseEngine):
     def is_optimizer_offload_enabled(self) -> bool:
         return False
 
-    def is_mp_src_rank_with_outputs(self):
-        return True
-
     def initialize(self):
-        """Load the model from ``model_config.local_path`` in ``model_dtype`` (LoRA adapters
-        when ``lora_rank > 0``), then verl's optimizer and LR scheduler over what trains."""
-        if not dist.is_initialized():
-            raise RuntimeError("the dta engine runs inside verl's process group: initialize "
-                               "torch.distributed first (verl's workers do)")
+        """The run's settings (layout + walk) from verl's configs, then the engine core:
+        the model from ``model_config.local_path`` in ``model_dtype`` (LoRA adapters when
+        ``lora_rank > 0``), parallelized and sharded by the layout; verl's optimizer and LR
+        scheduler over what the sharding mode steps."""
+        self.settings = settings_of(self.engine_config, self.model_config,
+                                    world=comm.world_size(), rank=comm.rank())
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
-        path = self.model_config.local_path or self.model_config.path
-        model = load_model(path, dtype=self.dtype, attn_implementation="sdpa")
-        if self.lora:
-            model = self._wrap_lora(model)
-        self.module = model.to(self.device).eval()
-        self.policy = ReferencePolicy(self.module)
-        if getattr(self.module, "generation_config", None) is not None:
-            self.module.generation_config.do_sample = False
-        if not self.engine_config.forward_only and self.optimizer_config is not None:
-            from verl.workers.config.optimizer import build_optimizer
+        trains = not self.engine_config.forward_only and self.optimizer_config is not None
+        self.core = EngineCore(self._build, layout=self.settings.layout,
+                               walk=self.settings.walk,
+                               make_optimizer=self._optimizer if trains else _never_stepped,
+                               compute_dtype=self.dtype, device=self.device)
+        self.core.parallelize()
+        self.policy = ReferencePolicy(self.core.model)
+        if trains:
             from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
-            self.optimizer = build_optimizer(self._trainable(), self.optimizer_config)
-            self.rank = dist.get_rank()
+            self.rank = comm.rank()
             # verl's schedule, built by verl's own code (it reads only optimizer_config)
-            self.lr_scheduler = FSDPEngine._build_lr_scheduler(self, self.optimizer)
+            self.lr_scheduler = FSDPEngine._build_lr_scheduler(self, self.core.optimizer)
 
-    def _wrap_lora(self, model):
-        """verl's ``lora_rank`` / ``lora_alpha`` / ``target_modules`` (``all-linear``: every
-        linear layer but the head); the base frozen, dropout-free (``dta.model.lora``)."""
-        targets = self.model_config.target_modules
-        targets = "all-linear" if targets in (None, "all-linear", ["all-linear"]) else \
-            list(targets)
-        return apply_lora(model, r=int(self.model_config.lora_rank),
-                          alpha=float(self.model_config.lora_alpha), target_modules=targets)
+    def _build(self, dtype):
+        model = build_model(self.spec, dtype).eval()
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.do_sample = False
+        return model
+
+    def _optimizer(self, params):
+        from verl.workers.config.optimizer import build_optimizer
+
+        return build_optimizer(list(params), self.optimizer_config)
+
+    @property
+    def module(self):
+        """The model as the core holds it (sharded parameters are DTensors under fsdp)."""
+        return self._core().model
+
+    @property
+    def optimizer(self):
+        return None if self.core is None else self.core.optimizer
+
+    @property
+    def options(self):
+        """The walk's settings (``dta.options.WalkOptions``), resolved once for the layout."""
+        return self._core().walk
 
     def train_mode(self, **kwargs):
         return _ModeCtx(self, "train", **kwargs)
@@ -129,36 +147,31 @@ class DTAEngine(BaseEngine):
 
     # ------------------------------------------------------------ data parallel --
     def get_data_parallel_rank(self):
-        return dist.get_rank()
+        return self._core().layout.dp_rank
 
     def get_data_parallel_size(self):
-        return dist.get_world_size()
+        return self._core().layout.data_parallel
 
     def get_data_parallel_group(self):
-        return dist.group.WORLD
+        return self._core().groups.data
+
+    def is_mp_src_rank_with_outputs(self):
+        """Whether this rank heads its context-parallel group (verl collects the outputs of
+        those: every rank of a group holds the group's outputs)."""
+        return self._core().layout.is_head
 
     # ---------------------------------------------------------------- optimizer --
     def optimizer_zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
-        self.module.zero_grad(set_to_none=True)
+        """Clear the gradients and open the step (fsdp: the ranks' matched decoder calls)."""
+        self._core().zero_grad()
 
     def optimizer_step(self):
-        """Average the gradients over the data-parallel ranks (FSDP's reduction), clip by
-        ``optimizer_config.clip_grad``, step -- or skip on a non-finite norm. Returns the
-        norm before clipping."""
-        params = self._trainable()
-        if dist.get_world_size() > 1:  # one flat all-reduce (on the device: NCCL)
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= dist.get_world_size()
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        norm, _ = clip_and_step(self.module, self.optimizer, self.optimizer_config.clip_grad)
+        """The core's step: the one gradient reduction (a SUM over the world), the clip by
+        ``optimizer_config.clip_grad``, the update -- or the skip of a non-finite norm.
+        Returns the norm before clipping."""
+        if self.lr_scheduler is None:
+            raise RuntimeError("a forward-only dta engine (no optimizer_config) has no step")
+        norm, _ = self._core().optimizer_step(self.optimizer_config.clip_grad)
         return norm
 
     def lr_scheduler_step(self):
@@ -170,6 +183,7 @@ class DTAEngine(BaseEngine):
                                forward_only=False) -> dict[str, Any]:
         """The batch as one prefix tree (see the module doc); ``loss_function`` once per row,
         or none (forward only: log-probs and entropy)."""
+        core = self._core()
         model = self.policy.current
         if self.policy.off and not forward_only:
             raise NotImplementedError("the dta engine trains the LoRA adapters: training inside "
@@ -180,26 +194,21 @@ class DTAEngine(BaseEngine):
                 raise NotImplementedError(f"the batch asks for {key}=True: the dta engine "
                                           "returns log-probs and entropy only")
         rows = vb.sequences(data)
+        group, dp = core.groups.data, core.layout.data_parallel
         if "loss_mask" in data.keys():
-            vb.batch_normalizers(data, rows, self.get_data_parallel_group(), self.device)
+            vb.batch_normalizers(data, rows, group, dp, self.device)
         # each row's micro-batch on the engine's device, as verl's engines move theirs
         mbs = [mb.to(self.device) for mb in vb.one_sequence_batches(data)]
-        options = self.options.replace(temperature=vb.temperature_of(data))
+        temperature = vb.temperature_of(data)
         max_positions = getattr(model.config, "max_position_embeddings", None)
         batch = vb.walk_batch(rows, max_positions=max_positions)
         batch.validate(vocab_size=model.config.vocab_size, max_positions=max_positions,
                        required=(vb.SEQ_INDEX,))
-        walker = checked_walker(model, options=options)
-        tree = PrefixTree(batch.input_ids, min_shared=options.min_shared)
+        walker = core.walker(temperature) if model is core.model else \
+            checked_walker(model, core.walk_at(temperature))  # LoRA's base view
+        tree = PrefixTree(batch.input_ids, min_shared=core.walk.min_shared)
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
-        with torch.no_grad():
-            fwd = walker.forward(tree, batch)
         lengths = [len(r) for r in rows]
-        outputs = {"log_probs": [vb.verl_view(fwd.logprobs[i], n).detach()
-                                 for i, n in enumerate(lengths)]}
-        if entropy:
-            outputs["entropy"] = [vb.verl_view(fwd.entropy[i], n).detach()
-                                  for i, n in enumerate(lengths)]
         losses: list[float] = [0.0] * len(rows)
         metrics: dict[str, list] = {}
 
@@ -209,38 +218,59 @@ class DTAEngine(BaseEngine):
             out = {"log_probs": vb.nested([vb.verl_view(lp, n)])}
             if entropy:
                 out["entropy"] = vb.nested([vb.verl_view(ent, n)])
-            loss, row_metrics = loss_function(model_output=out, data=mbs[i],
-                                              dp_group=self.get_data_parallel_group())
+            loss, row_metrics = loss_function(model_output=out, data=mbs[i], dp_group=group)
             losses[i] = float(loss.detach())
             append_to_dict(metrics, row_metrics)
-            return loss
+            return loss / dp  # verl's x dp_size, for an average; the core sums
 
-        forwarded = fwd.tokens
-        if loss_function is not None:
-            seq_loss = SequenceLoss(per_row, (vb.SEQ_INDEX,), uses_entropy=entropy)
-            if forward_only:
-                linearize(batch, seq_loss, "sum", fwd.logprobs, fwd.entropy)
-            else:
-                with torch.enable_grad():
-                    objective, _ = linearize(batch, seq_loss, "sum", fwd.logprobs, fwd.entropy)
-                    res = walker.train(tree, objective)
-                forwarded += res.tokens + res.recomputed_tokens
-        stats = PrefixTree(rows, min_shared=options.min_shared).stats()
+        cp = context_parallel_of(core.model)
+        sent = cp.sent_bytes if cp is not None else 0
+        with core.walk_session():  # fsdp outside a step: the ranks' calls matched
+            with torch.no_grad():
+                fwd = walker.forward(tree, batch)
+            forwarded = fwd.tokens
+            if loss_function is not None:
+                seq_loss = SequenceLoss(per_row, (vb.SEQ_INDEX,), uses_entropy=entropy)
+                if forward_only:
+                    linearize(batch, seq_loss, "sum", fwd.logprobs, fwd.entropy)
+                else:
+                    with torch.enable_grad():
+                        objective, _ = linearize(batch, seq_loss, "sum", fwd.logprobs,
+                                                 fwd.entropy)
+                        res = walker.train(tree, objective)
+                    forwarded += res.tokens + res.recomputed_tokens
+        outputs = {"log_probs": [vb.verl_view(fwd.logprobs[i], n).detach()
+                                 for i, n in enumerate(lengths)]}
+        if entropy:
+            outputs["entropy"] = [vb.verl_view(fwd.entropy[i], n).detach()
+                                  for i, n in enumerate(lengths)]
+        stats = PrefixTree(rows, min_shared=core.walk.min_shared).stats()
         self.last = dict(tree_token_ratio=float(stats.sharing_ratio),
                          tree_unique_tokens=float(stats.unique_tokens),
                          tree_total_tokens=float(stats.total_tokens),
-                         dta_forwarded_tokens=float(forwarded))
+                         dta_forwarded_tokens=float(forwarded),
+                         context_parallel_sent_bytes=float(
+                             cp.sent_bytes - sent if cp is not None else 0))
         model_output = {k: vb.nested(v) for k, v in outputs.items()}
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
     # ------------------------------------------------------------------ weights --
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
-        """The weights the rollout loads, by Hugging Face name: the whole model's state (a LoRA
-        model's adapters merged into the base, as verl's ``lora.merge``), and no PEFT config."""
-        if is_peft_model(self.module):
-            return merged_weights(self.module), None
-        state = self.module.state_dict()
-        return ((name, t.detach()) for name, t in state.items()), None
+        """The weights the rollout loads, by Hugging Face name, in the compute dtype on the
+        engine's device: the core's full state (gathered where sharded: every rank calls
+        this), or a LoRA model's base with the adapters merged (verl's ``lora.merge``; LoRA
+        runs replicate / zero1, whose model holds every weight); no PEFT config."""
+        core = self._core()
+        if is_peft_model(core.model):
+            return merged_weights(core.model), None
+        state = core.full_state()
+
+        def tensors():
+            for name, t in state.items():
+                dtype = core.compute_dtype if t.is_floating_point() else t.dtype
+                yield name, t.to(device=self.device, dtype=dtype)
+
+        return tensors(), None
 
     def disable_adapter(self):
         """The base model (LoRA adapters off) inside the context: verl's reference policy's
@@ -252,34 +282,44 @@ class DTAEngine(BaseEngine):
                         global_step: int = 0, max_ckpt_to_keep: Optional[int] = None, **kwargs):
         if hdfs_path is not None:
             raise NotImplementedError("the dta engine saves to a local path (hdfs_path unset)")
-        save_checkpoint(local_path, self._named_trainable(), self.optimizer, self.lr_scheduler,
-                        step=global_step, keep=max_ckpt_to_keep)
+        save_checkpoint(self._core(), self.lr_scheduler, local_path, step=global_step,
+                        keep=max_ckpt_to_keep)
 
     def load_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None,
                         del_local_after_load: bool = True, **kwargs):
         if hdfs_path is not None:
             raise NotImplementedError("the dta engine loads from a local path (hdfs_path unset)")
-        load_checkpoint(local_path, self._named_trainable(), self.optimizer, self.lr_scheduler)
+        load_checkpoint(self._core(), self.lr_scheduler, local_path)
 
     # ------------------------------------------------------------------ helpers --
-    def _trainable(self):
-        return [p for p in self.module.parameters() if p.requires_grad]
+    def _core(self) -> EngineCore:
+        if self.core is None:
+            raise RuntimeError("the dta engine is not initialized: call initialize() first")
+        return self.core
 
-    def _named_trainable(self):
-        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+    def release_gradients(self):
+        """Free the gradients without a collective (leaving train mode; the next step's
+        ``optimizer_zero_grad`` clears the rest)."""
+        for p in self._core().model.parameters():
+            p.grad = None
+
+
+def _never_stepped(params):
+    """A forward-only engine's optimizer (the sharding modes build one): never stepped."""
+    return torch.optim.SGD(list(params), lr=0.0)
 
 
 class _ModeCtx(BaseEngineCtx):
     """verl's mode context: records the mode (the model itself stays in eval mode); leaving
-    train mode zeroes the gradients, as FSDP's does."""
+    train mode frees the gradients, as FSDP's does."""
 
     def __enter__(self):
         self.engine.mode = self.mode
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None) and \
-                self.engine.optimizer is not None:
-            self.engine.optimizer_zero_grad()
+                self.engine.core is not None:
+            self.engine.release_gradients()
         self.engine.mode = None
 
 
