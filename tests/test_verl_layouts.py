@@ -1,0 +1,164 @@
+"""The dta verl engine on the engine core's layouts, against verl 0.9.1's own FSDP engine
+(float64): two ``train_batch`` steps of verl's GRPO ``ppo_loss`` on the τ²-airline rows, on 2
+gloo ranks with ``dta_sharding: zero1``, ``dta_sharding: fsdp`` and
+``ulysses_sequence_parallel_size: 2`` (context parallelism; the sharding left to verl's
+``fsdp_size: -1``, i.e. fsdp), end at the parameters verl's FSDP engine reaches in one process
+on the whole batches (rel. <= 1e-10); the weights the rollout would load
+(``get_per_tensor_param``, gathered under fsdp) are those parameters; under context
+parallelism the ranks exchanged data; a sharded checkpoint (DCP) taken after step 1, loaded
+into a fresh engine, repeats step 2 bit-identically. Settings verl cannot honour with a layout
+are refused naming the key.
+
+The rows of each step are split over the data-parallel groups (the ranks of a
+context-parallel group receive the same rows, as verl dispatches to a Ulysses group).
+tests/test_engine_front_doors.py runs every layout (replicate / zero1 / fsdp x C = 1, 2)
+against one process through this front door."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.test_verl import (VOCAB, fp64_verl, grpo, make_engine, model_dir,  # noqa: F401
+                             params, records, rel, verl_batch, world1)
+
+pytestmark = pytest.mark.verl
+
+MODE = "seq-mean-token-mean"  # normalized by the global batch size: the rank split matters
+STEPS = [[0, 1, 2, 3, 4, 5, 6, 7, 8], [8, 6, 4, 2, 0, 1, 3]]  # two batches of the 9 rows
+# (dta_sharding, ulysses_sequence_parallel_size); None: verl's fsdp_size=-1 says (fsdp)
+LAYOUTS = [("zero1", 1), ("fsdp", 1), (None, 2)]
+WALK = {"policy": "recompute", "block_tokens": 16}  # paths over several packs: C=2 exchanges
+
+
+def use_fp64_verl() -> None:
+    """verl's dtype table with ``fp64`` in a spawned rank (the fixture's patch, by hand)."""
+    from verl.utils import torch_dtypes
+
+    original = torch_dtypes.PrecisionType.to_dtype
+    if getattr(original, "dta_fp64", False):
+        return
+
+    def to_dtype(p):
+        return torch.float64 if p in ("fp64", "float64", torch.float64) else original(p)
+
+    to_dtype.dta_fp64 = True
+    torch_dtypes.PrecisionType.to_dtype = staticmethod(to_dtype)
+
+
+def layout_engine(path: str, sharding: str | None, cp: int, **kw):
+    """The dta engine for a layout: ``dta_sharding`` (None: from ``fsdp_size=-1``) and
+    ``ulysses_sequence_parallel_size``, float64."""
+    return make_engine("dta", path, "fp64", fsdp_size=-1, dta_sharding=sharding,
+                       ulysses_sequence_parallel_size=cp, dta=dict(WALK), **kw)
+
+
+def rows_of(td, layout):
+    """This rank's rows of a step's batch: its data-parallel group's contiguous share (verl's
+    dispatch), split after verl's conversion (the whole batch's normalizers kept)."""
+    from verl.utils import tensordict_utils as tu
+
+    n, dp, g = len(td), layout.data_parallel, layout.dp_rank
+    return tu.index_select_tensor_dict(td, list(range(g * n // dp, (g + 1) * n // dp)))
+
+
+def train(engine, batches, loss) -> None:
+    """``train_batch`` and the LR schedule's step per batch (verl's grad_norm metric is on
+    the ranks verl collects outputs from: the context-parallel groups' heads)."""
+    for td in batches:
+        out = engine.train_batch(td.clone(), loss_function=loss)
+        assert ("grad_norm" in out["metrics"]) == engine.is_mp_src_rank_with_outputs()
+        engine.lr_scheduler_step()
+
+
+def _on_rank(rank: int, world: int, path: str, layouts: list, tmp: str) -> list[dict]:
+    from experiments.workloads import make_workload
+    from runtime.verl import use_cpu_platform
+
+    warnings.simplefilter("ignore")
+    use_fp64_verl()
+    use_cpu_platform()
+    recs = make_workload("tau2-airline", scale="tiny", seed=0, vocab_size=VOCAB).records
+    wholes = [verl_batch(recs, rows=r) for r in STEPS]
+    loss = grpo(MODE)
+    out = []
+    for i, (sharding, cp) in enumerate(layouts):
+        engine = layout_engine(path, sharding, cp)
+        layout = engine.core.layout
+        mine = [rows_of(td, layout) for td in wholes]
+        train(engine, mine[:1], loss)
+        fresh = resumed = None
+        if i == len(layouts) - 1:  # a sharded checkpoint after step 1, into a fresh engine
+            ckpt = os.path.join(tmp, "ckpt")
+            engine.save_checkpoint(ckpt, global_step=1)
+            fresh = layout_engine(path, sharding, cp)
+            fresh.load_checkpoint(ckpt)
+            train(fresh, mine[1:], loss)
+        train(engine, mine[1:], loss)
+        if fresh is not None:
+            a, b = params(engine), params(fresh)  # gathered: every rank
+            resumed = all(torch.equal(a[k], b[k]) for k in a) and \
+                engine.lr_scheduler.get_last_lr() == fresh.lr_scheduler.get_last_lr()
+        exported, _ = engine.get_per_tensor_param()  # gathered under fsdp: every rank
+        out.append(dict(layout=layout, params=params(engine),
+                        exported={k: v.detach().cpu() for k, v in exported},
+                        sent=engine.last["context_parallel_sent_bytes"], resumed=resumed))
+    return out
+
+
+def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64_verl, tmp_path):
+    from runtime.sharding.local import run_ranks
+
+    fsdp = make_engine("fsdp2", model_dir, "fp64")
+    loss = grpo(MODE)
+    train(fsdp, [verl_batch(records, rows=r) for r in STEPS], loss)
+    want = params(fsdp)
+    results = run_ranks(_on_rank, 2, model_dir, LAYOUTS, str(tmp_path), timeout=900.0)
+    for i, (sharding, cp) in enumerate(LAYOUTS):
+        for rank, res in enumerate(r[i] for r in results):
+            layout = res["layout"]
+            assert (layout.sharding, layout.context_parallel, layout.rank) == \
+                (sharding or "fsdp", cp, rank)
+            assert (res["sent"] > 0) == (cp > 1), (sharding, cp, rank, res["sent"])
+            what = f"dta_sharding={sharding} ulysses={cp} rank {rank}"
+            worst = max((rel(res["params"][k], want[k]), k) for k in want)
+            assert worst[0] <= 1e-10, f"{what}: {worst[1]} rel. error {worst[0]:.3e}"
+            exported = res["exported"]
+            assert set(exported) == set(fsdp.module.state_dict()), what
+            assert all(torch.equal(exported[k].double(), res["params"][k]) for k in want), what
+            if i == len(LAYOUTS) - 1:
+                assert res["resumed"] is True, f"{what}: step 2 after loading not bit-identical"
+            print(f"{what}: rel. error vs verl FSDP {worst[0]:.2e}, sent {res['sent']:.0f} B")
+
+
+def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
+    """One rank: C=2 does not divide the world; an unknown mode; dta_sharding beside a
+    non-default fsdp_size; LoRA under fsdp."""
+    from runtime.verl.config import layout_of, settings_of
+    from runtime.verl import DTAEngineConfig
+
+    with pytest.raises(ValueError, match="engine_config.ulysses_sequence_parallel_size: 2"):
+        layout_engine(model_dir, None, 2)
+    with pytest.raises(ValueError, match="engine_config.dta_sharding: 'zero3'"):
+        layout_of(DTAEngineConfig(dta_sharding="zero3"), world=2, rank=0)
+    with pytest.raises(ValueError, match="dta_sharding='zero1' with engine_config.fsdp_size=1"):
+        layout_of(DTAEngineConfig(dta_sharding="zero1", fsdp_size=1), world=2, rank=0)
+    with pytest.raises(ValueError, match="engine_config.fsdp_size=2 of 4 ranks"):
+        layout_of(DTAEngineConfig(fsdp_size=2), world=4, rank=0)
+    assert layout_of(DTAEngineConfig(fsdp_size=1), world=4, rank=0).sharding == "replicate"
+    assert layout_of(DTAEngineConfig(), world=4, rank=3).sharding == "fsdp"
+    assert layout_of(DTAEngineConfig(dta_sharding="fsdp"), world=1, rank=0).sharding == \
+        "replicate"  # one rank holds everything
+
+    class LoRA:
+        path, lora_rank, lora_alpha, target_modules = model_dir, 4, 8, "all-linear"
+
+    with pytest.raises(NotImplementedError, match="fsdp_size=-1 \\(fsdp\\) with model_config."
+                                                  "lora_rank=4"):
+        settings_of(DTAEngineConfig(), LoRA(), world=2, rank=0)
+    layout = settings_of(DTAEngineConfig(dta_sharding="zero1", ulysses_sequence_parallel_size=2),
+                         LoRA(), world=4, rank=3).layout
+    assert (layout.sharding, layout.data_parallel, layout.dp_rank, layout.is_head) == \
+        ("zero1", 2, 1, False)
