@@ -11,6 +11,8 @@ the first; AReaL's ``DTATrainEngine`` and verl's ``DTAEngine`` join when they ar
 the core."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -30,18 +32,23 @@ def _rel_l2(a, b):
 
 
 # ------------------------------------------------------------------ front doors --
+def run_config(world, mode, cp):
+    """What every front door trains: ``dta train``'s run config (blocks of 16 tokens: the
+    paths span several packs, so C = 2 spreads their K/V)."""
+    return load_config(None, ["workload.scale=tiny", "model.dtype=float64",
+                              "walker.policy=recompute", "walker.block_tokens=16",
+                              "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
+                              f"train.sharding={mode}", f"ray.num_workers={world}",
+                              f"train.context_parallel={cp}"])
+
+
 def ray_worker(rank, world, mode, cp):
     """``dta train``'s worker: the run config, the driver's resolved settings, 2 steps of
     the driver's batches (the trees balanced over the data-parallel groups)."""
     from tests.test_sharding import _step
     from tests.workers import local_worker
 
-    # blocks of 16 tokens: the paths span several packs, so C = 2 spreads their K/V
-    cfg = load_config(None, ["workload.scale=tiny", "model.dtype=float64",
-                             "walker.policy=recompute", "walker.block_tokens=16",
-                             "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
-                             f"train.sharding={mode}", f"ray.num_workers={world}",
-                             f"train.context_parallel={cp}"])
+    cfg = run_config(world, mode, cp)
     w = local_worker(cfg, rank, world, truly_float64=True)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     assert all(s["updated"] for s in stats)
@@ -49,7 +56,18 @@ def ray_worker(rank, world, mode, cp):
             "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats)}
 
 
-FRONT_DOORS = {"ray_worker": ray_worker}
+def verl_engine(rank, world, mode, cp):
+    """verl's ``DTAEngine`` (``strategy: dta``; ``dta_sharding``,
+    ``ulysses_sequence_parallel_size``): the run config's model, batches, loss and optimizer
+    as verl writes them, 2 ``train_batch`` steps (tests/test_verl_layouts.py: front_door)."""
+    from tests.test_verl_layouts import front_door
+
+    return front_door(rank, world, mode, cp, run_config(world, mode, cp))
+
+
+FRONT_DOORS = {"ray_worker": ray_worker, "verl": verl_engine}
+# the optional extras a door needs (absent: that door's cases skip, saying so)
+EXTRAS = {"verl": "verl"}
 
 
 # ------------------------------------------------------------------------ tests --
@@ -66,7 +84,19 @@ def _reference(door):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("door", list(FRONT_DOORS))
+def _doors(*skip):
+    out = []
+    for door in FRONT_DOORS:
+        if door in skip:
+            continue
+        extra = EXTRAS.get(door)
+        missing = extra is not None and importlib.util.find_spec(extra) is None
+        out.append(pytest.param(door, marks=pytest.mark.skipif(
+            missing, reason=f"the optional {extra} extra is not installed")))
+    return out
+
+
+@pytest.mark.parametrize("door", _doors())
 def test_every_layout_equals_one_process(door):
     ref = _reference(door)
     results = run_ranks(_on_ranks, WORLD, door, LAYOUTS, timeout=900.0)
@@ -82,3 +112,16 @@ def test_every_layout_equals_one_process(door):
         print(f"{door} {mode} C={cp}: relative L2 vs one process "
               f"{max(_rel_l2(r[i]['state'], ref['state']) for r in results):.2g}, sent "
               f"{[r[i]['sent'] for r in results]} bytes")
+
+
+@pytest.mark.parametrize("door", _doors("ray_worker"))
+def test_front_doors_agree(door):
+    """The same batches, loss and optimizer through another front door end where the Ray
+    worker ends, in one process (each door's layouts equal its own one process above)."""
+    ref = _reference("ray_worker")
+    got = _reference(door)
+    assert set(got["state"]) == set(ref["state"])
+    err = _rel_l2(got["state"], ref["state"])
+    assert err <= TOL, f"{door} vs ray_worker: relative L2 {err:.3g}"
+    assert got["param_norm"] == pytest.approx(ref["param_norm"], rel=TOL)
+    print(f"{door} vs ray_worker, one process, 2 steps: relative L2 {err:.2g}")

@@ -96,7 +96,8 @@ def engine_kw(dtype: str, **extra) -> dict:
 
 
 def make_engine(backend: str, path: str, dtype: str, *, clip_grad: float = 1.0, lr: float = LR,
-                dta: dict | None = None, remove_padding: bool = True, **engine):
+                weight_decay: float = 0.01, dta: dict | None = None, remove_padding: bool = True,
+                **engine):
     """verl's engine for ``backend`` from the registry (``fsdp2``: verl's own FSDP engine, built
     directly: verl registers it for cuda / npu only), initialized."""
     from verl.workers.config import FSDPEngineConfig
@@ -104,7 +105,7 @@ def make_engine(backend: str, path: str, dtype: str, *, clip_grad: float = 1.0, 
 
     model = HFModelConfig(path=path, use_remove_padding=remove_padding,
                           override_config={"attn_implementation": "sdpa"})
-    optim = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, weight_decay=0.01,
+    optim = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
                                 lr_warmup_steps=0, total_training_steps=10)
     if backend == "dta":
         cfg = DTAEngineConfig(**{**engine_kw(dtype), **engine}, dta=dict(dta or {}))

@@ -162,3 +162,89 @@ def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
                          LoRA(), world=4, rank=3).layout
     assert (layout.sharding, layout.data_parallel, layout.dp_rank, layout.is_head) == \
         ("zero1", 2, 1, False)
+
+
+# --------------------------------------------- the front door (test_engine_front_doors) --
+def front_door(rank: int, world: int, mode: str, cp: int, cfg) -> dict:
+    """verl's ``DTAEngine`` as a front door of tests/test_engine_front_doors.py, on what the
+    Ray worker trains there (``cfg``, a validated run config): the same model saved as a
+    local Hugging Face folder, the same batches as verl's trainer hands them to an engine
+    (``records_to_verl``: the advantages and old log-probs of ``dta_cli``'s batch), the run
+    config's loss as verl writes it (``ppo_loss``, vanilla clip, token-mean, no entropy or KL
+    term; ``clip_ratio_c`` so large that the dual clip never binds, as the run config's
+    ``loss.dual_clip: null``), verl's AdamW with the run config's settings and verl's constant
+    LR schedule; ``dta_sharding=mode``, ``ulysses_sequence_parallel_size=cp``; 2
+    ``train_batch`` steps, the rows of each split over the data-parallel groups."""
+    import functools
+
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from dta_cli.batches import BatchSource
+    from runtime.verl import use_cpu_platform
+    from runtime.verl.records import records_to_verl
+
+    warnings.simplefilter("ignore")
+    use_fp64_verl()
+    use_cpu_platform()
+    lo, o, w = cfg.loss, cfg.optimizer, cfg.walker
+    if (lo.name, lo.dual_clip, lo.decoupled, lo.entropy_coef, o.name) != \
+            ("ppo", None, False, 0.0, "adamw") or tuple(o.betas) != (0.9, 0.999) or \
+            float(o.eps) != 1e-8 or float(cfg.actor.temperature) != 1.0:
+        raise ValueError("the verl front door translates the default ppo loss, AdamW (betas "
+                         "0.9/0.999, eps 1e-8) and temperature 1 only")
+    path = _door_model(cfg)
+    engine = make_engine("dta", path, "fp64", fsdp_size=-1, dta_sharding=mode,
+                         ulysses_sequence_parallel_size=cp, lr=float(o.lr),
+                         clip_grad=float(o.max_grad_norm), weight_decay=float(o.weight_decay),
+                         dta={"policy": str(w.policy), "block_tokens": int(w.block_tokens)})
+    eps_high = lo.eps_clip_high if lo.eps_clip_high is not None else lo.eps_clip
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                         loss_agg_mode="token-mean", clip_ratio_low=float(lo.eps_clip),
+                         clip_ratio_high=float(eps_high), clip_ratio_c=1e30, entropy_coeff=0.0)
+    loss = functools.partial(ppo_loss, config)
+    source, sent = BatchSource(cfg, VOCAB), 0
+    for step in range(2):
+        batch = source.batch(step)
+        if not (batch.weight == 1.0).all():
+            raise ValueError("the verl front door trains unweighted sequences only")
+        recs = [{"input_ids": batch.input_ids[i], "loss_mask": batch.fields["loss_mask"][i],
+                 "advantages": batch.fields["advantages"][i],
+                 "logprobs": batch.fields["old_logprobs"][i]} for i in range(len(batch))]
+        td = records_to_verl(recs, temperature=1.0, dtype=torch.float64,
+                             calculate_entropy=False)
+        train(engine, [rows_of(td, engine.core.layout)], loss)
+        sent += int(engine.last["context_parallel_sent_bytes"])
+    return {"state": engine.core.full_state(),  # gathered under fsdp: every rank
+            "param_norm": engine.core.param_norm(), "layout": engine.core.layout,
+            "sent": sent}
+
+
+_DOOR_MODELS: dict[str, str] = {}
+
+
+def _door_model(cfg) -> str:
+    """The run config's model (built as the Ray worker builds it) in a local Hugging Face
+    folder with a word-level tokenizer, once per process (removed at its exit). Written
+    without ``save_pretrained``, which writes on rank 0 of a process group only."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    from dta.model.models import save_word_tokenizer
+    from runtime.ray_runtime.worker import build_replica
+
+    key = str(cfg.model)
+    if key not in _DOOR_MODELS:
+        path = tempfile.mkdtemp(prefix="dta-verl-door-")
+        atexit.register(shutil.rmtree, path, True)
+        model = build_replica(cfg)
+        model.config.architectures = [type(model).__name__]  # as save_pretrained writes it
+        model.config.save_pretrained(path)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(path)
+        save_model(model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        _DOOR_MODELS[key] = save_word_tokenizer(path, VOCAB)
+    return _DOOR_MODELS[key]
