@@ -7,8 +7,10 @@ really exchanged between the ranks.
 A front door is an entry of ``FRONT_DOORS``: ``train(rank, world, mode, C)`` runs 2 steps
 through it on this rank and returns ``{"state", "param_norm", "layout", "sent"}``; the
 reference is ``train(0, 1, "replicate", 1)``. The Ray worker (``DFSWorker``, without Ray) is
-the first; AReaL's ``DTATrainEngine`` and verl's ``DTAEngine`` join when they are adapters of
-the core."""
+the first, verl's ``DTAEngine`` the second (the run config's batches, loss and optimizer as
+verl writes them; its one process also ends where the Ray worker's does:
+``test_front_doors_agree``); AReaL's ``DTATrainEngine`` joins when it is an adapter of the
+core. A door that needs an optional extra skips, saying so, where it is not installed."""
 from __future__ import annotations
 
 import importlib.util
