@@ -170,6 +170,7 @@ def run(args) -> dict:
                       f"{', '.join(f'{x:.4f}' for x in metrics['grad_norm'])}, prefix sharing "
                       f"{', '.join(f'{x:.2f}x' for x in metrics['tree_token_ratio'])}")
         return dict(engine=type(actor).__name__, strategy=actor_cfg.engine.strategy,
+                    layout=actor.core.layout.record(),
                     walk_options={k: str(v) for k, v in actor.options.as_dict().items()},
                     steps=history)
     finally:
