@@ -7,13 +7,19 @@
   into one replica, or a replicated checkpoint cut into this rank's shards
   (``runtime.sharding.reshard``); anything else is refused before a parameter is touched;
 - the model as a Hugging Face folder (``save_pretrained``, compute dtype; LoRA: the adapter
-  in PEFT format or merged weights), gathered where sharded.
+  in PEFT format or merged weights), gathered where sharded;
+- the whole weights in the compute dtype, tensor by tensor or as a state dict (what a
+  rollout's weight update sends: FSDP's layers gathered, never the fp32 masters), and whole
+  tensors loaded back into the model, its shards and its masters.
 """
 from __future__ import annotations
 
 import os
 
-__all__ = ["save", "load", "export_hf"]
+import torch
+
+__all__ = ["save", "load", "export_hf", "named_full_tensors", "full_state_dict",
+           "load_full_state"]
 
 
 def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = None,
@@ -72,10 +78,82 @@ def export_hf(core, path: str, *, merged: bool = False) -> str:
         os.makedirs(path, mode=0o755, exist_ok=True)
         core.model.save_pretrained(path)
         return path
-    state = core.mode.full_state()
+    state = full_state_dict(core, keep=rank0)  # the gathers on every rank, held by rank 0
     if rank0:
-        state = {k: v.to(core.compute_dtype) if v.is_floating_point() else v
-                 for k, v in state.items()}
         os.makedirs(path, mode=0o755, exist_ok=True)
         core.model.save_pretrained(path, state_dict=state)
     return path
+
+
+# ------------------------------------------------------------- whole tensors --
+def _whole(core, p: torch.Tensor) -> torch.Tensor:
+    t = p.detach()
+    if hasattr(t, "full_tensor"):  # an FSDP2 DTensor: all-gather (a collective)
+        t = t.full_tensor()
+    if t.is_floating_point() and t.dtype != core.compute_dtype:
+        t = t.to(core.compute_dtype)
+    return t
+
+
+def named_full_tensors(core):
+    """``(name, whole tensor in the compute dtype)`` per parameter (every rank iterates)."""
+    for name, p in core.model.named_parameters():
+        yield name, _whole(core, p)
+
+
+@torch.no_grad()
+def full_state_dict(core, *, keep: bool = True) -> dict:
+    """The model's state dict, whole tensors in the compute dtype on CPU (tied weights under
+    both names); ``keep=False``: the gathers only, ``{}`` returned."""
+    by_id: dict[int, torch.Tensor | None] = {}
+    full: dict[str, torch.Tensor | None] = {}
+    for name, p in core.model.named_parameters(remove_duplicate=False):
+        if id(p) not in by_id:
+            t = _whole(core, p)
+            by_id[id(p)] = t.cpu().clone() if keep else None
+        full[name] = by_id[id(p)]
+    if not keep:
+        return {}
+    for name, b in core.model.named_buffers():
+        full[name] = b.detach().cpu().clone()
+    return {k: full[k] for k in core.model.state_dict() if k in full}
+
+
+@torch.no_grad()
+def load_full_state(core, state: dict, *, what: str) -> None:
+    """Whole tensors into the model (FSDP's shards: this rank's part), then the masters
+    from them: ``replicate``'s, zero1's flat slices, fsdp's vocabulary slices (its layers'
+    DTensors are their own masters). Every parameter must be in ``state``, and nothing else
+    but the model's state-dict keys (``what`` names the source in the error)."""
+    model = core.model
+    named = list(model.named_parameters())
+    missing = [n for n, _ in named if n not in state]
+    unexpected = sorted(set(state) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match the model: missing {missing[:5]}"
+                         f"{' …' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{' …' if len(unexpected) > 5 else ''}")
+    for name, p in named:
+        src = state[name]
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(src.shape)}, the model "
+                             f"{tuple(p.shape)}")
+    for name, p in named:
+        src = state[name].to(device=p.device, dtype=p.dtype)
+        if hasattr(p, "device_mesh"):  # FSDP2: this rank's shard of the whole tensor
+            from torch.distributed.tensor import distribute_tensor
+
+            src = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
+        p.copy_(src)
+    for name, b in model.named_buffers():
+        if name in state:
+            b.copy_(state[name].to(device=b.device, dtype=b.dtype))
+    mode = core.mode
+    if hasattr(mode, "load_masters"):  # replicate's masters
+        mode.load_masters(state)
+    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None)):
+        if flat is not None:  # zero1's / fsdp's vocabulary flat shards: their master slices
+            for pc in flat.pieces:
+                src = state[flat.names[pc.index]].reshape(-1)[pc.start:pc.stop]
+                flat.master[pc.offset:pc.offset + pc.stop - pc.start].copy_(
+                    src.to(device=flat.master.device, dtype=flat.master.dtype))

@@ -16,7 +16,9 @@ an optimizer factory, the compute dtype and the device -- and its batches into a
    the walk with the run's one ``WalkOptions`` object, the one gradient reduction, the
    clip, the update or the skip of a non-finite one (``runtime.engine.step``);
 4. checkpoints (DCP where sharded), Hugging Face export, the full state dict and the
-   parameter norm (``runtime.engine.checkpoint``).
+   parameter norm (``runtime.engine.checkpoint``); the whole weights in the compute dtype
+   for a rollout's weight update, and whole tensors loaded back (:meth:`named_full_tensors`,
+   :meth:`full_state_dict`, :meth:`load_full_state`).
 
 The walk settings are used as given: never rebuilt, never patched (a walk that lacks what the
 layout's mode needs is refused at construction).
@@ -61,11 +63,14 @@ class StepOutcome:
 
 
 class EngineCore:
-    """See the module doc. ``build(dtype) -> nn.Module``; ``make_optimizer(params)``."""
+    """See the module doc. ``build(dtype) -> nn.Module``; ``make_optimizer(params)``;
+    ``master_dtype``: the master weights' dtype (None: the mode's own -- ``zero1`` / ``fsdp``
+    keep fp32 masters under 16-bit compute, ``replicate`` none; given: ``replicate`` keeps
+    masters in it, a sharded mode checks it is its own)."""
 
     def __init__(self, build: Callable[[torch.dtype], torch.nn.Module], *,
                  layout: ParallelLayout, walk: WalkOptions,
-                 make_optimizer: Callable, compute_dtype, device="cpu"):
+                 make_optimizer: Callable, compute_dtype, device="cpu", master_dtype=None):
         from runtime.sharding import mode_class
 
         check_walk(walk, layout)
@@ -73,22 +78,30 @@ class EngineCore:
         self.make_optimizer = make_optimizer
         self.compute_dtype = resolve_dtype(compute_dtype)
         self.device = torch.device(device)
-        stored = mode_class(layout.sharding).storage_dtype(self.compute_dtype)
+        masters = resolve_dtype(master_dtype) if master_dtype is not None else None
+        stored = mode_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
         self.model = build(stored).to(self.device)
+        if not mode_class(layout.sharding).holds_frozen and any(
+                not p.requires_grad for p in self.model.parameters()):
+            raise ValueError(f"sharding={layout.sharding} trains every weight; this model "
+                             "has frozen ones (a LoRA base): use replicate or zero1 (the "
+                             "adapters' gradients and optimizer state are small)")
         self.mode = None  # the sharding mode, made by parallelize()
         self.groups = ProcessGroups()
         self.reduction = Reduction()
 
     # ------------------------------------------------------------------ setup --
-    def parallelize(self) -> "EngineCore":
+    def parallelize(self, groups: ProcessGroups | None = None) -> "EngineCore":
         """Groups, context parallelism, who reduces what, sharding (see the module doc):
-        once, on every rank, after ``torch.distributed`` is initialized (one rank: without)."""
+        once, on every rank, after ``torch.distributed`` is initialized (one rank: without).
+        ``groups``: the layout's groups when the front door made them already
+        (``build_groups(layout)``, e.g. before it builds the model)."""
         from dta.model.context_parallel import parallelize_context
         from runtime.sharding import make_mode
 
         if self.mode is not None:
             raise RuntimeError("the engine core is parallelized already")
-        self.groups = build_groups(self.layout)
+        self.groups = groups if groups is not None else build_groups(self.layout)
         if self.layout.context_parallel > 1:
             self.model = parallelize_context(self.model, self.groups.context)
         self.reduction = reduction_of(self.layout, self.model)
@@ -108,6 +121,12 @@ class EngineCore:
     @property
     def optimizer(self):
         return self._require().optimizer
+
+    @property
+    def matched_calls(self) -> bool:
+        """Whether the ranks' decoder calls are kept matched (fsdp): a model call outside the
+        core's walks (:meth:`walk_session`, a step) would unmatch them."""
+        return getattr(self._require(), "sync", None) is not None
 
     # ------------------------------------------------------------------- walks --
     def walker(self, temperature: float | None = None):
@@ -216,6 +235,36 @@ class EngineCore:
 
     def state_bytes(self) -> dict:
         return self._require().state_bytes()
+
+    def sharded_state(self) -> dict:
+        """DCP's view of the training state (every rank's part: the stepped weights -- the
+        masters where kept -- and the optimizer state), loaded in place."""
+        return self._require().sharded_state()
+
+    def named_full_tensors(self):
+        """``(name, whole tensor in the compute dtype)`` per parameter, in the model's order
+        (sharded: gathered, a collective per tensor: every rank iterates)."""
+        from runtime.engine import checkpoint
+
+        self._require()
+        return checkpoint.named_full_tensors(self)
+
+    def full_state_dict(self, keep: bool = True) -> dict:
+        """The model's state dict in the compute dtype on CPU, whole tensors (what a rollout
+        serves; tied weights under both names). Every rank calls it; ``keep=False`` takes
+        part in the gathers without holding the result (returns ``{}``)."""
+        from runtime.engine import checkpoint
+
+        self._require()
+        return checkpoint.full_state_dict(self, keep=keep)
+
+    def load_full_state(self, state: dict, *, what: str) -> None:
+        """Whole tensors (e.g. a Hugging Face folder read on every rank) into the model, its
+        shards and its masters; every parameter must be there (``what`` names the source)."""
+        from runtime.engine import checkpoint
+
+        self._require()
+        checkpoint.load_full_state(self, state, what=what)
 
     def gradients(self) -> dict:
         """CPU copies of the model's gradients (replicated: after the step, reduced and

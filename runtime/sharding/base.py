@@ -72,14 +72,22 @@ class ShardingMode:
 
     name: ClassVar[str]
     sharded: ClassVar[bool] = True  # state split over the ranks: DCP checkpoints
+    holds_frozen: ClassVar[bool] = True  # can hold weights it does not train (a LoRA base)
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
 
     @classmethod
-    def storage_dtype(cls, compute: torch.dtype) -> torch.dtype:
-        """The dtype the model is built in (masters for a sharded mode)."""
-        return master_dtype_for(compute) if cls.sharded else compute
+    def storage_dtype(cls, compute: torch.dtype, masters: torch.dtype | None = None
+                      ) -> torch.dtype:
+        """The dtype the model is built in: its master weights' (a sharded mode keeps
+        ``master_dtype_for(compute)``; ``masters``, when given, must be that). ``replicate``
+        keeps masters only when asked (:mod:`.replicate`)."""
+        kept = master_dtype_for(compute) if cls.sharded else compute
+        if masters is not None and masters != kept:
+            raise ValueError(f"sharding={cls.name} keeps {kept} master weights for "
+                             f"{compute} compute, not {masters}")
+        return kept
 
     @classmethod
     def walk_needs(cls, policy: str) -> dict:

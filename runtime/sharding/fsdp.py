@@ -46,6 +46,8 @@ def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 @register("fsdp")
 class FSDP(ShardingMode):
+    holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
+
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
                  policy: str = "recompute", divide_factor: int = 1):
         from torch.distributed.device_mesh import init_device_mesh

@@ -1,9 +1,18 @@
 """``replicate``: every rank holds the whole model, its gradients and the optimizer state;
-the gradients are all-reduced (SUM, flat buckets) and every replica steps alike."""
+the gradients are all-reduced (SUM, flat buckets) and every replica steps alike.
+
+Master weights (a mode fact, as zero1 / fsdp keep theirs): a model built in a wider dtype
+than the compute dtype (:meth:`Replicate.storage_dtype` with ``masters``, e.g. fp32 under
+bf16 compute, AReaL's ``optimizer_dtype``) keeps those weights as masters: the model holds
+their cast, the gradients are reduced, clipped and stepped in the masters' dtype, and after
+the step the model's ``.grad`` holds the clipped gradients cast back (as FSDP2's parameters
+hold theirs). Without ``masters`` the model is built in the compute dtype and stepped as it is.
+"""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.sharding.base import ShardingMode, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
@@ -41,33 +50,87 @@ def allreduce_gradients(params, bucket_elems: int = 1 << 24, group=None) -> None
         p.grad = g if n > 0 else None
 
 
+class ReplicaState(Stateful):
+    """DCP's view of a replica: what the optimizer steps (the masters where kept), keyed by
+    the model's parameter names, and the optimizer state keyed by them too; ``loaded()``
+    runs after a load (the masters' cast into the model)."""
+
+    def __init__(self, named, optimizer, loaded=None):
+        from runtime.dcp import param_holder
+
+        self.module, self.optimizer, self.loaded = param_holder(named), optimizer, loaded
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.module)}
+        model, optim = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state_dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None:
+            set_model_state_dict(self.module, model_state_dict=state_dict["model"])
+        else:
+            set_state_dict(self.module, self.optimizer, model_state_dict=state_dict["model"],
+                           optim_state_dict=state_dict["optim"])
+        if self.loaded is not None:
+            self.loaded()
+
+
 @register("replicate")
 class Replicate(ShardingMode):
     sharded = False
 
+    @classmethod
+    def storage_dtype(cls, compute: torch.dtype, masters: torch.dtype | None = None):
+        """The compute dtype, or the masters' dtype where masters are asked for."""
+        return compute if masters is None else masters
+
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, **_):
         self.model, self.group = model, group
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        built = next(model.parameters()).dtype
+        self.masters = None  # fp32 (the built dtype) copies of the trained parameters
+        if compute_dtype is not None and built != compute_dtype:
+            self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         if compute_dtype is not None:
-            self.model.to(compute_dtype)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params)
+            self.model.to(compute_dtype)  # the parameter objects stay (the masters map on them)
+        self.optimizer = make_optimizer(self.stepped)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self._grad_bytes = 0
 
+    @property
+    def stepped(self) -> list:
+        """What the optimizer steps: the masters where kept, else the trained parameters."""
+        return self.masters if self.masters is not None else self.params
+
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        if self.masters is not None:
+            for m in self.masters:
+                m.grad = None
 
     @property
     def local_grad_params(self) -> list:
         return list(self.params)
 
     def reduce_gradients(self) -> None:
-        self._grad_bytes = sum(tensor_bytes(p.grad) for p in self.params)
+        if self.masters is not None:  # reduced in the masters' dtype (fp32 under bf16)
+            for m, p in zip(self.masters, self.params):
+                m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
+                p.grad = None
+        self._grad_bytes = sum(tensor_bytes(p.grad) for p in self.stepped)
         if self.world > 1:
-            allreduce_gradients(self.params, group=self.group)
+            allreduce_gradients(self.stepped, group=self.group)
 
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
+        return [p.grad for p in self.stepped if p.grad is not None]
 
     def grad_norm(self) -> float:
         grads = self._grads()  # as torch.nn.utils.clip_grad_norm_ computes it
@@ -77,24 +140,46 @@ class Replicate(ShardingMode):
         for g in self._grads():
             g.mul_(coef)
 
+    @torch.no_grad()
     def apply_update(self) -> None:
         self.optimizer.step()  # the gradients stay (readable after the step)
+        if self.masters is not None:  # the model holds the masters' cast, and their grads
+            self._masters_to_model()
+            for m, p in zip(self.masters, self.params):
+                p.grad = None if m.grad is None else m.grad.to(p.dtype)
+
+    @torch.no_grad()
+    def _masters_to_model(self) -> None:
+        for m, p in zip(self.masters or [], self.params):
+            p.copy_(m)
 
     def discard_gradients(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
+
+    @torch.no_grad()
+    def load_masters(self, state: dict) -> None:
+        """The masters from whole tensors (``state`` by parameter name; those absent: from
+        the model's parameters), after the model's weights were replaced."""
+        if self.masters is None:
+            return
+        for m, name, p in zip(self.masters, self.names, self.params):
+            m.copy_(state[name] if name in state else p)
 
     def state_bytes(self) -> dict:
         # every weight held (a LoRA model's frozen base too); grads/optimizer: trained only
-        return {"params": sum(tensor_bytes(p) for p in self.model.parameters()),
+        masters = sum(tensor_bytes(m) for m in self.masters or [])
+        return {"params": sum(tensor_bytes(p) for p in self.model.parameters()) + masters,
                 "grads": self._grad_bytes, "optimizer": optimizer_bytes(self.optimizer)}
 
     @torch.no_grad()
     def param_norm(self) -> float:
-        return float(sum(p.double().pow(2).sum() for p in self.params) ** 0.5)
+        return float(sum(p.double().pow(2).sum() for p in self.stepped) ** 0.5)
 
     def sharded_state(self) -> dict:
-        """Replicas hold everything: model and optimizer as plain (replicated) state."""
-        return {"model": self.model, "optimizer": self.optimizer}
+        """DCP's view (every rank holds all of it): the stepped weights by name (masters
+        where kept) and the optimizer state."""
+        return {"replicate": ReplicaState(list(zip(self.names, self.stepped)), self.optimizer,
+                                          loaded=self._masters_to_model)}
 
     @torch.no_grad()
     def full_state(self) -> dict:
