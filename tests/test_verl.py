@@ -97,14 +97,15 @@ def engine_kw(dtype: str, **extra) -> dict:
 
 def make_engine(backend: str, path: str, dtype: str, *, clip_grad: float = 1.0, lr: float = LR,
                 weight_decay: float = 0.01, dta: dict | None = None, remove_padding: bool = True,
-                **engine):
+                model: dict | None = None, **engine):
     """verl's engine for ``backend`` from the registry (``fsdp2``: verl's own FSDP engine, built
-    directly: verl registers it for cuda / npu only), initialized."""
+    directly: verl registers it for cuda / npu only), initialized; ``model``: more
+    ``HFModelConfig`` keys."""
     from verl.workers.config import FSDPEngineConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     model = HFModelConfig(path=path, use_remove_padding=remove_padding,
-                          override_config={"attn_implementation": "sdpa"})
+                          override_config={"attn_implementation": "sdpa"}, **(model or {}))
     optim = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
                                 lr_warmup_steps=0, total_training_steps=10)
     if backend == "dta":

@@ -7,7 +7,7 @@ on the whole batches (rel. <= 1e-10); the weights the rollout would load
 (``get_per_tensor_param``, gathered under fsdp) are those parameters; under context
 parallelism the ranks exchanged data; a sharded checkpoint (DCP) taken after step 1, loaded
 into a fresh engine, repeats step 2 bit-identically. Settings verl cannot honour with a layout
-are refused naming the key.
+are refused naming the key (LoRA under fsdp: the core's refusal, with verl's keys).
 
 The rows of each step are split over the data-parallel groups (the ranks of a
 context-parallel group receive the same rows, as verl dispatches to a Ulysses group).
@@ -83,6 +83,12 @@ def _on_rank(rank: int, world: int, path: str, layouts: list, tmp: str) -> list[
     recs = make_workload("tau2-airline", scale="tiny", seed=0, vocab_size=VOCAB).records
     wholes = [verl_batch(recs, rows=r) for r in STEPS]
     loss = grpo(MODE)
+    lora = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+    try:  # LoRA under fsdp (verl's fsdp_size=-1 on 2 ranks): the core's refusal, verl's keys
+        layout_engine(path, None, 1, model=lora)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
     out = []
     for i, (sharding, cp) in enumerate(layouts):
         engine = layout_engine(path, sharding, cp)
@@ -102,7 +108,7 @@ def _on_rank(rank: int, world: int, path: str, layouts: list, tmp: str) -> list[
             resumed = all(torch.equal(a[k], b[k]) for k in a) and \
                 engine.lr_scheduler.get_last_lr() == fresh.lr_scheduler.get_last_lr()
         exported, _ = engine.get_per_tensor_param()  # gathered under fsdp: every rank
-        out.append(dict(layout=layout, params=params(engine),
+        out.append(dict(layout=layout, params=params(engine), lora_refused=refused,
                         exported={k: v.detach().cpu() for k, v in exported},
                         sent=engine.last["context_parallel_sent_bytes"], resumed=resumed))
     return out
@@ -130,12 +136,15 @@ def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64
             assert all(torch.equal(exported[k].double(), res["params"][k]) for k in want), what
             if i == len(LAYOUTS) - 1:
                 assert res["resumed"] is True, f"{what}: step 2 after loading not bit-identical"
+            assert res["lora_refused"] is not None and res["lora_refused"].startswith(
+                "engine_config.fsdp_size=-1 (fsdp), model_dtype=fp64, model_config.lora_rank=4: "
+                "sharding=fsdp"), res["lora_refused"]
             print(f"{what}: rel. error vs verl FSDP {worst[0]:.2e}, sent {res['sent']:.0f} B")
 
 
 def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
     """One rank: C=2 does not divide the world; an unknown mode; dta_sharding beside a
-    non-default fsdp_size; LoRA under fsdp."""
+    non-default fsdp_size; hybrid sharding (LoRA under fsdp: on the ranks above)."""
     from runtime.verl.config import layout_of, settings_of
     from runtime.verl import DTAEngineConfig
 
@@ -152,14 +161,13 @@ def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
     assert layout_of(DTAEngineConfig(dta_sharding="fsdp"), world=1, rank=0).sharding == \
         "replicate"  # one rank holds everything
 
-    class LoRA:
-        path, lora_rank, lora_alpha, target_modules = model_dir, 4, 8, "all-linear"
+    class Model:
+        path, enable_gradient_checkpointing = model_dir, True
 
-    with pytest.raises(NotImplementedError, match="fsdp_size=-1 \\(fsdp\\) with model_config."
-                                                  "lora_rank=4"):
-        settings_of(DTAEngineConfig(), LoRA(), world=2, rank=0)
-    layout = settings_of(DTAEngineConfig(dta_sharding="zero1", ulysses_sequence_parallel_size=2),
-                         LoRA(), world=4, rank=3).layout
+    settings = settings_of(DTAEngineConfig(dta_sharding="zero1", ulysses_sequence_parallel_size=2),
+                           Model(), world=4, rank=3)
+    layout = settings.layout
+    assert settings.walk.policy == "recompute"  # verl's gradient checkpointing
     assert (layout.sharding, layout.data_parallel, layout.dp_rank, layout.is_head) == \
         ("zero1", 2, 1, False)
 

@@ -37,7 +37,7 @@ from verl.workers.config import FSDPEngineConfig
 from verl.workers.config.engine import EngineConfig
 
 __all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "check_engine_config",
-           "sharding_of", "layout_of", "model_spec", "settings_of"]
+           "sharding_of", "layout_of", "model_spec", "settings_of", "sharding_keys"]
 
 # verl's dtype spellings (verl.utils.torch_dtypes) and the one it lacks, for verification
 _DTYPES = {"fp32": "float32", "32": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -170,13 +170,17 @@ def settings_of(engine_config, model_config, *, world: int, rank: int) -> RunSet
     """The run's settings, resolved once: the layout (:func:`layout_of`) and the walk
     (:func:`walk_options`, with what the sharding mode needs: ``runtime.engine.settle``)."""
     layout = layout_of(engine_config, world=world, rank=rank)
-    lora = int(getattr(model_config, "lora_rank", 0) or 0)
-    if lora > 0 and layout.sharding == "fsdp":
-        key = "engine_config.dta_sharding=fsdp" if engine_config.dta_sharding is not None \
-            else f"engine_config.fsdp_size={engine_config.fsdp_size} (fsdp)"
-        raise NotImplementedError(f"{key} with model_config.lora_rank={lora}: LoRA under fsdp "
-                                  "is not supported; set engine_config.dta_sharding to "
-                                  "replicate or zero1")
     walk = walk_options(engine_config, gradient_checkpointing=bool(
         getattr(model_config, "enable_gradient_checkpointing", False)))
     return settle(walk, layout)
+
+
+def sharding_keys(engine_config, model_config, layout: ParallelLayout) -> str:
+    """The verl keys that chose ``layout``'s sharding mode and what it holds (for the core's
+    refusals: a mode that cannot hold a LoRA base, a dtype it does not keep)."""
+    chose = f"engine_config.dta_sharding={layout.sharding}" \
+        if engine_config.dta_sharding is not None else \
+        f"engine_config.fsdp_size={engine_config.fsdp_size} ({layout.sharding})"
+    lora = int(getattr(model_config, "lora_rank", 0) or 0)
+    return f"{chose}, model_dtype={engine_config.model_dtype}" + \
+        (f", model_config.lora_rank={lora}" if lora > 0 else "")

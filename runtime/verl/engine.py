@@ -53,7 +53,8 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 import runtime.verl.batch as vb
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
-from runtime.verl.config import check_engine_config, model_dtype, model_spec, settings_of
+from runtime.verl.config import (check_engine_config, model_dtype, model_spec, settings_of,
+                                 sharding_keys)
 from runtime.verl.lora import ReferencePolicy, merged_weights
 
 __all__ = ["DTAEngine", "DTAEngineWithLMHead"]
@@ -95,10 +96,16 @@ class DTAEngine(BaseEngine):
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         trains = not self.engine_config.forward_only and self.optimizer_config is not None
-        self.core = EngineCore(self._build, layout=self.settings.layout,
-                               walk=self.settings.walk,
-                               make_optimizer=self._optimizer if trains else _never_stepped,
-                               compute_dtype=self.dtype, device=self.device)
+        try:
+            self.core = EngineCore(self._build, layout=self.settings.layout,
+                                   walk=self.settings.walk,
+                                   make_optimizer=self._optimizer if trains else _never_stepped,
+                                   compute_dtype=self.dtype, device=self.device)
+        except ValueError as exc:  # the sharding mode's refusal, with the keys that chose it
+            if not str(exc).startswith("sharding="):
+                raise
+            keys = sharding_keys(self.engine_config, self.model_config, self.settings.layout)
+            raise ValueError(f"{keys}: {exc}") from None
         self.core.parallelize()
         self.policy = ReferencePolicy(self.core.model)
         if trains:
