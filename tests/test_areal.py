@@ -238,8 +238,10 @@ def reference_train_batch(model, optimizer, batch, loss_fn, temperature, clip):
         w = loss_weight_fn(mb)
         if w == 0:
             continue
+        # FSDPEngine's ratio, in the model's dtype (float32: FSDPEngine's own; float64: the
+        # exact weight, as DTA takes it -- a float32 ratio would round each weight)
         loss = loss_fn(logp[:n], ent[:n], mb, vocab_min_logits=vmin[:n],
-                       vocab_max_logits=vmax[:n]) * (w / total)
+                       vocab_max_logits=vmax[:n]) * (w / total.to(logits.dtype))
         loss.backward()
         losses.append(float(loss.detach()))
     params = [p for p in model.parameters() if p.grad is not None]
@@ -372,7 +374,7 @@ def test_train_batch_matches_reference_float64(model_dir, records, eager_areal, 
     cfg = engine_config(model_dir, n)
     # blocks of 7 tokens (actor.dta.block_tokens): every longer node is walked in pieces
     eng = new_engine(cfg, DTAOptions(policy="recompute", dtype="float64", block_tokens=7))
-    assert eng._walker().options.block_tokens == 7
+    assert eng.core.walker().options.block_tokens == 7
     assert next(eng.model.parameters()).dtype == torch.float64
     make_truly_float64(eng.model)
     ref_model = load_model(model_dir, dtype="float64")
@@ -630,15 +632,15 @@ def test_bfloat16_compute_with_float32_master_weights(model_dir, records, eager_
     n = len(records)
     eng = new_engine(engine_config(model_dir, n, dtype="bfloat16"))
     assert next(eng.model.parameters()).dtype == torch.bfloat16
-    assert all(m.dtype == torch.float32 for m in eng.master.master)
+    assert all(m.dtype == torch.float32 for m in eng.core.mode.masters)
     base = convert.from_records(records)
     lp = eng.forward_batch(ids_only(base))
     assert lp.dtype == torch.float32  # AReaL's log-probs are float32 whatever the model dtype
-    before = [m.detach().clone() for m in eng.master.master]
+    before = [m.detach().clone() for m in eng.core.mode.masters]
     stats = eng.train_batch(make_train_batch(records, lp), grpo(), loss_weight_fn)
     assert stats["update_successful"] == 1.0
-    assert any(not torch.equal(a, m) for a, m in zip(before, eng.master.master))
-    for m, p in zip(eng.master.master, eng.model.parameters()):
+    assert any(not torch.equal(a, m) for a, m in zip(before, eng.core.mode.masters))
+    for m, p in zip(eng.core.mode.masters, eng.model.parameters()):
         assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
     state = next(iter(eng.optimizer.state.values()))
     assert state["exp_avg"].dtype == torch.float32

@@ -28,7 +28,7 @@ from areal.api.cli_args import OptimizerConfig  # noqa: E402
 from areal.api.io_struct import SaveLoadMeta  # noqa: E402
 
 from runtime.areal import DTAOptions, DTATrainEngine  # noqa: E402
-from runtime.areal.sharded import resolve_sharding  # noqa: E402
+from runtime.areal.parallel import layout_of  # noqa: E402
 from runtime.sharding.local import run_ranks  # noqa: E402
 from tests.test_areal import (FT_SPEC, VOCAB, engine_config, grpo, loss_weight_fn,  # noqa: E402
                               make_train_batch, model_dir)  # noqa: F401  (fixture)
@@ -51,10 +51,10 @@ def _rank_setup():
     import torch._dynamo
     from areal.utils import stats_tracker
 
-    import runtime.areal.engine as engine_module
+    from dta.model import models
     from dta.model.models import make_truly_float64
 
-    stat, load = stats_tracker.stat, engine_module.load_model
+    stat, load = stats_tracker.stat, models.load_model
 
     def stat_float32(*args, **kwargs):
         return stat(*args, **{k: v.float() if torch.is_tensor(v) and v.is_floating_point()
@@ -65,12 +65,12 @@ def _rank_setup():
         make_truly_float64(model)
         return model
 
-    stats_tracker.stat, engine_module.load_model = stat_float32, load_truly
+    stats_tracker.stat, models.load_model = stat_float32, load_truly
     try:
         with torch._dynamo.config.patch(disable=True):
             yield
     finally:
-        stats_tracker.stat, engine_module.load_model = stat, load
+        stats_tracker.stat, models.load_model = stat, load
 
 
 def _engine(path, world, mode, policy, dtype, optimizer=None):
@@ -397,13 +397,120 @@ def test_dcp_round_trip_continues_bit_identically(runs, mode):
 
 
 def test_sharding_is_resolved_as_fsdp_dn_means_it():
-    assert resolve_sharding(None, 1) == "replicate"
-    assert resolve_sharding("fsdp", 1) == "replicate"  # one rank: nothing to shard
-    assert resolve_sharding(None, 2) == "fsdp"  # AReaL's fsdp:d2
-    assert resolve_sharding(None, 2, trains=False) == "replicate"  # a reference model
-    assert resolve_sharding("replicate", 4) == "replicate"
-    assert resolve_sharding("zero1", 4) == "zero1"
+    def mode(option, world, C=1, trains=True):
+        return layout_of(option, world=world, context_parallel=C, trains=trains).sharding
+
+    assert mode(None, 1) == "replicate"
+    assert mode("fsdp", 1) == "replicate"  # one rank: nothing to shard
+    assert mode(None, 2) == "fsdp"  # AReaL's fsdp:d2
+    assert mode(None, 2, C=2) == "replicate"  # fsdp:d1c2: one data-parallel rank
+    assert mode(None, 4, C=2) == "fsdp"  # fsdp:d2c2
+    assert mode("zero1", 2, C=2) == "zero1"  # given: over the whole world
+    assert mode(None, 2, trains=False) == "replicate"  # a reference model
+    assert mode("replicate", 4) == "replicate"
+    assert mode("zero1", 4) == "zero1"
     with pytest.raises(ValueError, match="needs an optimizer"):
-        resolve_sharding("zero1", 2, trains=False)
+        layout_of("zero1", world=2, trains=False)
+    with pytest.raises(ValueError, match="actor.dta.sharding"):
+        layout_of("zero3", world=2)
     with pytest.raises(ValueError, match="unknown DTA sharding 'zero3'"):
         DTAOptions(sharding="zero3")
+
+
+# ------------------------------------------- the front door (test_engine_front_doors) --
+def _model_dir(cfg) -> str:
+    """The run config's model (``model.family`` / ``size`` / ``seed``, built in
+    ``model.dtype``) as a local Hugging Face folder for AReaL's ``config.path`` (a fresh
+    temporary folder: the caller removes it)."""
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    from dta.model.models import build_model
+
+    m = cfg.model
+    path = tempfile.mkdtemp(prefix="dta-front-door-")
+    # written by hand: save_pretrained writes on torch.distributed's rank 0 only
+    model = build_model(str(m.family), str(m.size), dtype=str(m.dtype), seed=int(m.seed))
+    model.config.save_pretrained(path)
+    save_model(model, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def _dta_loss(logprobs, entropy, mb, *, loss, **_):
+    """A DTA token loss (the run config's ``loss``) through AReaL's loss API: one sequence's
+    packed tensors (AReaL's rolled fields), its token mean; weighed by its trainable tokens
+    (``loss_weight_fn``), the batch's loss is DTA's token mean."""
+    mask = mb["loss_mask"].to(logprobs.dtype)
+    fields = {"advantages": mb["advantages"].to(logprobs.dtype),
+              "old_logprobs": mb["logprobs"].to(logprobs.dtype)}
+    return (loss.values(logprobs, entropy, fields) * mask).sum() / mask.sum()
+
+
+def front_door(rank, world, mode, cp, cfg):
+    """AReaL's ``DTATrainEngine`` as a front door of tests/test_engine_front_doors.py: the run
+    config's model, walk, loss (DTA's PPO through AReaL's ``loss_fn`` / ``loss_weight_fn``)
+    and optimizer (AReaL's ``OptimizerConfig``) on ``fsdp:d{W/C}c{C}`` +
+    ``actor.dta.sharding``; the run config's batches as AReaL's right-padded training dicts
+    (each data-parallel group its share, as the Ray trainer hands them out); 2
+    ``train_batch`` steps."""
+    import functools
+    import shutil
+
+    from areal.api.cli_args import MicroBatchSpec, TrainEngineConfig
+
+    from dta.config.schema import loss_kwargs
+    from dta.config.walk import walk_options
+    from dta.losses import make_loss
+    from dta.model import models
+    from dta.model.context_parallel import context_parallel_of
+    from dta.planning.workers import assign_workers
+    from dta.tree import PrefixTree
+    from dta_cli.batches import BatchSource
+    from runtime.areal import convert
+
+    oc, dp = cfg.optimizer, world // cp
+    path = _model_dir(cfg)
+    config = TrainEngineConfig(
+        experiment_name="front-doors", trial_name="areal", path=path,
+        attn_impl=str(cfg.model.attn_implementation), backend=f"fsdp:d{dp}c{cp}",
+        temperature=float(cfg.actor.temperature), mb_spec=MicroBatchSpec(n_mbs=1),
+        optimizer=OptimizerConfig(type="adam", lr=float(oc.lr),
+                                  weight_decay=float(oc.weight_decay), beta1=float(oc.betas[0]),
+                                  beta2=float(oc.betas[1]), eps=float(oc.eps),
+                                  gradient_clipping=float(oc.max_grad_norm),
+                                  lr_scheduler_type="constant", warmup_steps_proportion=0.0))
+    options = DTAOptions.of(walk_options(cfg), dtype=str(cfg.model.dtype), sharding=mode)
+    load = models.load_model
+
+    def truly_float64(*args, **kwargs):  # as the Ray door's truly_float64, before sharding
+        model = load(*args, **kwargs)
+        models.make_truly_float64(model)
+        return model
+
+    models.load_model = truly_float64
+    try:
+        eng = DTATrainEngine(config, options)
+        eng.create_process_group()
+        eng.initialize(None, FT_SPEC)
+    finally:
+        models.load_model = load
+        shutil.rmtree(path, ignore_errors=True)
+    loss_fn = functools.partial(_dta_loss, loss=make_loss(cfg.loss.name, **loss_kwargs(cfg)))
+    cpo = context_parallel_of(eng.model)
+    sent = cpo.sent_bytes if cpo is not None else 0
+    source = BatchSource(cfg, VOCAB)
+    for k in range(2):
+        batch = source.batch(k)
+        mine = batch.subset(assign_workers(PrefixTree(batch.input_ids), dp).workers[rank // cp])
+        records = [{"input_ids": mine.input_ids[i],
+                    **{f: mine.fields[f][i] for f in ("loss_mask", "advantages",
+                                                       "old_logprobs")}}
+                   for i in range(len(mine))]
+        stats = eng.train_batch(convert.from_records(records, logprobs_dtype=torch.float64),
+                                loss_fn, lambda mb: mb["loss_mask"].count_nonzero())
+        assert stats["update_successful"] == 1.0
+    out = {"state": eng.core.full_state(), "param_norm": eng.param_norm(),
+           "layout": eng.core.layout, "sent": (cpo.sent_bytes - sent) if cpo is not None else 0}
+    eng.destroy()
+    return out

@@ -7,10 +7,12 @@ really exchanged between the ranks.
 A front door is an entry of ``FRONT_DOORS``: ``train(rank, world, mode, C)`` runs 2 steps
 through it on this rank and returns ``{"state", "param_norm", "layout", "sent"}``; the
 reference is ``train(0, 1, "replicate", 1)``. The Ray worker (``DFSWorker``, without Ray) is
-the first, verl's ``DTAEngine`` the second (the run config's batches, loss and optimizer as
-verl writes them; its one process also ends where the Ray worker's does:
-``test_front_doors_agree``); AReaL's ``DTATrainEngine`` joins when it is an adapter of the
-core. A door that needs an optional extra skips, saying so, where it is not installed."""
+the first, verl's ``DTAEngine`` the second and AReaL's ``DTATrainEngine`` the third (the run
+config's batches, loss and optimizer as each writes them -- AReaL: ``fsdp:dNcM`` +
+``actor.dta.sharding``, its padded batches, DTA's PPO through its ``loss_fn`` /
+``loss_weight_fn``; each one process also ends where the Ray worker's does:
+``test_front_doors_agree``). A door that needs an optional extra skips, saying so, where it
+is not installed."""
 from __future__ import annotations
 
 import importlib.util
@@ -67,9 +69,18 @@ def verl_engine(rank, world, mode, cp):
     return front_door(rank, world, mode, cp, run_config(world, mode, cp))
 
 
-FRONT_DOORS = {"ray_worker": ray_worker, "verl": verl_engine}
+def areal_engine(rank, world, mode, cp):
+    """AReaL's ``DTATrainEngine`` (``fsdp:d{W/C}c{C}`` + ``actor.dta.sharding``): the run
+    config's model, batches, loss and optimizer as AReaL writes them, 2 ``train_batch`` steps
+    (tests/test_areal_sharding.py: front_door)."""
+    from tests.test_areal_sharding import front_door
+
+    return front_door(rank, world, mode, cp, run_config(world, mode, cp))
+
+
+FRONT_DOORS = {"ray_worker": ray_worker, "verl": verl_engine, "areal": areal_engine}
 # the optional extras a door needs (absent: that door's cases skip, saying so)
-EXTRAS = {"verl": "verl"}
+EXTRAS = {"verl": "verl", "areal": "areal"}
 
 
 # ------------------------------------------------------------------------ tests --

@@ -1,20 +1,19 @@
-"""``save`` / ``load`` of ``DTATrainEngine`` in AReaL's two formats, as ``FSDPEngine`` has them:
+"""``save`` / ``load`` of ``DTATrainEngine`` in AReaL's two formats, as ``FSDPEngine`` has them,
+mapped onto the engine core's state:
 
-* ``hf``: ``save_pretrained`` on rank 0 (weights in the compute dtype) plus the
-  tokenizer/processor when given; ``with_optim`` adds ``optim_world_size_{W}_rank_{r}.pt``.
-  Loading reads a local directory only; nothing is ever downloaded.
-* ``dcp``: ``torch.distributed.checkpoint`` of the parameters the optimizer steps (the fp32
-  masters with mixed precision), the optimizer state when ``with_optim``, and the LR
-  scheduler, through the project's sharded-checkpoint module ``runtime/dcp.py``
-  (``runtime/areal/dcp.py``) — what AReaL's ``RecoverHandler`` writes and reads.
-
-Sharded (``actor.dta.sharding`` zero1 / fsdp, ``runtime/areal/sharded.py``): ``hf`` gathers
-the whole weights (compute dtype) and rank 0 writes them; loading fills the shards and the
-fp32 masters. ``dcp`` writes the sharded state itself — every rank its slice of the masters
-and of the optimizer state, the step counts, the LR scheduler — and loads it in place at the
-same world size. Refused there, naming the reason: ``hf`` with ``with_optim`` (the optimizer
-state is sharded: use ``dcp``) and ``dcp`` without ``with_optim`` (the sharded state holds
-the masters and the optimizer state together: use ``hf`` for weights only).
+* ``hf``: the core's Hugging Face export (``EngineCore.export_hf``: ``save_pretrained`` in
+  the compute dtype, gathered where sharded, written by rank 0; LoRA: the adapter folder with
+  the base config and no tokenizer, as FSDPEngine) plus the tokenizer/processor when given;
+  ``with_optim`` adds ``optim_world_size_{W}_rank_{r}.pt`` (replicated only: sharded, the
+  optimizer state is split over the ranks, use ``dcp``). Loading reads a local directory
+  only (nothing is ever downloaded) into the core (``EngineCore.load_full_state``: the
+  weights, FSDP's shards and the masters).
+* ``dcp``: the core's DCP view (``EngineCore.sharded_state``: the weights the optimizer steps
+  -- the fp32 masters where kept -- and the optimizer state, every rank its part) plus AReaL's
+  LR scheduler, in AReaL's recover folder (``runtime/areal/dcp.py``) -- what AReaL's
+  ``RecoverHandler`` writes and reads; loaded in place at the same world size and mode.
+  With an optimizer, ``with_optim=False`` is refused (the state holds the weights with the
+  optimizer's: use ``hf`` for the weights alone).
 
 A failure to write or read storage (a full disk, a missing file, one wrapped by DCP) is one
 line saying what was being done, on which rank, and the cause with its path — an ``OSError``
@@ -30,81 +29,66 @@ import torch
 
 from areal.api.io_struct import SaveLoadMeta
 
-__all__ = ["CheckpointMixin", "load_hf_weights", "local_state_dict", "local_tokenizer"]
+from runtime.engine import comm
+
+__all__ = ["CheckpointMixin", "load_hf_into_core", "load_hf_weights", "local_state_dict",
+           "local_tokenizer"]
 
 
 class CheckpointMixin:
-    """The checkpoint members of the engine (needs ``model``, ``optimizer``, ``parallel``,
-    ``master``, ``_trainable``, ``_require_model``, ``_require_optimizer``)."""
+    """The checkpoint members of the engine (needs ``core``, ``groups``, ``rank``,
+    ``world_size``, ``use_lora``, ``lr_scheduler``, ``_require_model``,
+    ``_require_optimizer``, ``_offload_aware``)."""
 
     def _optim_path(self, path: str) -> str:
-        return os.path.join(path, f"optim_world_size_{self.parallel.world_size}_rank_"
-                                  f"{self.parallel.rank}.pt")
-
-    def _stepped_parameters(self):
-        """``[(name, Parameter)]`` the optimizer steps: the fp32 masters under the model's
-        parameter names with mixed precision, else the model's own trainable parameters."""
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        params = self.master.master if self.master is not None else self._trainable()
-        return list(zip(names, params))
+        return os.path.join(path, f"optim_world_size_{self.world_size}_rank_{self.rank}.pt")
 
     def save(self, meta: SaveLoadMeta):
-        """``hf`` (see the module doc) or ``dcp``."""
+        """``hf`` or ``dcp`` (see the module doc)."""
         self._require_model()
         _check_format(meta.weight_format)
         with self._offload_aware(), _says(f"saving the engine ({meta.weight_format}) to "
-                                          f"{str(meta.path)!r} on rank {self.parallel.rank}",
+                                          f"{str(meta.path)!r} on rank {self.rank}",
                                           str(meta.path)):
             if meta.weight_format == "dcp":
                 self._save_dcp(meta)
             else:
                 self._save_hf(meta)
-        self.parallel.barrier()
+        comm.barrier(self.groups.cpu)
 
-    def _save_dcp(self, meta: SaveLoadMeta):
-        from runtime.areal.dcp import save_dcp, save_state
-
-        if self.layout is not None:
-            self._check_sharded_dcp(meta)
-            save_state(str(meta.path), self._sharded_dcp_state(), step=self.get_version(),
-                       sharding=self.sharding)
-            return
+    def _dcp_state(self, meta: SaveLoadMeta) -> dict:
         if meta.with_optim:
             self._require_optimizer()
-        save_dcp(str(meta.path), self._stepped_parameters(),
-                 self.optimizer if meta.with_optim else None,
-                 self.lr_scheduler if meta.with_optim else None, step=self.get_version())
-
-    def _check_sharded_dcp(self, meta: SaveLoadMeta) -> None:
-        self._require_optimizer()
-        if not meta.with_optim:
+        elif self.optimizer is not None:
             raise ValueError(f"weight_format='dcp' with with_optim=False under "
-                             f"actor.dta.sharding={self.sharding}: the sharded state holds the "
-                             "fp32 masters with the optimizer state; save weight_format='hf' "
-                             "for the weights alone")
-
-    def _sharded_dcp_state(self) -> dict:
-        state = dict(self.layout.dcp_state())
+                             f"actor.dta.sharding={self.sharding}: the DCP state holds the "
+                             "weights the optimizer steps (the fp32 masters where kept) with "
+                             "the optimizer state; save weight_format='hf' for the weights "
+                             "alone")
+        state = dict(self.core.sharded_state())
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler
         return state
 
-    def _check_sharded_hf(self, meta: SaveLoadMeta) -> None:
-        if self.layout is not None and meta.with_optim:
+    def _save_dcp(self, meta: SaveLoadMeta):
+        from runtime.areal.dcp import save_state
+
+        save_state(str(meta.path), self._dcp_state(meta), step=self.get_version(),
+                   sharding=self.sharding)
+
+    def _check_hf(self, meta: SaveLoadMeta) -> None:
+        if self.core.layout.sharded and meta.with_optim:
             raise ValueError(f"weight_format='hf' with with_optim=True under "
                              f"actor.dta.sharding={self.sharding}: the optimizer state is "
                              "sharded over the ranks; use weight_format='dcp'")
 
     def _save_hf(self, meta: SaveLoadMeta):
-        self._check_sharded_hf(meta)
-        os.makedirs(meta.path, exist_ok=True)
-        if self.layout is not None:  # gathered on every rank's part, written by rank 0
-            state = self.layout.full_state_dict(keep=self.parallel.rank == 0)
-            if self.parallel.rank == 0:
-                self.model.save_pretrained(meta.path, state_dict=state)
-        elif self.parallel.rank == 0:
-            self.model.save_pretrained(meta.path)  # LoRA: the adapter (PEFT format)
-        if self.parallel.rank == 0:
+        self._check_hf(meta)
+        main = self.rank == 0
+        if main or self.core.layout.sharded:  # sharded: gathered on every rank's part
+            self.core.export_hf(meta.path)
+        if main:
+            os.makedirs(meta.path, exist_ok=True)
             if self.use_lora:  # as FSDPEngine: the base config beside the adapter, no tokenizer
                 self.model.config.save_pretrained(meta.path)
             if meta.tokenizer is not None and not self.use_lora:
@@ -115,6 +99,7 @@ class CheckpointMixin:
             self._require_optimizer()
             from runtime.checkpoints.checkpoint import save_tensors  # a failed write names the file
 
+            os.makedirs(meta.path, exist_ok=True)
             save_tensors(self.optimizer.state_dict(), self._optim_path(meta.path))
 
     def load(self, meta: SaveLoadMeta):
@@ -124,43 +109,26 @@ class CheckpointMixin:
         self._require_model()
         _check_format(meta.weight_format)
         with self._offload_aware(), _says(f"loading the engine ({meta.weight_format}) from "
-                                          f"{str(meta.path)!r} on rank {self.parallel.rank}",
+                                          f"{str(meta.path)!r} on rank {self.rank}",
                                           str(meta.path)):
             if meta.weight_format == "dcp":
                 self._load_dcp(meta)
             else:
                 self._load_hf(meta)
-        self.parallel.barrier()
+        comm.barrier(self.groups.cpu)
 
     def _load_dcp(self, meta: SaveLoadMeta):
-        from runtime.areal.dcp import load_dcp, load_state
+        from runtime.areal.dcp import load_state
 
-        if self.layout is not None:
-            self._check_sharded_dcp(meta)
-            load_state(str(meta.path), self._sharded_dcp_state(), sharding=self.sharding)
-            if self.lr_scheduler is not None:  # the shards carry no param_groups: the
-                # optimizer steps with the restored schedule's learning rate
-                for group, lr in zip(self.optimizer.param_groups,
-                                     self.lr_scheduler.get_last_lr()):
-                    group["lr"] = lr
-            return
-        if meta.with_optim:
-            self._require_optimizer()
-        load_dcp(str(meta.path), self._stepped_parameters(),
-                 self.optimizer if meta.with_optim else None,
-                 self.lr_scheduler if meta.with_optim else None)
-        if self.master is not None:
-            self.master.master_to_model()
+        load_state(str(meta.path), self._dcp_state(meta), sharding=self.sharding)
+        if self.lr_scheduler is not None:  # a flat shard carries no param_groups: the
+            # optimizer steps with the restored schedule's learning rate
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
 
     def _load_hf(self, meta: SaveLoadMeta):
-        self._check_sharded_hf(meta)
-        if self.layout is not None:
-            self.layout.load_full_state(local_state_dict(meta.path),
-                                        what=f"checkpoint {meta.path!r}")
-            return
-        load_hf_weights(self.model, meta.path, what="checkpoint")
-        if self.master is not None:
-            self.master.model_to_master()
+        self._check_hf(meta)
+        load_hf_into_core(self.core, meta.path, what=f"checkpoint {meta.path!r}")
         if meta.with_optim:
             self._require_optimizer()
             from runtime.checkpoints.checkpoint import load_tensors  # tensors only
@@ -237,6 +205,24 @@ def load_adapter(model, path: str, *, what: str):
         raise ValueError(f"{what} {path!r} does not match the model's adapters: unexpected "
                          f"{sorted(unexpected)[:5]}{', empty' if not state else ''}")
     return model, state
+
+
+def load_hf_into_core(core, path: str, *, what: str) -> None:
+    """An HF folder into the engine core (its weights, shards and masters): every parameter
+    must be there (a tied ``lm_head.weight`` may be absent), nothing else. A LoRA model takes
+    an adapter folder (:func:`load_adapter`, in place)."""
+    from dta.model.lora import is_peft_model
+
+    model = core.model
+    if is_peft_model(model):
+        if not is_adapter_dir(path):
+            raise ValueError(f"{what} holds no adapter_config.json: a LoRA model loads PEFT "
+                             "adapter folders")
+        load_adapter(model, path, what=what)
+        state = {n: p.detach() for n, p in model.named_parameters()}  # the masters from them
+    else:
+        state = local_state_dict(path)
+    core.load_full_state(state, what=what)
 
 
 def load_hf_weights(model, path: str, *, what: str) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from runtime.engine import comm
+
 __all__ = ["OffloadMixin"]
 
 
@@ -25,8 +27,8 @@ def _move(tensor: torch.Tensor | None, device: torch.device, pin: bool):
 
 
 class OffloadMixin:
-    """The offload members (needs ``model``, ``master``, ``optimizer``, ``device``,
-    ``parallel``)."""
+    """The offload members (needs ``core``, ``model``, ``optimizer``, ``device``,
+    ``groups``)."""
 
     is_offload = False
     _offload_depth = 0
@@ -34,8 +36,10 @@ class OffloadMixin:
     def _place(self, device: torch.device) -> None:
         pin = device.type == "cpu" and torch.cuda.is_available()
         params = list(self.model.parameters())
-        if self.master is not None:
-            params += self.master.master
+        if self.optimizer is not None:  # what it steps: the fp32 masters where kept
+            held = {id(p) for p in params}
+            params += [p for g in self.optimizer.param_groups for p in g["params"]
+                       if id(p) not in held]
         with torch.no_grad():
             for p in params:  # the gradient leaves first: it must match the data's device
                 grad, p.grad = p.grad, None
@@ -60,7 +64,7 @@ class OffloadMixin:
         Refused under a sharded layout (zero1 / fsdp): its master slices, optimizer views
         and FSDP's DTensors are not moved by this code."""
         self._require_model()
-        if getattr(self, "layout", None) is not None:
+        if self.core.layout.sharded:
             raise NotImplementedError(
                 f"offload() under actor.dta.sharding={self.sharding} is not supported (the "
                 "sharded masters and optimizer state stay on the device); set "
@@ -68,7 +72,7 @@ class OffloadMixin:
         if not self.is_offload:
             self._place(torch.device("cpu"))
             self.is_offload = True
-        self.parallel.barrier()
+        comm.barrier(self.groups.cpu)
 
     def onload(self) -> None:
         """Everything :meth:`offload` moved back to the engine's device."""
@@ -76,7 +80,7 @@ class OffloadMixin:
         if self.is_offload:
             self._place(self.device)
             self.is_offload = False
-        self.parallel.barrier()
+        comm.barrier(self.groups.cpu)
 
     @contextlib.contextmanager
     def _offload_aware(self):

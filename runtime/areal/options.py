@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 from dta.options import WalkOptions
+from dta.planning.memory import MODES
 
-__all__ = ["DTAOptions", "SHARDING_MODES"]
+__all__ = ["DTAOptions"]
 
-SHARDING_MODES = ("replicate", "zero1", "fsdp")
 _WALK = WalkOptions()  # the defaults, written once in dta/options.py
 # WalkOptions field -> how an AReaL config spells it
 SPELLING = {"policy": "actor.dta.policy", "logits_chunk": "actor.dta.logits_chunk",
@@ -34,13 +34,13 @@ class DTAOptions:
         nodes are never cut.
     dtype: the model's and the optimizer's dtype, overriding ``config.dtype`` and
         ``config.optimizer_dtype`` (e.g. ``float64`` for verification, which AReaL rejects).
-    sharding: how the data-parallel ranks hold the model (``runtime.sharding``):
-        ``replicate`` (full replicas, gradients averaged), ``zero1`` (compute parameters
+    sharding: how the ranks hold the model (the engine core's modes):
+        ``replicate`` (full replicas, gradients summed), ``zero1`` (compute parameters
         gathered once per step, fp32 masters and optimizer state sharded, one reduce-scatter
         per step) or ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer: ZeRO-3, the layout of
         AReaL's FSDPEngine). Unset (default): ``fsdp:dN`` with N > 1 shards as AReaL's does,
-        ``fsdp`` (:func:`runtime.areal.sharded.resolve_sharding`). One rank has nothing to
-        shard.
+        ``fsdp`` (:func:`runtime.areal.parallel.layout_of`). One rank has nothing to
+        shard. The names are ``dta.planning.memory.MODES``, the one list.
     """
 
     policy: str | None = None
@@ -51,9 +51,10 @@ class DTAOptions:
     sharding: str | None = None
 
     def __post_init__(self):
-        if self.sharding is not None and self.sharding not in SHARDING_MODES:
-            raise ValueError(f"unknown DTA sharding {self.sharding!r}; choose one of "
-                             f"{SHARDING_MODES} (or leave it unset: fsdp:dN shards)")
+        if self.sharding is not None and self.sharding not in MODES:
+            raise ValueError(f"unknown DTA sharding {self.sharding!r} (actor.dta.sharding); "
+                             f"choose one of {tuple(MODES)} (or leave it unset: fsdp:dN "
+                             "shards)")
         self.walk_options()  # the walk settings' validation, naming actor.dta.<field>
 
     @classmethod

@@ -1,15 +1,18 @@
-"""``DataParallel``: how a ``DTATrainEngine`` is laid out over processes.
+"""How a ``DTATrainEngine`` is laid out over its processes: AReaL's allocation translated
+into the engine core's :class:`~runtime.engine.ParallelLayout`.
 
-Under ``replicate`` every rank holds a full replica of the model; gradients are averaged over
-the ranks before the step. This class holds what the training path needs of ``torch.distributed``: the groups
-AReaL's ``TrainEngine`` API exposes (data-parallel, model-parallel, the gloo CPU group), the
-rank and world size, the model placement (:meth:`prepare_model`) and the gradient reduction
-(:meth:`reduce_gradients`). The sharded layouts (``zero1`` / ``fsdp``,
-``runtime/areal/sharded.py``) replace these two methods and shard over ``dp_group``: as in
-FSDPEngine (no sequence or tensor parallelism), the data-parallel group is the whole world,
-``data_parallel_rank`` / ``_world_size`` are the rank and the world size, and each rank heads
-its own model-parallel group of one. (The weight-update group to the inference servers is ``rollout.py``'s; DCP's
-collectives are ``dcp.py``'s.)
+AReaL's backend string ``fsdp:dNcM`` (or an explicit ``ParallelStrategy``) gives the
+context-parallel size M (``c``: ranks walking the same trees, their K/V spread over the
+group) over the N·M processes running; ``actor.dta.sharding`` gives the sharding mode, or --
+unset -- what AReaL's ``fsdp:dN`` means: ``fsdp`` over N > 1 data-parallel ranks,
+``replicate`` on one (``d1cM``) or for an engine without an optimizer (:func:`layout_of`).
+Tensor, pipeline and expert parallelism are refused (:func:`strategy_of`).
+
+The process groups are the core's (``runtime.engine.layout.build_groups``, made once):
+AReaL's data-parallel group is the layout's ``data`` group (the world when M = 1), its
+model-parallel group the ``context`` group (this rank alone when M = 1), its CPU group the
+gloo ``cpu`` group. ``torch.distributed`` itself is initialized here when it is not
+(:func:`init_default_group`, as FSDPEngine does), and destroyed by the engine that did.
 """
 from __future__ import annotations
 
@@ -19,9 +22,16 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "init_default_group", "strategy_of"]
+from runtime.engine import LayoutError, ParallelLayout, ProcessGroups, comm
+from runtime.engine.layout import build_groups
+
+__all__ = ["GroupsMixin", "init_default_group", "layout_of", "strategy_of"]
 
 _REFUSED = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
+# ParallelLayout field -> how AReaL spells it
+SPELLING = {"world": "the processes running (AReaL's allocation)",
+            "context_parallel": "the allocation's context-parallel size (fsdp:dNcM: M)",
+            "sharding": "actor.dta.sharding"}
 
 
 def strategy_of(backend, parallel_strategy=None):
@@ -43,6 +53,30 @@ def strategy_of(backend, parallel_strategy=None):
     return strategy
 
 
+def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank: int = 0,
+              trains: bool = True) -> ParallelLayout:
+    """The engine core's layout of an AReaL engine: ``actor.dta.sharding`` (``option``) as
+    given, or unset what AReaL's ``fsdp:dN`` means -- ``fsdp`` over more than one
+    data-parallel rank, else ``replicate`` (one data-parallel rank, or an engine without an
+    optimizer: a reference model is held whole). Errors name AReaL's keys."""
+    if option is None:
+        data_parallel = world // context_parallel if world % context_parallel == 0 else world
+        option = "fsdp" if trains and data_parallel > 1 else "replicate"
+        given = False
+    else:
+        given = True
+    try:
+        layout = ParallelLayout.make(world=world, context_parallel=context_parallel,
+                                     sharding=option, rank=rank, spelling=SPELLING)
+    except LayoutError as exc:
+        raise ValueError(str(exc)) from None
+    if given and layout.sharded and not trains:
+        raise ValueError(f"actor.dta.sharding={option} needs an optimizer: an engine with "
+                         "optimizer=None is inference only and runs replicated "
+                         "(leave actor.dta.sharding unset)")
+    return layout
+
+
 def init_default_group() -> bool:
     """Initialize ``torch.distributed`` if it is not: ``env://`` with the platform's backend
     when ``WORLD_SIZE`` > 1 (as FSDPEngine does), else a one-process group through a file
@@ -61,173 +95,91 @@ def init_default_group() -> bool:
     return True
 
 
-class DataParallel:
-    """Data-parallel replicas over the whole world. ``create`` initializes
-    ``torch.distributed`` when it is not, as FSDPEngine does (``env://`` when ``WORLD_SIZE`` >
-    1, a file-store group for one process: AReaL's loop, its rollout coordination and its RPC
-    workers all call collectives on the default group), and owns it then. Before ``create``
-    the groups are ``None`` and the rank is 0."""
-
-    def __init__(self):
-        self.rank, self.world_size = 0, 1
-        self.context_parallel = 1  # ranks per tree (AReaL's ``c``)
-        self.cp_group = None  # this rank's context-parallel group (None: c = 1)
-        self.dp_group = self.mp_group = self.cpu_group = None
-        self.own_global_group = False
-        self.ready = False
-        self.partial = False  # context parallel: the group's ranks hold parts of its gradient
-
-    def create(self, backend, parallel_strategy=None) -> None:
-        strategy = strategy_of(backend, parallel_strategy)
-        if init_default_group():
-            self.own_global_group = True
-        self.context_parallel = int(getattr(strategy, "context_parallel_size", 1) or 1)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world % self.context_parallel:
-            raise ValueError(f"context-parallel size {self.context_parallel} (from {backend!r}) "
-                             f"does not divide the {world} process(es) running")
-        self._make_groups()
-        dp = getattr(strategy, "data_parallel_size", None)
-        if dp not in (None, self.data_parallel_size):
-            raise ValueError(f"data-parallel size {dp} (from {backend!r}) differs from the "
-                             f"{self.world_size} process(es) running / context-parallel size "
-                             f"{self.context_parallel}")
-        self.ready = True
-
-    def ensure_group(self) -> None:
-        """The process groups, made now if ``create`` has not run."""
-        if self.dp_group is not None:
-            return
-        if init_default_group():
-            self.own_global_group = True
-        self._make_groups()
-
-    def _make_groups(self) -> None:
-        if dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            self.dp_group = dist.group.WORLD
-            self.cpu_group = dist.new_group(backend="gloo")
-            C = self.context_parallel
-            if C == 1:
-                for r in range(self.world_size):  # every rank creates every group
-                    group = dist.new_group([r])
-                    if r == self.rank:
-                        self.mp_group = group
-                return
-            # context parallel: ranks [g·C, (g+1)·C) walk the same trees (their model-parallel
-            # group, headed by g·C); the ranks with the same place in their groups are a
-            # data-parallel group (the gradient average)
-            for g in range(self.world_size // C):
-                group = dist.new_group(list(range(g * C, (g + 1) * C)))
-                if g == self.rank // C:
-                    self.mp_group = self.cp_group = group
-            for i in range(C):
-                group = dist.new_group(list(range(i, self.world_size, C)))
-                if i == self.rank % C:
-                    self.dp_group = group
-
-    @property
-    def head(self) -> int:
-        """The rank that heads this rank's replica: itself, or the first rank of its
-        context-parallel group."""
-        return self.rank - self.rank % self.context_parallel
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.rank // self.context_parallel
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // self.context_parallel
-
-    def prepare_model(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """Place the model for training: a full replica on ``device`` (context parallel:
-        walking with its K/V spread over this rank's group)."""
-        from dta.model.context_parallel import parallelize_context
-        from runtime.engine.layout import ParallelLayout, reduction_of
-
-        model = parallelize_context(model.to(device), self.cp_group)
-        layout = ParallelLayout(world=self.world_size, context_parallel=self.context_parallel,
-                                rank=self.rank)
-        self.partial = reduction_of(layout, model).partial  # read once, by the engine's rule
-        return model
-
-    def reduce_gradients(self, params) -> None:
-        """Average the gradients of ``params`` over the data-parallel ranks (a parameter
-        without a gradient contributes zeros)."""
-        if self.dp_group is None or (self.data_parallel_size == 1 and not self.partial):
-            return
-        # partial gradients (context parallel): the group's gradient is the sum of its
-        # ranks' parts, so the sum runs over the whole world
-        group = dist.group.WORLD if self.partial else self.dp_group
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(self.data_parallel_size)
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks, in place (no-op on one process)."""
-        if self.dp_group is not None:
-            dist.all_reduce(tensor, group=self.dp_group)
-        return tensor
-
-    def barrier(self) -> None:
-        if self.cpu_group is not None:
-            dist.barrier(group=self.cpu_group)
-
-    def destroy(self) -> None:
-        if dist.is_initialized() and self.own_global_group:
-            self.barrier()
-            dist.destroy_process_group()
-            self.own_global_group = False
-
-
 class GroupsMixin:
-    """What AReaL's ``TrainEngine`` asks about process groups, answered by the engine's
-    :class:`DataParallel` (``self.parallel``)."""
+    """``create_process_group`` and what AReaL's ``TrainEngine`` asks about process groups,
+    answered by the layout (``self.layout``) and its groups (``self.groups``). Before
+    ``create_process_group`` the groups are ``None`` and the rank is 0 of 1."""
+
+    layout: ParallelLayout | None = None
+    groups: ProcessGroups = ProcessGroups()
+    own_global_group = False
 
     def create_process_group(self, parallel_strategy=None):
-        """Data-parallel groups, initializing ``torch.distributed`` if needed (see
-        :class:`~runtime.areal.parallel.DataParallel`)."""
-        self.parallel.create(getattr(self.config, "backend", None), parallel_strategy)
+        """The layout and its groups (once), initializing ``torch.distributed`` if needed:
+        ``env://`` when ``WORLD_SIZE`` > 1, else a one-process file-store group (AReaL's loop,
+        its rollout coordination and its RPC workers all call collectives on the default
+        group); the engine owns a group it initialized."""
+        strategy = strategy_of(getattr(self.config, "backend", None), parallel_strategy)
+        if self.layout is not None:
+            return
+        if init_default_group():
+            self.own_global_group = True
+        world, rank = comm.world_size(), comm.rank()
+        C = int(getattr(strategy, "context_parallel_size", 1) or 1)
+        where = getattr(self.config, "backend", None) or parallel_strategy
+        if world % C:
+            raise ValueError(f"context-parallel size {C} (from {where!r}) does not divide the "
+                             f"{world} process(es) running")
+        dp = getattr(strategy, "data_parallel_size", None)
+        if dp not in (None, world // C):
+            raise ValueError(f"data-parallel size {dp} (from {where!r}) differs from the "
+                             f"{world} process(es) running / context-parallel size {C}")
+        self.layout = layout_of(self.dta.sharding, world=world, context_parallel=C, rank=rank,
+                                trains=self.optimizer_config is not None)
+        self.groups = build_groups(self.layout)
 
-    @property
-    def own_global_group(self) -> bool:
-        return self.parallel.own_global_group
+    def _ensure_groups(self) -> None:
+        if self.layout is None:
+            self.create_process_group()
+
+    def _destroy_groups(self) -> None:
+        if dist.is_initialized() and self.own_global_group:
+            comm.barrier(self.groups.cpu)
+            dist.destroy_process_group()
+            self.own_global_group = False
+        self.layout, self.groups = None, ProcessGroups()
+
+    def _layout(self) -> ParallelLayout:
+        return self.layout if self.layout is not None else ParallelLayout()
 
     @property
     def rank(self) -> int:
-        return self.parallel.rank
+        return self._layout().rank
 
     @property
     def world_size(self) -> int:
-        return self.parallel.world_size
+        return self._layout().world
+
+    @property
+    def sharding(self) -> str:
+        """The sharding mode the engine runs (resolved: ``actor.dta.sharding`` or its
+        default)."""
+        return self._layout().sharding
 
     @property
     def data_parallel_group(self):
-        return self.parallel.dp_group
+        return self.groups.data
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.parallel.data_parallel_rank
+        return self._layout().dp_rank
 
     @property
     def data_parallel_world_size(self) -> int:
-        return self.parallel.data_parallel_size
+        return self._layout().data_parallel
 
     def current_data_parallel_head(self) -> int:
-        return self.parallel.head
+        return self._layout().head
 
     def is_data_parallel_head(self) -> bool:
-        return self.parallel.rank == self.parallel.head
+        return self._layout().is_head
 
     @property
     def context_and_model_parallel_group(self):
-        return self.parallel.mp_group
+        return self.groups.context
 
     @property
     def cpu_group(self):
         if not self._initialized:
             raise RuntimeError("the engine is not initialized: call initialize() first")
-        return self.parallel.cpu_group
+        return self.groups.cpu

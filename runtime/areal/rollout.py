@@ -17,19 +17,19 @@ does it (areal 1.0.4, ``engine/fsdp_engine.py:560-1690``):
 * ``set_version`` / ``get_version``: the weight version, a plain int (PPOTrainer sets it to
   ``global_step + 1`` after each update).
 
-Weight tensors leave in the compute dtype (``config.dtype``), never as fp32 masters. Under a
-sharded layout (``actor.dta.sharding`` zero1 / fsdp) they are gathered whole first: the disk
-update's HF save on rank 0, and for xccl each tensor in turn on every rank (FSDP's
-all-gathers), broadcast by rank 0.
+Weight tensors leave in the compute dtype (``config.dtype``), never as fp32 masters: the
+engine core's whole weights (``EngineCore.named_full_tensors``; sharded, gathered on every
+rank: FSDP's all-gathers), broadcast by rank 0 (``runtime.engine.comm``).
 """
 from __future__ import annotations
 
 from datetime import datetime
 
 import torch
-import torch.distributed as dist
 
 from areal.api.io_struct import ParamSpec, SaveLoadMeta, WeightUpdateMeta
+
+from runtime.engine import comm
 
 __all__ = ["RolloutMixin", "broadcast_bucket", "param_buckets"]
 
@@ -55,13 +55,13 @@ def broadcast_bucket(tensors, group) -> None:
     """The collective of an xccl update: broadcast each tensor from rank 0 of the
     weight-update group (the trainer) to the inference servers."""
     for tensor in tensors:
-        dist.broadcast(tensor, src=0, group=group)
+        comm.broadcast(tensor, src=0, group=group)
 
 
 class RolloutMixin:
     """``connect_engine``, ``update_weights``, ``rollout_batch``, ``prepare_batch``,
-    ``set_version`` / ``get_version`` (needs ``parallel``, ``model``, ``config``, ``tokenizer``,
-    ``save``, ``_require_model``, ``_offload_aware``)."""
+    ``set_version`` / ``get_version`` (needs ``core``, ``groups``, ``rank``, ``config``,
+    ``tokenizer``, ``save``, ``_require_model``, ``_offload_aware``)."""
 
     _version = 0
     rollout_engine = None
@@ -76,12 +76,12 @@ class RolloutMixin:
         if meta.type not in ("disk", "xccl"):
             raise ValueError(f"weight update type {meta.type!r} is not supported by "
                              "DTATrainEngine; use 'disk' or 'xccl'")
-        self.parallel.ensure_group()  # the coordinator's barriers need process groups
+        self._ensure_groups()  # the coordinator's barriers need process groups
         self.rollout_engine = engine
         self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
         if meta.type == "xccl" and self.weight_update_group is None:
             self._init_weight_update_group(meta)
-        self.parallel.barrier()
+        comm.barrier(self.groups.cpu)
 
     def _check_connected(self):
         if self.rollout_engine is None or self.rollout_coordinator is None:
@@ -113,7 +113,7 @@ class RolloutMixin:
             if meta.type == "disk":
                 self._update_weights_from_disk(meta)
             elif meta.type == "xccl":
-                if self.weight_update_group is None and self.parallel.rank == 0:
+                if self.weight_update_group is None and self.rank == 0:
                     raise RuntimeError("xccl weight update without a weight-update group: "
                                        "connect_engine(engine, meta) with an xccl meta first")
                 self._update_weights_from_distributed(meta)
@@ -126,7 +126,7 @@ class RolloutMixin:
 
         if meta.path is None:
             raise ValueError("a disk weight update needs WeightUpdateMeta.path")
-        main = self.parallel.rank == 0
+        main = self.rank == 0
         fut = None
         if main:
             self.rollout_engine.pause_generation()
@@ -141,7 +141,7 @@ class RolloutMixin:
                              replace=True)
             fut.result()
             self.rollout_engine.continue_generation()
-        self.parallel.barrier()
+        comm.barrier(self.groups.cpu)
 
     def _init_weight_update_group(self, meta: WeightUpdateMeta):
         """The NCCL group {trainer rank 0} ∪ inference workers, as FSDPEngine builds it
@@ -162,7 +162,7 @@ class RolloutMixin:
         meta.nccl_master_port = find_free_ports(1)[0]
         meta.nccl_group_name = _GROUP_NAME
         self._weight_update_address = (meta.nccl_master_address, meta.nccl_master_port)
-        if self.parallel.rank == 0:
+        if self.rank == 0:
             fut = self.rollout_engine.init_weights_update_group(meta)
             host = format_host_for_url(meta.nccl_master_address)
             self.weight_update_group = init_custom_process_group(
@@ -176,17 +176,14 @@ class RolloutMixin:
         if self.use_lora:
             raise NotImplementedError("DTATrainEngine with use_lora=True updates the inference "
                                       "engine's adapter by disk (weight_update_mode=disk)")
-        main = self.parallel.rank == 0
+        main = self.rank == 0
         meta.nccl_master_address, meta.nccl_master_port = self._weight_update_address
         meta.nccl_group_name = _GROUP_NAME
         if main:
             self.rollout_engine.pause_generation()
-        self.parallel.barrier()
-        if self.layout is not None:  # gathered per tensor: every rank takes part, rank 0 sends
-            named = ((n, self._export_tensor(t)) for n, t in self.layout.named_full_tensors())
-        else:  # a replica holds full tensors: only rank 0 sends
-            named = ((n, self._export_tensor(p)) for n, p in self.model.named_parameters()) \
-                if main else iter(())
+        comm.barrier(self.groups.cpu)
+        # whole tensors (sharded: gathered, every rank takes part); rank 0 sends
+        named = ((n, self._export_tensor(t)) for n, t in self.core.named_full_tensors())
         if main:
             for bucket in param_buckets(named, meta.weight_chunked_mem_mb * 1024 * 1024):
                 specs = [ParamSpec(name=n, shape=tuple(t.shape),
@@ -197,19 +194,15 @@ class RolloutMixin:
         else:
             for _ in named:  # the gathers rank 0 makes
                 pass
-        self.parallel.barrier()
+        comm.barrier(self.groups.cpu)
         if main:
             self.rollout_engine.continue_generation()
 
-    def _export_tensor(self, param: torch.Tensor) -> torch.Tensor:
-        """A parameter as the inference engine receives it: the compute dtype, on the
+    def _export_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole tensor (the compute dtype) as the inference engine receives it: on the
         accelerator the collective runs on."""
         from areal.infra.platforms import current_platform
 
-        tensor = param.detach()
-        compute = getattr(torch, str(self.config.dtype), None)
-        if self.dta.dtype is None and tensor.is_floating_point() and compute is not None:
-            tensor = tensor.to(compute)
         if tensor.device.type == "cpu" and torch.cuda.is_available():
             tensor = tensor.to(current_platform.device_type)
         return tensor

@@ -16,18 +16,17 @@ import torch
 from dta.losses import SequenceLoss
 from dta.objective import linearize
 from dta.model.routing import MoERouters, check_routing
-from dta.train import checked_walker
 from dta.tree import PrefixTree
-from dta.walk import Walker
 
 from runtime.areal import convert
+from runtime.engine import comm
 
 __all__ = ["WalksMixin"]
 
 
 class WalksMixin:
-    """The walks (needs ``model``, ``config``, ``walk``: the engine's WalkOptions, ``device``,
-    ``parallel``)."""
+    """The walks (needs ``core``: the engine core, whose walker walks with the run's
+    WalkOptions; ``model``, ``config``, ``walk``, ``device``, ``groups``)."""
 
     # AReaL (after 1.0.4) hands R3 routing to an engine with ``_r3_enabled`` through these
     # attributes (areal/engine/r3/transport.py: PPOActor pops the keys from the batch and sets
@@ -50,17 +49,22 @@ class WalksMixin:
         ids, mbs = convert.split_sequences(batched, model_type=self._model_type(), device=device)
         return ids, mbs, routing, meta
 
-    def _loss_scales(self, mbs, loss_weight_fn, multiplier: int) -> list[float]:
-        """``loss_weight_fn(mb) / Σ_all loss_weight_fn × multiplier`` per sequence, computed
-        as FSDPEngine does (the total in float32, all-reduced over data-parallel ranks)."""
+    def _loss_scales(self, mbs, loss_weight_fn) -> list[float]:
+        """``loss_weight_fn(mb) / Σ_all loss_weight_fn`` per sequence, the total computed as
+        FSDPEngine does (in float32 -- exact for token counts --, summed over the
+        data-parallel ranks), the ratio in float64. FSDPEngine also
+        multiplies by the data-parallel size and averages the ranks' gradients; the core
+        sums them (each rank's gradient is its share of the whole batch's): the same
+        gradient."""
         weights = [loss_weight_fn(mb) for mb in mbs]
         total = torch.stack([torch.as_tensor(w) for w in weights]).sum().detach().clone().to(
             dtype=torch.float32, device=self.device)
-        self.parallel.all_reduce(total)
+        comm.all_reduce(total, self.groups.data)
         if not total > 0:
             raise ValueError(f"the total loss weight of the batch is {float(total)}; it must be "
                              "positive (does any sequence have a trainable token?)")
-        return [0.0 if w == 0 else float(w / total * multiplier) for w in weights]
+        # the ratio in float64 (FSDPEngine's float32 ratio would round each weight)
+        return [0.0 if w == 0 else float(w) / float(total) for w in weights]
 
     def _walk_batch(self, ids, scales=None, routing=None):
         cfg = self.config
@@ -77,7 +81,7 @@ class WalksMixin:
         """Evaluate ``loss_fn`` once per sequence (scaled) on the forward walk's tensors; with
         ``train``, accumulate the exact gradient of the scaled sum by a training walk."""
         batch = self._walk_batch(ids, scales, routing)
-        walker = self._walker()
+        walker = self.core.walker()
         tree = PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
         fwd = walker.forward(tree, batch, minmax=True)
         temperature = float(self.config.temperature)
@@ -109,9 +113,6 @@ class WalksMixin:
         self._record_tree(ids, tree, forwarded, loss=total)
         return values or [torch.zeros((), device=self.device)]
 
-    def _walker(self) -> Walker:
-        return checked_walker(self.model, self.walk)
-
     def _record_tree(self, ids, walked: PrefixTree, forwarded: int, loss: float | None = None):
         stats = PrefixTree(ids, min_shared=self.walk.min_shared).stats()
         self._last = dict(tree_token_ratio=float(stats.sharing_ratio),
@@ -130,16 +131,19 @@ class WalksMixin:
         FSDPEngine's context keys, and ``backward()`` on its result unless ``forward_only``.
         ``train_batch`` / ``forward_batch`` / ``eval_batch`` are the DFS paths.
 
-        Sharded: ``zero1`` runs it forward-only; training through it is refused (the sharded
-        reduction sums the ranks' gradients, which ``train_batch`` scales for), and so is
-        ``fsdp`` (its model calls are not matched across the ranks)."""
+        Training through it runs on one process, replicated (the core sums the ranks'
+        gradients, which ``train_batch`` scales for; the sharded modes hold no whole
+        gradient); forward-only it runs wherever the ranks' model calls need not be matched
+        (not under ``fsdp``)."""
         self._require_model()
-        layout = getattr(self, "layout", None)
-        if layout is not None and (layout.mode == "fsdp" or not forward_only):
+        layout = self.core.layout
+        if self.core.matched_calls or (not forward_only and (layout.world > 1
+                                                             or layout.sharded)):
             raise NotImplementedError(
                 f"forward_backward_batch(forward_only={forward_only}) under "
-                f"actor.dta.sharding={layout.mode}: use train_batch / forward_batch / "
-                "eval_batch (the DFS walks), or actor.dta.sharding=replicate")
+                f"actor.dta.sharding={layout.sharding} on {layout.world} rank(s): use "
+                "train_batch / forward_batch / eval_batch (the DFS walks), or one replicated "
+                "process")
         for item in mb_list:
             padded = item.padded_mb
             ids = padded["input_ids"].reshape(-1).to(self.device)
