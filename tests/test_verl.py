@@ -257,3 +257,32 @@ def test_dta_matches_verl_fsdp_every_agg_mode(model_dir, records, world1, fp64_v
     for engine in (fsdp, dta):
         engine.optimizer_step()
     assert_close_dicts(params(dta), params(fsdp), tol, "parameters after one update")
+
+
+def test_mixed_precision_keeps_fp32_masters(model_dir, records, world1):
+    """verl's mixed precision (``model_dtype: fp32``, ``mixed_precision.param_dtype: bf16``):
+    the model computes in bfloat16, the optimizer steps fp32 master weights (the engine
+    core's ``master_dtype``); the gradient is the fp32 engine's to bfloat16 rounding, and the
+    step moves the masters by the fp32 engine's step to that rounding. A narrower
+    ``model_dtype`` than ``param_dtype`` is refused naming both keys."""
+    mp = dict(param_dtype="bf16", reduce_dtype="fp32", buffer_dtype="fp32")
+    mixed = make_engine("dta", model_dir, "fp32", mixed_precision=mp)
+    full = make_engine("dta", model_dir, "fp32")
+    assert mixed.core.compute_dtype == torch.bfloat16
+    assert {p.dtype for p in mixed.module.parameters()} == {torch.bfloat16}
+    masters = [p for g in mixed.optimizer.param_groups for p in g["params"]]
+    assert masters and {p.dtype for p in masters} == {torch.float32}
+    before = [p.detach().clone() for p in masters]
+    td = verl_batch(records)
+    loss = grpo("token-mean")
+    lm, gm = forward_backward(mixed, td, loss)
+    lf, gf = forward_backward(full, td, loss)
+    assert abs(lm - lf) <= 0.05 * abs(lf)
+    worst = max(rel(gm[k], gf[k]) for k in gf)
+    assert worst <= 0.05, f"bf16 gradient vs fp32: {worst:.3g}"
+    mixed.optimizer_step()
+    assert all(not torch.equal(m, b) for m, b in zip(masters, before))  # the masters stepped
+    for (name, p), m in zip(mixed.module.named_parameters(), masters):  # the model: their cast
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16)), name
+    with pytest.raises(NotImplementedError, match="param_dtype='fp32' with model_dtype='bf16'"):
+        make_engine("dta", model_dir, "bf16", mixed_precision=dict(param_dtype="fp32"))

@@ -93,8 +93,9 @@ def test_bad_batches_are_refused_naming_the_row(model_dir, records, world1):
         DTAEngineConfig(dta={"bogus": 1})
     with pytest.raises(ValueError, match="engine_config.dta.block_tokens"):
         DTAEngineConfig(dta={"block_tokens": -1})
-    with pytest.raises(NotImplementedError, match="mixed_precision.param_dtype='bf16'"):
-        make_engine("dta", model_dir, "fp32", mixed_precision=dict(param_dtype="bf16"))
+    with pytest.raises(NotImplementedError, match="mixed_precision.param_dtype='fp16' with "
+                                                  "model_dtype='bf16'"):
+        make_engine("dta", model_dir, "bf16", mixed_precision=dict(param_dtype="fp16"))
     from runtime.verl.config import check_engine_config
 
     with pytest.warns(UserWarning, match="mixed_precision.param_dtype is unset"):  # not silent

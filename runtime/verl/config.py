@@ -36,7 +36,7 @@ from runtime.engine import LoraSpec, ModelSpec, ParallelLayout, RunSettings, pol
 from verl.workers.config import FSDPEngineConfig
 from verl.workers.config.engine import EngineConfig
 
-__all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "check_engine_config",
+__all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "dtypes", "check_engine_config",
            "sharding_of", "layout_of", "model_spec", "settings_of", "sharding_keys"]
 
 # verl's dtype spellings (verl.utils.torch_dtypes) and the one it lacks, for verification
@@ -82,11 +82,27 @@ def walk_options(engine_config, *, gradient_checkpointing: bool = False) -> Walk
     return WalkOptions.make(spelling, **given)
 
 
+def _dtype(name) -> torch.dtype:
+    """A verl dtype spelling (or ``fp64``, for verification, which verl's own engines lack)."""
+    return resolve_dtype(_DTYPES.get(str(name), str(name)))
+
+
 def model_dtype(engine_config) -> torch.dtype:
-    """The dtype the model computes in: ``model_dtype`` (verl spellings, or ``fp64`` for
-    verification, which verl's own engines lack)."""
-    name = str(engine_config.model_dtype)
-    return resolve_dtype(_DTYPES.get(name, name))
+    """``model_dtype``: the dtype verl holds the weights in."""
+    return _dtype(engine_config.model_dtype)
+
+
+def dtypes(engine_config) -> tuple[torch.dtype, torch.dtype | None]:
+    """(compute dtype, master dtype or None): verl's ``mixed_precision.param_dtype`` is the
+    dtype the model computes in, ``model_dtype`` the one its weights are held and stepped in
+    -- fp32 masters under 16-bit compute, as verl's FSDP engine keeps them (the engine core's
+    ``master_dtype``); equal, or ``param_dtype`` unset: the model computes in ``model_dtype``
+    (None: the sharding mode's own masters). Checked by :func:`check_engine_config`."""
+    held = model_dtype(engine_config)
+    mp = engine_config.mixed_precision
+    compute = _dtype(mp["param_dtype"]) if mp is not None and \
+        mp.get("param_dtype") is not None else held
+    return compute, (held if held != compute else None)
 
 
 def check_engine_config(engine_config) -> None:
@@ -103,15 +119,15 @@ def check_engine_config(engine_config) -> None:
     if mp is None or mp.get("param_dtype") is None:  # verl's FSDP engine would autocast: say so
         warnings.warn(f"engine_config.mixed_precision.param_dtype is unset: verl's FSDP engine "
                       f"would compute in bfloat16 there; the dta engine computes in "
-                      f"model_dtype={engine_config.model_dtype!r} (no autocast)", stacklevel=2)
-    elif mp.get("param_dtype") is not None:
-        want = model_dtype(engine_config)
-        got = resolve_dtype(_DTYPES.get(str(mp["param_dtype"]), str(mp["param_dtype"])))
-        if got != want:
-            raise NotImplementedError(
-                f"engine_config.mixed_precision.param_dtype={mp['param_dtype']!r} with "
-                f"model_dtype={engine_config.model_dtype!r}: the dta engine computes in "
-                "model_dtype (no autocast); set both to the same dtype")
+                      f"model_dtype={engine_config.model_dtype!r}", stacklevel=2)
+    compute, masters = dtypes(engine_config)
+    if masters is not None and (masters != torch.float32 or
+                                compute not in (torch.bfloat16, torch.float16)):
+        raise NotImplementedError(
+            f"engine_config.mixed_precision.param_dtype={mp['param_dtype']!r} with "
+            f"model_dtype={engine_config.model_dtype!r}: the dta engine computes in param_dtype "
+            "and keeps model_dtype masters for 16-bit compute only (fp32 masters, bf16 / fp16 "
+            "compute), or both the same dtype")
     if getattr(engine_config, "qat", None) is not None and engine_config.qat.enable:
         refuse("qat", "quantization-aware training is not supported by the dta engine")
 

@@ -53,8 +53,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 import runtime.verl.batch as vb
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
-from runtime.verl.config import (check_engine_config, model_dtype, model_spec, settings_of,
-                                 sharding_keys)
+from runtime.verl.config import check_engine_config, dtypes, model_spec, settings_of, sharding_keys
 from runtime.verl.lora import ReferencePolicy, merged_weights
 
 __all__ = ["DTAEngine", "DTAEngineWithLMHead"]
@@ -71,7 +70,7 @@ class DTAEngine(BaseEngine):
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.spec = model_spec(model_config)
-        self.dtype = model_dtype(engine_config)
+        self.dtype, self.master_dtype = dtypes(engine_config)  # compute, masters (or None)
         self.settings = self.core = self.policy = self.lr_scheduler = None
         self.mode = None
         self.device = torch.device("cpu")
@@ -88,9 +87,11 @@ class DTAEngine(BaseEngine):
 
     def initialize(self):
         """The run's settings (layout + walk) from verl's configs, then the engine core:
-        the model from ``model_config.local_path`` in ``model_dtype`` (LoRA adapters when
-        ``lora_rank > 0``), parallelized and sharded by the layout; verl's optimizer and LR
-        scheduler over what the sharding mode steps."""
+        the model from ``model_config.local_path`` (LoRA adapters when ``lora_rank > 0``)
+        computing in ``mixed_precision.param_dtype`` with ``model_dtype`` masters where they
+        differ (:func:`runtime.verl.config.dtypes`), parallelized and sharded by the layout;
+        verl's optimizer and LR scheduler over what the sharding mode steps (the masters
+        where kept)."""
         self.settings = settings_of(self.engine_config, self.model_config,
                                     world=comm.world_size(), rank=comm.rank())
         if torch.cuda.is_available():
@@ -100,7 +101,8 @@ class DTAEngine(BaseEngine):
             self.core = EngineCore(self._build, layout=self.settings.layout,
                                    walk=self.settings.walk,
                                    make_optimizer=self._optimizer if trains else _never_stepped,
-                                   compute_dtype=self.dtype, device=self.device)
+                                   compute_dtype=self.dtype, master_dtype=self.master_dtype,
+                                   device=self.device)
         except ValueError as exc:  # the sharding mode's refusal, with the keys that chose it
             if not str(exc).startswith("sharding="):
                 raise
@@ -263,21 +265,16 @@ class DTAEngine(BaseEngine):
 
     # ------------------------------------------------------------------ weights --
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
-        """The weights the rollout loads, by Hugging Face name, in the compute dtype on the
-        engine's device: the core's full state (gathered where sharded: every rank calls
-        this), or a LoRA model's base with the adapters merged (verl's ``lora.merge``; LoRA
-        runs replicate / zero1, whose model holds every weight); no PEFT config."""
+        """The weights the rollout loads, ``(Hugging Face name, whole tensor)`` per parameter in
+        the compute dtype on the engine's device: the core's full tensors (under fsdp each is
+        gathered as the generator reaches it: every rank iterates it to the end, as verl's
+        FSDP engine's), or a LoRA model's base with the adapters merged (verl's
+        ``lora.merge``; LoRA runs replicate / zero1, whose model holds every weight); no PEFT
+        config."""
         core = self._core()
         if is_peft_model(core.model):
             return merged_weights(core.model), None
-        state = core.full_state()
-
-        def tensors():
-            for name, t in state.items():
-                dtype = core.compute_dtype if t.is_floating_point() else t.dtype
-                yield name, t.to(device=self.device, dtype=dtype)
-
-        return tensors(), None
+        return core.named_full_tensors(), None  # fsdp: one gather per tensor, every rank
 
     def disable_adapter(self):
         """The base model (LoRA adapters off) inside the context: verl's reference policy's
