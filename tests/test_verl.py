@@ -274,6 +274,12 @@ def test_mixed_precision_keeps_fp32_masters(model_dir, records, world1):
     assert masters and {p.dtype for p in masters} == {torch.float32}
     before = [p.detach().clone() for p in masters]
     td = verl_batch(records)
+    # a forward-only engine (verl's reference policy) holds the bf16 weights alone: the same
+    # log-probs as the trained engine's bf16 copy
+    ref = make_engine("dta", model_dir, "fp32", mixed_precision=mp, forward_only=True)
+    assert ref.lr_scheduler is None
+    assert {p.dtype for p in ref.module.parameters()} == {torch.bfloat16}
+    assert_close_rows(log_probs(ref, td)[0], log_probs(mixed, td)[0], 0.0, "reference log_probs")
     loss = grpo("token-mean")
     lm, gm = forward_backward(mixed, td, loss)
     lf, gf = forward_backward(full, td, loss)

@@ -101,8 +101,9 @@ class DTAEngine(BaseEngine):
             self.core = EngineCore(self._build, layout=self.settings.layout,
                                    walk=self.settings.walk,
                                    make_optimizer=self._optimizer if trains else _never_stepped,
-                                   compute_dtype=self.dtype, master_dtype=self.master_dtype,
-                                   device=self.device)
+                                   compute_dtype=self.dtype,
+                                   master_dtype=self.master_dtype if trains else None,
+                                   device=self.device)  # forward only: no masters
         except ValueError as exc:  # the sharding mode's refusal, with the keys that chose it
             if not str(exc).startswith("sharding="):
                 raise
