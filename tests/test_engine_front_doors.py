@@ -72,8 +72,8 @@ def verl_engine(rank, world, mode, cp):
 def areal_engine(rank, world, mode, cp):
     """AReaL's ``DTATrainEngine`` (``fsdp:d{W/C}c{C}`` + ``actor.dta.sharding``): the run
     config's model, batches, loss and optimizer as AReaL writes them, 2 ``train_batch`` steps
-    (tests/test_areal_sharding.py: front_door)."""
-    from tests.test_areal_sharding import front_door
+    (tests/areal_front_door.py)."""
+    from tests.areal_front_door import front_door
 
     return front_door(rank, world, mode, cp, run_config(world, mode, cp))
 
