@@ -7,7 +7,9 @@ on the whole batches (rel. <= 1e-10); the weights the rollout would load
 (``get_per_tensor_param``, gathered under fsdp) are those parameters; under context
 parallelism the ranks exchanged data; a sharded checkpoint (DCP) taken after step 1, loaded
 into a fresh engine, repeats step 2 bit-identically. Settings verl cannot honour with a layout
-are refused naming the key (LoRA under fsdp: the core's refusal, with verl's keys).
+are refused naming the key (LoRA under fsdp: the core's refusal, with verl's keys). LoRA
+under zero1 with C = 2: the reference policy (``disable_adapter``) walks the base model and
+the adapters after 2 steps equal one process's.
 
 The rows of each step are split over the data-parallel groups (the ranks of a
 context-parallel group receive the same rows, as verl dispatches to a Ulysses group).
@@ -73,7 +75,7 @@ def train(engine, batches, loss) -> None:
         engine.lr_scheduler_step()
 
 
-def _on_rank(rank: int, world: int, path: str, layouts: list, tmp: str) -> list[dict]:
+def _on_rank(rank: int, world: int, path: str, layouts: list, tmp: str) -> dict:
     from experiments.workloads import make_workload
     from runtime.verl import use_cpu_platform
 
@@ -83,12 +85,6 @@ def _on_rank(rank: int, world: int, path: str, layouts: list, tmp: str) -> list[
     recs = make_workload("tau2-airline", scale="tiny", seed=0, vocab_size=VOCAB).records
     wholes = [verl_batch(recs, rows=r) for r in STEPS]
     loss = grpo(MODE)
-    lora = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-    try:  # LoRA under fsdp (verl's fsdp_size=-1 on 2 ranks): the core's refusal, verl's keys
-        layout_engine(path, None, 1, model=lora)
-        refused = None
-    except ValueError as exc:
-        refused = str(exc)
     out = []
     for i, (sharding, cp) in enumerate(layouts):
         engine = layout_engine(path, sharding, cp)
@@ -108,22 +104,59 @@ def _on_rank(rank: int, world: int, path: str, layouts: list, tmp: str) -> list[
             resumed = all(torch.equal(a[k], b[k]) for k in a) and \
                 engine.lr_scheduler.get_last_lr() == fresh.lr_scheduler.get_last_lr()
         exported, _ = engine.get_per_tensor_param()  # gathered under fsdp: every rank
-        out.append(dict(layout=layout, params=params(engine), lora_refused=refused,
+        out.append(dict(layout=layout, params=params(engine),
                         exported={k: v.detach().cpu() for k, v in exported},
                         sent=engine.last["context_parallel_sent_bytes"], resumed=resumed))
-    return out
+    return {"layouts": out, "lora": _lora_on_rank(path, wholes, loss)}
+
+
+LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+
+
+def _lora_on_rank(path: str, wholes, loss) -> dict:
+    """LoRA under fsdp (verl's fsdp_size=-1 on 2 ranks): the core's refusal, named with
+    verl's keys; under zero1 with C = 2: the reference policy's log-probs (adapters off) and
+    the adapters after 2 steps."""
+    from tests.test_verl import log_probs
+
+    try:
+        layout_engine(path, None, 1, model=LORA)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    engine = layout_engine(path, "zero1", 2, model=LORA)
+    mine = [rows_of(td, engine.core.layout) for td in wholes]
+    with engine.disable_adapter():
+        base, _ = log_probs(engine, mine[0])
+    train(engine, mine, loss)
+    return dict(refused=refused, base_log_probs=base,
+                adapters={k: v for k, v in params(engine).items() if "lora_" in k})
 
 
 def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64_verl, tmp_path):
     from runtime.sharding.local import run_ranks
 
+    from tests.test_verl import assert_close_dicts, assert_close_rows, log_probs
+
     fsdp = make_engine("fsdp2", model_dir, "fp64")
     loss = grpo(MODE)
+    base, _ = log_probs(fsdp, verl_batch(records, rows=STEPS[0]))
     train(fsdp, [verl_batch(records, rows=r) for r in STEPS], loss)
     want = params(fsdp)
+    lora = make_engine("dta", model_dir, "fp64", model=LORA)  # one process: replicate
+    train(lora, [verl_batch(records, rows=r) for r in STEPS], loss)
+    adapters = {k: v for k, v in params(lora).items() if "lora_" in k}
     results = run_ranks(_on_rank, 2, model_dir, LAYOUTS, str(tmp_path), timeout=900.0)
+    for rank, res in enumerate(r["lora"] for r in results):
+        assert res["refused"] is not None and res["refused"].startswith(
+            "engine_config.fsdp_size=-1 (fsdp), model_dtype=fp64, model_config.lora_rank=4: "
+            "sharding=fsdp"), res["refused"]
+        assert_close_rows(res["base_log_probs"], base, 1e-10,
+                          f"rank {rank}: LoRA zero1 C=2, adapters off vs the base model")
+        assert_close_dicts(res["adapters"], adapters, 1e-10,
+                           f"rank {rank}: LoRA zero1 C=2 adapters vs one process")
     for i, (sharding, cp) in enumerate(LAYOUTS):
-        for rank, res in enumerate(r[i] for r in results):
+        for rank, res in enumerate(r["layouts"][i] for r in results):
             layout = res["layout"]
             assert (layout.sharding, layout.context_parallel, layout.rank) == \
                 (sharding or "fsdp", cp, rank)
@@ -136,9 +169,6 @@ def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64
             assert all(torch.equal(exported[k].double(), res["params"][k]) for k in want), what
             if i == len(LAYOUTS) - 1:
                 assert res["resumed"] is True, f"{what}: step 2 after loading not bit-identical"
-            assert res["lora_refused"] is not None and res["lora_refused"].startswith(
-                "engine_config.fsdp_size=-1 (fsdp), model_dtype=fp64, model_config.lora_rank=4: "
-                "sharding=fsdp"), res["lora_refused"]
             print(f"{what}: rel. error vs verl FSDP {worst[0]:.2e}, sent {res['sent']:.0f} B")
 
 
