@@ -7,7 +7,8 @@ builds it with :func:`build_model` in the dtype the layout's sharding mode store
 LoRA targets (:func:`lora_targets`), the one rule for every front door: unset or empty
 (``None``, ``[]``), ``"all-linear"`` or ``["all-linear"]`` mean every linear layer but the
 LM head (what AReaL's and verl's FSDP engines do); otherwise a list of module names. The
-adapters are initialized after ``torch.manual_seed(seed)``, so every rank starts alike.
+adapters are initialized under ``torch.manual_seed(seed)`` (in a forked random state: the
+caller's is untouched), so every rank starts alike.
 """
 from __future__ import annotations
 
@@ -82,9 +83,11 @@ def build_model(spec: ModelSpec, dtype: torch.dtype | str) -> torch.nn.Module:
     if spec.lora is not None:
         from dta.model.lora import apply_lora
 
-        torch.manual_seed(int(spec.seed))  # every rank's adapters start alike
         lo = spec.lora
         targets = lo.targets if lo.targets == ALL_LINEAR else list(lo.targets)
-        model = apply_lora(model, r=int(lo.r), alpha=float(lo.alpha), target_modules=targets,
-                           dropout=float(lo.dropout), rslora=bool(lo.rslora))
+        # every rank's adapters start alike; the caller's random state is left as it was
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(spec.seed))
+            model = apply_lora(model, r=int(lo.r), alpha=float(lo.alpha), target_modules=targets,
+                               dropout=float(lo.dropout), rslora=bool(lo.rslora))
     return model
