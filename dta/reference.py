@@ -17,8 +17,8 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals, sequence_weights
-from dta.objective import Objective, opaque_sequence_weights
 from dta.model.routing import MoERouters
+from dta.objective import Objective, opaque_sequence_weights
 
 
 def sequence_aux_loss(routed, num_experts: int) -> torch.Tensor:

@@ -173,8 +173,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 def _compare(model, seqs, report: SelfCheckReport) -> None:
     from dta.batch import Batch
-    from dta.model.head import LMHead
     from dta.losses import TokenLoss
+    from dta.model.head import LMHead
     from dta.objective import Objective
     from dta.reference import unpacked_gradients
     from dta.tree import PrefixTree

@@ -13,8 +13,8 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals
-from dta.objective import Objective, linearize
 from dta.model.routing import MoERouters, check_routing
+from dta.objective import Objective, linearize
 from dta.options import WalkOptions
 from dta.selfcheck import ensure_self_check
 from dta.tree import PrefixTree, TreeStats

@@ -57,15 +57,15 @@ from dta.model.attention import native_gqa, taped
 from dta.model.head import HeadQueue, LMHead
 from dta.model.lora import check_peft_model
 from dta.model.modeling import ModelInterface, NodeState, check_router_aux_loss
-from dta.objective import NodeTerms, Objective, Recorder, WalkResult
-from dta.options import POLICIES, WalkOptions
 from dta.model.packmask import mask_support
-from dta.planning.blocks import cut_blocks
-from dta.planning.index import PlanningError
-from dta.planning.packs import PackCost, PackLayout, PackPlan, default_cap, plan_packs
 from dta.model.router_aux import router_aux
 from dta.model.routing import NodeRouting, check_shared_routing
 from dta.model.split_attention import Tape
+from dta.objective import NodeTerms, Objective, Recorder, WalkResult
+from dta.options import POLICIES, WalkOptions
+from dta.planning.blocks import cut_blocks
+from dta.planning.index import PlanningError
+from dta.planning.packs import PackCost, PackLayout, PackPlan, default_cap, plan_packs
 from dta.tree import PrefixTree
 
 __all__ = ["Walker", "WalkResult", "WalkOptions", "POLICIES", "Retain", "Recompute"]

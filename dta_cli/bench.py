@@ -19,10 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.bench.cli import config_from_args
-    from experiments.bench.run import compact, run as run_bench
-
     from dta.paths import check_path
+    from experiments.bench.cli import config_from_args
+    from experiments.bench.run import compact
+    from experiments.bench.run import run as run_bench
 
     try:
         if args.input:  # the user's paths, before anything is built or run

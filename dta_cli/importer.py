@@ -55,10 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dta.importing import REASONS, ImportError_, import_file, load_tokenizer
-    from dta.records.jsonl import write_jsonl
-    from dta.planning.sharing import format_breakdown, sharing_breakdown
-
     from dta.paths import check_path
+    from dta.planning.sharing import format_breakdown, sharing_breakdown
+    from dta.records.jsonl import write_jsonl
 
     try:  # the user's paths, before the tokenizer is loaded (it checks --tokenizer first)
         check_path(args.file, "file", f"--from {args.source} FILE", error=ImportError_)

@@ -171,8 +171,8 @@ def ship_paths(cfg, cwd: str | None = None):
 
 
 def run_submit(args) -> int:
-    from dta.config.schema import to_yaml
     from dta.config.keys import check_dta_train
+    from dta.config.schema import to_yaml
     from dta_cli.common import load_run_config
 
     cfg = load_run_config(args, "submit")

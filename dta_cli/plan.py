@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict
 
 from dta_cli.common import emit_json
-import time
 
 METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time)
 
@@ -155,9 +155,18 @@ def _memory_config(name: str):
 
 
 def _memory(args, tree) -> dict:
-    from dta.planning.memory import (BLOCKS, CONTEXT_PARALLEL, GIB, HEADROOM, MODES,
-                                     POLICY_ORDER, ModelShape, batch_extent, estimate,
-                                     plan_memory)
+    from dta.planning.memory import (
+        BLOCKS,
+        CONTEXT_PARALLEL,
+        GIB,
+        HEADROOM,
+        MODES,
+        POLICY_ORDER,
+        ModelShape,
+        batch_extent,
+        estimate,
+        plan_memory,
+    )
     from dta.planning.timing import Hardware
 
     config = _memory_config(args.model)

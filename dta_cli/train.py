@@ -7,7 +7,6 @@ running cluster instead (``auto`` inside a Ray job).
 """
 from __future__ import annotations
 
-import json
 import sys
 
 
@@ -105,9 +104,9 @@ def run(args) -> int:
     from dta.batch import BatchError
     from dta_cli.batches import BatchSource
     from runtime.ray_runtime import TrainingError, run_training
-    from runtime.ray_runtime.run import Interrupted
     from runtime.ray_runtime.cluster import ClusterError
     from runtime.ray_runtime.model_info import model_limits
+    from runtime.ray_runtime.run import Interrupted
 
     try:
         source = BatchSource(cfg, model_limits(cfg)[0])

@@ -71,9 +71,8 @@ def _print_table(st: dict, params: dict, out_path: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.workloads import make_workload
-
     from dta.paths import check_path
+    from experiments.workloads import make_workload
 
     try:
         if args.out:  # before the batch is generated

@@ -29,8 +29,8 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from dta.model import gdn
     from dta.losses import PPO
+    from dta.model import gdn
     from dta.model.models import build_model
     from dta.train import accumulate_gradients
     from experiments.bench.worker import load_batch

@@ -61,11 +61,11 @@ def _batch(records, kind: str, max_tokens: int):
 
 
 def run(args) -> dict:
+    from functools import partial
+
     import numpy as np
     import torch
     import torch.distributed as dist
-    from functools import partial
-
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 

@@ -66,9 +66,9 @@ def _scale(value: str):
 def simulate(args) -> dict:
     from dta.model.models import build_config
     from dta.planning.cost import CostModel, flops, flops_unpacked
+    from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree
     from experiments.workloads import make_workload
-    from dta.planning.workers import assign_workers
 
     hf = build_config(args.family, args.size)
     model = CostModel.from_config(hf, name=args.size)

@@ -40,8 +40,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.checkpoints.checkpoint import (latest_checkpoint, publish, verify_manifest,
-                                            write_manifest)
+from runtime.checkpoints.checkpoint import (
+    latest_checkpoint,
+    publish,
+    verify_manifest,
+    write_manifest,
+)
 from runtime.checkpoints.files import _fsync_dir
 
 LATEST = "latest"

@@ -83,7 +83,9 @@ def install(version: str, work: Path) -> tuple[Path, list[str]]:
     below the venv's; an optional one such as ``kernels`` counts where the venv has it,
     since transformers imports what is installed), also --no-deps; returns the folder and
     what else went in."""
-    from importlib.metadata import PackageNotFoundError, distributions, version as have
+    from importlib.metadata import PackageNotFoundError, distributions
+    from importlib.metadata import version as have
+
     from packaging.requirements import Requirement
 
     target = work / f"transformers-{version}"

@@ -12,6 +12,7 @@ from areal.api.cli_args import OptimizerConfig
 from runtime.areal import DTAOptions, DTATrainEngine
 from tests.test_areal import FT_SPEC, VOCAB
 
+
 def _model_dir(cfg) -> str:
     """The run config's model (``model.family`` / ``size`` / ``seed``, built in
     ``model.dtype``) as a local Hugging Face folder for AReaL's ``config.path`` (a fresh

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import torch._dynamo
-
 from areal.api.io_struct import SaveLoadMeta
+
 from tests.test_areal_members import make_smoke_model, new_engine
 
 

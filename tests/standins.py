@@ -19,8 +19,16 @@ import contextlib
 import torch
 
 from dta.model import attention_kernels
-from dta.model.attention_kernels import (CPU_DTYPES, KINDS, TABLE, FlexMask, _cpu_bwd, _cpu_fwd,
-                                         _lse_dtype, repeat_kv)
+from dta.model.attention_kernels import (
+    CPU_DTYPES,
+    KINDS,
+    TABLE,
+    FlexMask,
+    _cpu_bwd,
+    _cpu_fwd,
+    _lse_dtype,
+    repeat_kv,
+)
 from dta.model.gdn_kernels import SegmentKernel, row
 
 

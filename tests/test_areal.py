@@ -37,23 +37,37 @@ import torch
 pytest.importorskip("areal")
 pytestmark = pytest.mark.areal
 
-from areal.api.cli_args import (MicroBatchSpec, NormConfig, OptimizerConfig,  # noqa: E402
-                                PPOActorConfig, RejectionSamplingConfig, TrainEngineConfig)
+from areal.api.cli_args import (  # noqa: E402
+    MicroBatchSpec,
+    NormConfig,
+    OptimizerConfig,
+    PPOActorConfig,
+    RejectionSamplingConfig,
+    TrainEngineConfig,
+)
 from areal.api.engine_api import TrainEngine  # noqa: E402
 from areal.api.io_struct import FinetuneSpec, SaveLoadMeta  # noqa: E402
 from areal.trainer.ppo.actor import grpo_loss_fn  # noqa: E402
 from areal.utils import stats_tracker  # noqa: E402
-from areal.utils.data import (Normalization, amend_position_ids, pack_tensor_dict,  # noqa: E402
-                              pad_mb_list, split_padded_tensor_dict_into_mb_list,
-                              unsqueeze_mb_list)
+from areal.utils.data import (  # noqa: E402
+    Normalization,
+    amend_position_ids,
+    pack_tensor_dict,
+    pad_mb_list,
+    split_padded_tensor_dict_into_mb_list,
+    unsqueeze_mb_list,
+)
 
-from dta.model.models import (build_model, load_model, make_truly_float64,  # noqa: E402
-                              save_word_tokenizer)
+from dta.model.models import build_model, load_model, make_truly_float64, save_word_tokenizer  # noqa: E402
 from dta.tree import PrefixTree  # noqa: E402
 from experiments.workloads import make_workload  # noqa: E402
-from runtime.areal import (DTAOptions, DTAPPOActor, DTATrainEngine,  # noqa: E402
-                           actor_config_from_dta)
-from runtime.areal import convert  # noqa: E402
+from runtime.areal import (  # noqa: E402
+    DTAOptions,
+    DTAPPOActor,
+    DTATrainEngine,
+    actor_config_from_dta,
+    convert,  # noqa: E402
+)
 
 VOCAB = 512
 TEMPERATURE = 0.8
@@ -92,6 +106,7 @@ def eager_areal(monkeypatch):
     listening socket left behind beyond loopback (tests/test_runtime.py checks that Ray's
     processes, this one included, listen on loopback only)."""
     import torch._dynamo
+
     from runtime.ray_runtime.cluster import listening_addresses
 
     with socket.socket() as s:

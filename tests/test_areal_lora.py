@@ -19,9 +19,22 @@ pytestmark = pytest.mark.areal
 from areal.api.io_struct import SaveLoadMeta  # noqa: E402
 
 from runtime.areal import DTAOptions, convert  # noqa: E402
-from tests.test_areal import (FT_SPEC, eager_areal, engine_config, gloo_world1,  # noqa: E402,F401
-                              grads_of, grpo, ids_only, loss_weight_fn, make_train_batch,
-                              max_rel, model_dir, new_engine, params_of, records)
+from tests.test_areal import (  # noqa: E402,F401
+    FT_SPEC,
+    eager_areal,
+    engine_config,
+    gloo_world1,
+    grads_of,
+    grpo,
+    ids_only,
+    loss_weight_fn,
+    make_train_batch,
+    max_rel,
+    model_dir,
+    new_engine,
+    params_of,
+    records,
+)
 
 LORA = dict(use_lora=True, lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
                                                                        "down_proj"])
@@ -72,6 +85,7 @@ def test_lora_train_batch_matches_fsdp_engine(model_dir, records, gloo_world1, t
         assert {"adapter_model.safetensors", "adapter_config.json", "config.json"} <= files
         assert "tokenizer.json" not in files
         from peft import PeftModel
+
         from dta.model.models import load_model
 
         loaded = PeftModel.from_pretrained(load_model(model_dir, dtype="float32"), path)
@@ -101,8 +115,8 @@ def test_ppo_trainer_with_lora_serves_the_adapters(tmp_path):
     initial adapter is served, each step's adapter reaches the engine by disk, the served
     model's adapters equal the trained ones, and the base stays as loaded (cast to the
     smoke config's bf16 compute dtype)."""
-    from tests.test_areal_trainer import config, run
     from runtime.areal.examples.tau2_grpo import make_smoke_model
+    from tests.test_areal_trainer import config, run
 
     model = make_smoke_model(str(tmp_path / "model"), vocab_size=256)
     mp = pytest.MonkeyPatch()

@@ -13,11 +13,12 @@ import torch
 
 pytest.importorskip("areal")
 
-from dta.model.models import (build_model, load_model, make_truly_float64,  # noqa: E402
-                              save_word_tokenizer)
+from dta.model.models import build_model, load_model, make_truly_float64, save_word_tokenizer  # noqa: E402
 from dta.model.routing import MoERouters, synthetic_routing  # noqa: E402
-from runtime.areal import DTAOptions  # noqa: E402
-from runtime.areal import convert  # noqa: E402
+from runtime.areal import (
+    DTAOptions,  # noqa: E402
+    convert,  # noqa: E402
+)
 from tests import test_areal as ta  # noqa: E402
 from tests.cases import make_records  # noqa: E402
 from tests.test_areal import eager_areal  # noqa: E402,F401  (fixture)

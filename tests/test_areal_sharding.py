@@ -30,8 +30,14 @@ from areal.api.io_struct import SaveLoadMeta  # noqa: E402
 from runtime.areal import DTAOptions, DTATrainEngine  # noqa: E402
 from runtime.areal.parallel import layout_of  # noqa: E402
 from runtime.sharding.local import run_ranks  # noqa: E402
-from tests.test_areal import (FT_SPEC, VOCAB, engine_config, grpo, loss_weight_fn,  # noqa: E402
-                              make_train_batch, model_dir)  # noqa: F401  (fixture)
+from tests.test_areal import (  # noqa: E402
+    FT_SPEC,
+    VOCAB,
+    engine_config,
+    grpo,
+    loss_weight_fn,
+    make_train_batch,  # noqa: F401  (fixture)
+    )
 
 CASES = [(mode, policy, dtype) for mode in ("zero1", "fsdp")
          for policy in ("retain", "recompute") for dtype in ("float64", "float32")]

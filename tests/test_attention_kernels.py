@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from dta.model import attention_kernels as ak
-from tests.standins import stand_in
 from dta.model.models import build_model, make_truly_float64
 from dta.model.packmask import DENSE_PATH_MASKS
 from dta.model.split_attention import Split, split_attention
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients
 from dta.verify import ZERO_FLOOR, _rel, _whole_norm, worst
+from tests.standins import stand_in
 from tests.test_families import LOSS, WINDOWED, family_batch
 
 F = torch.nn.functional

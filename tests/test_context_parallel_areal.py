@@ -12,8 +12,14 @@ pytest.importorskip("areal")
 pytestmark = pytest.mark.areal
 
 from runtime.sharding.local import run_ranks  # noqa: E402
-from tests.test_areal import (FT_SPEC, VOCAB, engine_config, grpo, loss_weight_fn,  # noqa: E402
-                              make_train_batch, model_dir)  # noqa: F401  (fixture)
+from tests.test_areal import (  # noqa: E402
+    FT_SPEC,
+    VOCAB,
+    engine_config,
+    grpo,
+    loss_weight_fn,
+    make_train_batch,  # noqa: F401  (fixture)
+    )
 from tests.test_areal_sharding import _rank_setup  # noqa: E402
 
 POLICIES = ("retain", "recompute")

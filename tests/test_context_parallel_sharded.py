@@ -102,12 +102,11 @@ def test_context_parallel_sharded_grid(mode):
 def run_areal(rank, world, path, sharding):
     """DTATrainEngine ``fsdp:d1c{world}`` (or ``fsdp:d1`` on one rank), 2 ``train_batch``
     steps, recompute, blocks of 16 tokens: the final parameters (gathered) and stats."""
+    from dta.model.context_parallel import context_parallel_of
+    from runtime.areal import DTAOptions, DTATrainEngine
     from tests.test_areal import FT_SPEC, engine_config, grpo, loss_weight_fn
     from tests.test_areal_sharding import _rank_setup
     from tests.test_context_parallel_areal import _batches
-
-    from dta.model.context_parallel import context_parallel_of
-    from runtime.areal import DTAOptions, DTATrainEngine
 
     backend = f"fsdp:d1c{world}" if world > 1 else "fsdp:d1"
     with _rank_setup():

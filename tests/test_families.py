@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dta.batch import Batch
-from dta.model.families import FAMILIES, WINDOW
 from dta.losses import PPO
+from dta.model.families import FAMILIES, WINDOW
 from dta.model.models import build_model, make_truly_float64
 from dta.reference import sequence_logprobs
 from dta.train import accumulate_gradients, forward_logprobs

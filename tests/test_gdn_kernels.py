@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dta.model import attention_kernels as ak
-from tests.standins import gdn_stand_in, hf_loop_op, loop_conv_op, stand_in
 from dta.model import gdn_kernels as gk
 from dta.model.models import build_model, make_truly_float64
 from dta.reference import unpacked_gradients
 from dta.selfcheck import SelfCheckError, self_check
 from dta.train import accumulate_gradients
+from tests.standins import gdn_stand_in, hf_loop_op, loop_conv_op, stand_in
 from tests.test_attention_kernels import _grads, _worst
 from tests.test_families import LOSS, family_batch
 

@@ -10,11 +10,18 @@ import torch
 
 from dta.batch import Batch
 from dta.losses import PPO
-from dta.model.models import build_model, make_truly_float64
-from dta.planning.cost import CostModel
 from dta.model.hf_cache import cache_kwarg, output_cache
-from dta.model.recurrent import (GDN, RECURRENT, build_cache, init_decay, is_hybrid, layer_kinds,
-                           node_state)
+from dta.model.models import build_model, make_truly_float64
+from dta.model.recurrent import (
+    GDN,
+    RECURRENT,
+    build_cache,
+    init_decay,
+    is_hybrid,
+    layer_kinds,
+    node_state,
+)
+from dta.planning.cost import CostModel
 from dta.tree import PrefixTree
 from dta.verify import verify
 from tests.cases import EOS, make_records

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dta.batch import Batch
-from dta.model.gdn import open_nodes, plan_recurrence
 from dta.losses import PPO
+from dta.model.gdn import open_nodes, plan_recurrence
 from dta.planning.packs import POLICIES, PackCost, plan_packs
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients

@@ -7,13 +7,12 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 peft = pytest.importorskip("peft", reason="the optional lora extra: pip install -e '.[lora]'")
 
 from dta.batch import Batch  # noqa: E402
-from dta.model.lora import LoraError, check_peft_model  # noqa: E402
 from dta.losses import PPO  # noqa: E402
+from dta.model.lora import LoraError, check_peft_model  # noqa: E402
 from dta.model.modeling import ModelInterface  # noqa: E402
 from dta.model.models import build_model, make_truly_float64  # noqa: E402
 from dta.selfcheck import self_check  # noqa: E402

@@ -12,9 +12,8 @@ import torch
 
 peft = pytest.importorskip("peft", reason="the optional lora extra: pip install -e '.[lora]'")
 
-from dta.batch import Batch  # noqa: E402
-from dta.config.schema import ConfigError, load_config  # noqa: E402
 from dta.config.keys import check_dta_train  # noqa: E402
+from dta.config.schema import ConfigError, load_config  # noqa: E402
 from dta.reference import sequence_logprobs  # noqa: E402
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]

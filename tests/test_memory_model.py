@@ -172,8 +172,8 @@ def test_block_tokens_config_key():
 
 
 def test_hybrid_shape_prices_gdn_states_instead_of_their_kv():
-    from dta.planning.memory import activation_split
     from dta.model.models import build_config
+    from dta.planning.memory import activation_split
 
     cfg = build_config("qwen3_5", "tiny").to_dict()
     hybrid = ModelShape.of(cfg)

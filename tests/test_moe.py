@@ -15,8 +15,8 @@ import torch
 from dta.batch import Batch, BatchError
 from dta.losses import NLL, PPO
 from dta.model.models import build_model, make_truly_float64
-from dta.reference import sequence_aux_loss
 from dta.model.routing import MoERouters, RoutingError, synthetic_routing
+from dta.reference import sequence_aux_loss
 from dta.train import accumulate_gradients, forward_logprobs
 from dta.verify import verify
 from dta.walk import Walker

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from dta.batch import Batch
-from dta.model.head import LOGITS_BYTES, MIN_ROWS, logits_rows
 from dta.losses import PPO
+from dta.model.head import LOGITS_BYTES, MIN_ROWS, logits_rows
 from dta.planning.packs import DEFAULT_CAP, RECOMPUTE_CAP_DIVISOR, default_cap
 from dta.train import accumulate_gradients
 from dta.tree import PrefixTree

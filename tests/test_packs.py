@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dta.model.attention import native_gqa
 from dta.losses import NLL, PPO
+from dta.model.attention import native_gqa
 from dta.model.models import build_model, make_truly_float64
 from dta.model.packmask import dense_mask, pack_mask
 from dta.planning.index import PlanningError
@@ -208,9 +208,9 @@ def test_sliding_window_model_exact_float64():
 
 
 def test_head_skips_the_entropy_pass():
+    from dta.batch import Batch
     from dta.model.head import LMHead
     from dta.objective import Objective
-    from dta.batch import Batch
 
     model = build_model("qwen3", "tiny", dtype="float64")
     batch = Batch.from_records([{"input_ids": np.arange(3, 20)}])

@@ -8,8 +8,20 @@ import json
 import numpy as np
 import pytest
 
-from dta.planning import (PACKERS, CostModel, PlanningError, TreeIndex, balance, build_tree,
-                          features, flops, flops_unpacked, ideal_speedup, lower_bound, pack)
+from dta.planning import (
+    PACKERS,
+    CostModel,
+    PlanningError,
+    TreeIndex,
+    balance,
+    build_tree,
+    features,
+    flops,
+    flops_unpacked,
+    ideal_speedup,
+    lower_bound,
+    pack,
+)
 from dta.planning.packing import art_order
 from dta.tree import PrefixTree, _sort_exact, _sort_order
 

@@ -28,10 +28,16 @@ import torch
 from dta.batch import Batch, BatchError
 from dta.config.schema import load_config
 from dta.config.walk import walk_options
-from runtime.ray_runtime import (StepFailed, StreamingBatcher, Trainer, check_loopback,
-                                 listening_addresses, start_or_join)
-from runtime.ray_runtime.cluster import ClusterError
 from dta_cli.batches import BatchSource
+from runtime.ray_runtime import (
+    StepFailed,
+    StreamingBatcher,
+    Trainer,
+    check_loopback,
+    listening_addresses,
+    start_or_join,
+)
+from runtime.ray_runtime.cluster import ClusterError
 from runtime.ray_runtime.stream import END
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,8 +150,12 @@ def test_simulate_scaling_projects_and_plots(tmp_path, capsys):
 
 def test_decoupled_loss_recomputes_the_proximal_logprobs():
     from dta.reference import sequence_logprobs
-    from runtime.ray_runtime.worker import (build_replica, fill_recomputed, make_training_loss,
-                                            recompute_fields)
+    from runtime.ray_runtime.worker import (
+        build_replica,
+        fill_recomputed,
+        make_training_loss,
+        recompute_fields,
+    )
 
     cfg = load_config(os.path.join(ROOT, "configs", "tau2-airline-grpo.yaml"),
                       ["model.size=tiny", "workload.scale=tiny"])

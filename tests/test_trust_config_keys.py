@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dta.config.schema import ConfigError, NormConfig, _all_keys, default_config, load_config
 from dta.config.keys import KEY_USE, NOT_IN_DTA_TRAIN, check_dta_train
+from dta.config.schema import ConfigError, NormConfig, _all_keys, default_config, load_config
 from dta_cli.batches import BatchSource, BatchSourceError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +19,7 @@ CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
 
 
 def leaf_keys(node, prefix=""):
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
     out = []
     for k in node:
         v = node[k]
@@ -83,10 +83,10 @@ def test_reward_keys_without_rewards_are_rejected(tmp_path):
 def test_grpo_advantages_match_areal_normalization(tmp_path):
     """dta train's advantages from JSONL rewards == AReaL's Normalization on the token-level
     rewards (consecutive groups of 3, as the records' group_id)."""
+    import json
+
     from areal.api.cli_args import NormConfig as ArealNorm
     from areal.utils.data import Normalization
-
-    import json
     rng = np.random.default_rng(0)
     lines, S = [], 12
     for i in range(6):

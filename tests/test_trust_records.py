@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dta.batch import Batch, BatchError
-from dta.records.jsonl import JsonlError, read_jsonl
 from dta.losses import NLL, PPO
 from dta.model.models import build_model
+from dta.records.jsonl import JsonlError, read_jsonl
 from dta.train import DFSTrainer, NoTrainedTokenWarning
 
 GOOD = '{"input_ids": [3, 4, 5, 6], "loss_mask": [0, 0, 1, 1], "advantages": 1.0, "logprobs": [0, 0, -1.5, -0.2]}'

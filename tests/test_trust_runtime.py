@@ -22,8 +22,8 @@ from dta.config.schema import load_config
 from dta_cli.batches import BatchSource
 from runtime.checkpoints import checkpoint as ckpt
 from runtime.checkpoints.checkpoint import CheckpointError
-from runtime.ray_runtime.cluster import start_or_join
 from runtime.errors import TrainingError
+from runtime.ray_runtime.cluster import start_or_join
 from runtime.ray_runtime.run import Interrupted, NonFiniteUpdateWarning, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,8 +208,8 @@ def test_a_failure_inside_a_worker_is_one_line_with_its_cause(ray_local, tmp_pat
     no Ray actor repr or colour codes; the worker's traceback stays chained for --debug."""
     from ray.exceptions import RayTaskError
 
-    from runtime.ray_runtime.driver import Trainer
     from runtime.errors import WorkerError
+    from runtime.ray_runtime.driver import Trainer
 
     c = cfg()
     (tmp_path / "a-file").write_text("")

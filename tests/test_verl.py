@@ -25,13 +25,13 @@ pytestmark = pytest.mark.verl
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     # first: registers the cpu platform (before verl's first device query) and the dta engine
-    import runtime.verl  # noqa: E402,F401
     from tensordict import TensorDict  # noqa: E402
     from verl.trainer.config import CheckpointConfig  # noqa: E402
     from verl.workers.config import ActorConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
     from verl.workers.engine.base import EngineRegistry  # noqa: E402
     from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
+    import runtime.verl  # noqa: E402,F401
     from runtime.verl import DTAEngineConfig, use_cpu_platform  # noqa: E402
     from runtime.verl.records import records_to_verl  # noqa: E402
 

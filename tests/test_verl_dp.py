@@ -10,8 +10,17 @@ import warnings
 import pytest
 import torch
 
-from tests.test_verl import (VOCAB, fp64_verl, grpo, make_engine, model_dir,  # noqa: F401
-                             params, records, rel, verl_batch)
+from tests.test_verl import (  # noqa: F401
+    VOCAB,
+    fp64_verl,
+    grpo,
+    make_engine,
+    model_dir,
+    params,
+    records,
+    rel,
+    verl_batch,
+)
 
 pytestmark = pytest.mark.verl
 

@@ -23,8 +23,18 @@ import warnings
 import pytest
 import torch
 
-from tests.test_verl import (VOCAB, fp64_verl, grpo, make_engine, model_dir,  # noqa: F401
-                             params, records, rel, verl_batch, world1)
+from tests.test_verl import (  # noqa: F401
+    VOCAB,
+    fp64_verl,
+    grpo,
+    make_engine,
+    model_dir,
+    params,
+    records,
+    rel,
+    verl_batch,
+    world1,
+)
 
 pytestmark = pytest.mark.verl
 
@@ -135,7 +145,6 @@ def _lora_on_rank(path: str, wholes, loss) -> dict:
 
 def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64_verl, tmp_path):
     from runtime.sharding.local import run_ranks
-
     from tests.test_verl import assert_close_dicts, assert_close_rows, log_probs
 
     fsdp = make_engine("fsdp2", model_dir, "fp64")
@@ -175,8 +184,8 @@ def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64
 def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
     """One rank: C=2 does not divide the world; an unknown mode; dta_sharding beside a
     non-default fsdp_size; hybrid sharding (LoRA under fsdp: on the ranks above)."""
-    from runtime.verl.config import layout_of, settings_of
     from runtime.verl import DTAEngineConfig
+    from runtime.verl.config import layout_of, settings_of
 
     with pytest.raises(ValueError, match="engine_config.ulysses_sequence_parallel_size: 2"):
         layout_engine(model_dir, None, 2)

@@ -8,9 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_verl import (HFModelConfig, assert_close_dicts, assert_close_rows,  # noqa: F401
-                             fp64_verl, grads, grpo, log_probs, make_engine, model_dir,
-                             records, verl_batch, world1)
+from tests.test_verl import (  # noqa: F401
+    HFModelConfig,
+    assert_close_dicts,
+    assert_close_rows,
+    fp64_verl,
+    grads,
+    grpo,
+    log_probs,
+    make_engine,
+    model_dir,
+    records,
+    verl_batch,
+    world1,
+)
 
 pytestmark = pytest.mark.verl
 

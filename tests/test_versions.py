@@ -96,8 +96,8 @@ def test_outside_the_range_dta_warns_in_one_line_and_still_verifies(monkeypatch,
 def test_a_self_check_refusal_names_the_transformers_version(monkeypatch):
     """A probe the walker cannot even run through the model (what transformers 5.25 did to
     the hybrids' cache before dta/model/hf_cache.py) is a refusal naming the versions."""
-    from dta.model.models import build_model
     from dta.model.modeling import ModelInterface, ModelInterfaceError
+    from dta.model.models import build_model
     from dta.selfcheck import SelfCheckError, self_check
 
     def broken(self, ids, start, path):

@@ -324,10 +324,9 @@ def test_each_check_runs_once_per_step(tiny, monkeypatch):
     """A sequence loss walks the batch twice (forward, then train): the PEFT check, the
     routing checks and the shared-routing check still run once per step."""
     from dta import train, walk
+    from dta.selfcheck import ensure_self_check
     from dta.train import DFSTrainer
     from tests.cases import SEQUENCE_LOSS
-
-    from dta.selfcheck import ensure_self_check
 
     ensure_self_check(tiny)  # once per model (cached): its probe walker is not the step's
     calls = {}

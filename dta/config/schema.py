@@ -21,8 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional
 
 from omegaconf import II, DictConfig, OmegaConf
-from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, InterpolationResolutionError,
-                              OmegaConfBaseException, ValidationError)
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from dta.config.errors import ConfigError
 from dta.config.walk import walk_options

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dta.importing.render import (REASONS, THINKING, Unrenderable, conversation_records,
-                                  load_tokenizer)
+from dta.importing.render import (
+    REASONS,
+    THINKING,
+    Unrenderable,
+    conversation_records,
+    load_tokenizer,
+)
 from dta.importing.sources import SOURCES, Conversation, ImportError_, read_conversations
 
 __all__ = ["SOURCES", "THINKING", "REASONS", "Conversation", "ImportError_", "Unrenderable",

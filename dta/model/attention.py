@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dta.model.hf_cache import OffsetLayer, new_cache
 from dta.model import attention_kernels
+from dta.model.hf_cache import OffsetLayer, new_cache
 from dta.model.packmask import PackView, count_dense
 from dta.model.split_attention import Split, Tape, additive_mask, split_attention, split_of
 

@@ -363,7 +363,7 @@ def pack_forward(module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
     heads = AllHeads(module) if layer.heads is None else layer.heads(module)
     mixed_qkv, z, b, a = _projections(module, hidden_states)
     mixed_qkv, z, b, a = heads.to_heads(mixed_qkv[0], z[0], b[0], a[0])
-    from dta.model.gdn_kernels import segment_kernel, kernel_conv, kernel_delta_rule
+    from dta.model.gdn_kernels import kernel_conv, kernel_delta_rule, segment_kernel
 
     kernel = segment_kernel(hidden_states) if layer.kernels else None
     src = conv_source(mixed_qkv, layer.initial[0], plan.kernel)

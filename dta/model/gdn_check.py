@@ -10,8 +10,8 @@ import torch
 
 from dta.model import attention_kernels
 from dta.model.gdn import pack_forward, plan_recurrence
-from dta.model.hf_cache import PackStateLayer
 from dta.model.gdn_kernels import SegmentKernel, row
+from dta.model.hf_cache import PackStateLayer
 
 
 def probe_layout(a: int = 9, b: int = 5, c: int = 7):

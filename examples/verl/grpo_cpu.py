@@ -86,7 +86,6 @@ def grpo_batch(records, temperature: float):
     GRPO advantages by group (verl's own estimator)."""
     import numpy as np
     import torch
-
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
     from runtime.verl.records import records_to_verl
@@ -104,10 +103,10 @@ def grpo_batch(records, temperature: float):
 
 
 def run(args) -> dict:
-    import torch
-    import torch.distributed as dist
     from functools import partial
 
+    import torch
+    import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding

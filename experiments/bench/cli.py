@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from experiments.bench.modes import DEFAULT_MODES
     from experiments.bench.config import BenchConfig
+    from experiments.bench.modes import DEFAULT_MODES
 
     overrides = {k: v for k, v in (("tasks", args.tasks), ("group_size", args.group_size))
                  if v is not None}

@@ -102,8 +102,8 @@ def load_input(path: str, vocab_size: int, model: str, *, max_sequences=None, ma
     """(records, what was kept, the loss name); see the module doc. A kept sequence longer
     than ``max_positions`` (the model's ``max_position_embeddings``) is refused here, before
     any run, as the DFS walker would refuse it."""
-    from dta.records.jsonl import read_jsonl
     from dta.records.fields import RecordError
+    from dta.records.jsonl import read_jsonl
 
     try:
         records = read_jsonl(path, vocab_size=vocab_size)

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
-
 
 DISTURBED_CORES = 0.1  # a run during which others or the host took more is listed
 

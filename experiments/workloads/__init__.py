@@ -37,9 +37,18 @@ from typing import Callable
 
 import numpy as np
 
-from experiments.workloads.base import (DEFAULT_VOCAB_SIZE, Scale, Tokens, Workload, code,
-                                        content_low, grpo_advantages, resolve_scale,
-                                        scaled_lengths, trie_size)
+from experiments.workloads.base import (
+    DEFAULT_VOCAB_SIZE,
+    Scale,
+    Tokens,
+    Workload,
+    code,
+    content_low,
+    grpo_advantages,
+    resolve_scale,
+    scaled_lengths,
+    trie_size,
+)
 from experiments.workloads.tau2 import generate_tau2
 
 __all__ = ["Workload", "Scale", "WORKLOADS", "make_workload", "resolve_scale",

@@ -44,8 +44,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from experiments.workloads.base import (DEFAULT_VOCAB_SIZE, Scale, Tokens, Workload, code,
-                                        grpo_advantages, resolve_scale, scaled_lengths)
+from experiments.workloads.base import (
+    DEFAULT_VOCAB_SIZE,
+    Scale,
+    Tokens,
+    Workload,
+    code,
+    grpo_advantages,
+    resolve_scale,
+    scaled_lengths,
+)
 
 __all__ = ["Domain", "DOMAINS", "generate_tau2"]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from areal.api.cli_args import PPOActorConfig
 
 from runtime.areal.engine import DTAOptions, DTATrainEngine

@@ -26,7 +26,6 @@ import glob
 import os
 
 import torch
-
 from areal.api.io_struct import SaveLoadMeta
 
 from runtime.engine import comm

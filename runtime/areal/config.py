@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import math
 
-from areal.api.cli_args import (MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig,
-                                RejectionSamplingConfig)
+from areal.api.cli_args import (
+    MicroBatchSpec,
+    NormConfig,
+    OptimizerConfig,
+    PPOActorConfig,
+    RejectionSamplingConfig,
+)
 
 from dta.config.walk import walk_options
 from runtime.areal.options import DTAOptions

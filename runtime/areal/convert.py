@@ -23,11 +23,17 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
-
 from areal.engine.core.model import is_qwen3_5_model, is_qwen3_moe_model, is_qwen3_vl_model
-from areal.utils.data import (DEFAULT_MAX_TOKENS_PER_MB, N_TOKENS_PER_PAGE, amend_position_ids,
-                              concat_batch, pack_tensor_dict, pad_and_stack_tensors_along_first_dim,
-                              split_batch, unpack_sequence)
+from areal.utils.data import (
+    DEFAULT_MAX_TOKENS_PER_MB,
+    N_TOKENS_PER_PAGE,
+    amend_position_ids,
+    concat_batch,
+    pack_tensor_dict,
+    pad_and_stack_tensors_along_first_dim,
+    split_batch,
+    unpack_sequence,
+)
 
 from dta.batch import Batch
 from dta.records.fields import validate_record

@@ -41,14 +41,12 @@ import os
 from typing import Any, Callable
 
 import torch
-
 from areal.api.cli_args import TrainEngineConfig
 from areal.api.engine_api import TrainEngine
 from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec
 from areal.utils import stats_tracker
 
 from dta.tree import PrefixTree
-
 from runtime.areal import convert
 from runtime.areal.checkpoint import CheckpointMixin, local_tokenizer
 from runtime.areal.offload import OffloadMixin

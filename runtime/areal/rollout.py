@@ -26,7 +26,6 @@ from __future__ import annotations
 from datetime import datetime
 
 import torch
-
 from areal.api.io_struct import ParamSpec, SaveLoadMeta, WeightUpdateMeta
 
 from runtime.engine import comm

@@ -35,7 +35,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
 from areal.api.engine_api import InferenceEngine
 from areal.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 
@@ -256,6 +255,7 @@ class SmokeInferenceEngine(InferenceEngine):
 
     def _load_from_disk(self, meta: WeightUpdateMeta, version: int) -> float:
         from areal.utils import name_resolve, names
+
         from runtime.areal.checkpoint import is_adapter_dir, load_adapter, load_hf_weights
 
         key = names.update_weights_from_disk(self.config.experiment_name,

@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch.distributed as dist
-
 from areal.api.cli_args import InferenceEngineConfig, PPOActorConfig
 from areal.trainer.rl_trainer import PPOTrainer
 from areal.utils.environ import is_single_controller

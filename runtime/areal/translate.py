@@ -20,9 +20,17 @@ import torch
 
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
-from runtime.engine import (EngineCore, LoraSpec, ModelSpec, ParallelLayout, RunSettings,
-                            build_model, policy_of, settle)
 from runtime.areal.optimizer import optimizer_factory
+from runtime.engine import (
+    EngineCore,
+    LoraSpec,
+    ModelSpec,
+    ParallelLayout,
+    RunSettings,
+    build_model,
+    policy_of,
+    settle,
+)
 
 __all__ = ["model_spec", "requested_walk", "settings_of", "make_core"]
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 
 from dta.losses import SequenceLoss
-from dta.objective import linearize
 from dta.model.routing import MoERouters, check_routing
+from dta.objective import linearize
 from dta.tree import PrefixTree
-
 from runtime.areal import convert
 from runtime.engine import comm
 

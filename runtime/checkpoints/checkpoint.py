@@ -62,11 +62,21 @@ import numpy as np
 import torch
 
 from dta.model.lora import trained_state
-from runtime.checkpoints.files import (FORMAT, MANIFEST, CheckpointError, _fsync_dir,  # noqa: F401
-                                       _mkdir, _with_path, _write_json, load_tensors,
-                                       save_tensors, verify_manifest, write_manifest)
 from dta.paths import check_path
 from runtime.checkpoints.claim import Claim, claim_folder, create_record
+from runtime.checkpoints.files import (  # noqa: F401
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    _fsync_dir,
+    _mkdir,
+    _with_path,
+    _write_json,
+    load_tensors,
+    save_tensors,
+    verify_manifest,
+    write_manifest,
+)
 from runtime.checkpoints.folders import RUN_FILE, foreign_folder
 
 LATEST = "latest"

@@ -43,8 +43,11 @@ def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = No
 
 def load(core, path: str) -> dict:
     """Load ``path`` into the core (sharded: every rank calls it); returns its meta."""
-    from runtime.sharding.reshard import (check_resumable, load_into_replica,
-                                          load_replicated_into_sharded)
+    from runtime.sharding.reshard import (
+        check_resumable,
+        load_into_replica,
+        load_replicated_into_sharded,
+    )
 
     sharded = core.layout.sharded
     saved = check_resumable(path, core.layout.world, core.layout.sharding)

@@ -34,8 +34,13 @@ import torch
 
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
-from runtime.engine.layout import ParallelLayout, ProcessGroups, Reduction, build_groups, \
-    reduction_of
+from runtime.engine.layout import (
+    ParallelLayout,
+    ProcessGroups,
+    Reduction,
+    build_groups,
+    reduction_of,
+)
 from runtime.engine.resolve import check_walk
 from runtime.engine.step import optimizer_step
 

@@ -107,7 +107,6 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     memory model on ``tree`` (the first batch's prefix tree; None: no batch yet). Raises
     ValueError naming the keys when nothing fits."""
     from dta.planning.memory import CONTEXT_PARALLEL, GIB, MODES
-
     from runtime.engine.auto import default_budget_bytes, price
 
     W, C = int(cfg.ray.num_workers), cfg.train.context_parallel

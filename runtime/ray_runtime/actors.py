@@ -22,8 +22,8 @@ import shutil
 from dataclasses import dataclass, field
 
 from dta.config.schema import as_dict
-from runtime.ray_runtime.cluster import cluster_has_gpus, private_dir
 from runtime.errors import TrainingError, describe
+from runtime.ray_runtime.cluster import cluster_has_gpus, private_dir
 from runtime.ray_runtime.placement import Placement, bundle_for, place_workers
 from runtime.ray_runtime.worker import DFSWorker
 

@@ -32,9 +32,9 @@ from dta.planning.workers import WorkerPlan, assign_workers, default_cost_model
 from dta.tree import PrefixTree
 from runtime.checkpoints import checkpoint as ckpt
 from runtime.engine import RunSettings, resolve_run_config
+from runtime.errors import StepFailed, TrainingError, WorkerError
 from runtime.ray_runtime.actors import WorkerGroup, start_workers
 from runtime.ray_runtime.cluster import ClusterHandle, start_or_join
-from runtime.errors import StepFailed, TrainingError, WorkerError
 from runtime.ray_runtime.failures import call_workers, failure_message, gather
 from runtime.ray_runtime.model_info import model_limits, required_fields
 from runtime.ray_runtime.stats import StepStats, step_stats

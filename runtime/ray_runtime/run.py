@@ -33,8 +33,8 @@ from typing import Callable, Protocol
 
 from dta.batch import Batch
 from runtime.checkpoints import checkpoint as ckpt
-from runtime.ray_runtime.driver import Trainer
 from runtime.errors import TrainingError
+from runtime.ray_runtime.driver import Trainer
 from runtime.ray_runtime.metrics import MetricsLog
 from runtime.ray_runtime.stats import StepStats, summarize
 

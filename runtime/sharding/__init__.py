@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from dta.planning.memory import MODES as PRICED
-from runtime.sharding.base import ShardingMode, master_dtype_for, mode_class, register, registered
 from runtime.sharding import fsdp, replicate, zero1  # noqa: F401  (registers the modes)
+from runtime.sharding.base import ShardingMode, master_dtype_for, mode_class, register, registered
 
 MODES = registered()  # replicate, zero1, fsdp: the priced modes, each registered once
 if MODES != tuple(PRICED):

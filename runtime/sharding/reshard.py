@@ -29,8 +29,8 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from runtime.dcp import ShardedCheckpointError
 from runtime.checkpoints.checkpoint import read_meta, verify_manifest
+from runtime.dcp import ShardedCheckpointError
 
 
 def layout(path: str) -> dict:
@@ -99,9 +99,9 @@ def _flat(named, saved: dict, prefix: str, keys, path: str) -> dict[str, dict]:
 def logical_state(path: str, model, keys) -> dict[str, dict]:
     """Per trainable parameter name: {"param", "step", <optimizer state keys>} as whole
     tensors, read from the sharded checkpoint ``path`` (one process, no process group)."""
-    from runtime.sharding.fsdp import _vocab_params
-
     import warnings
+
+    from runtime.sharding.fsdp import _vocab_params
 
     mode = layout(path)["sharding"]
     saved = _templates(path)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
 
 from dta.batch import Batch
 from runtime.engine import comm
-from verl.utils import tensordict_utils as tu
 
 __all__ = ["SEQ_INDEX", "sequences", "one_sequence_batches", "walk_batch", "verl_view",
            "nested", "temperature_of", "batch_normalizers"]

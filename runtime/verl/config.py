@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from verl.workers.config import FSDPEngineConfig
+from verl.workers.config.engine import EngineConfig
 
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
 from runtime.engine import LoraSpec, ModelSpec, ParallelLayout, RunSettings, policy_of, settle
-from verl.workers.config import FSDPEngineConfig
-from verl.workers.config.engine import EngineConfig
 
 __all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "dtypes", "check_engine_config",
            "sharding_of", "layout_of", "model_spec", "settings_of", "sharding_keys"]

@@ -39,7 +39,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.py_functional import append_to_dict
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
+import runtime.verl.batch as vb
 from dta.losses import SequenceLoss
 from dta.model.context_parallel import context_parallel_of
 from dta.model.lora import is_peft_model
@@ -47,11 +51,6 @@ from dta.objective import linearize
 from dta.train import checked_walker
 from dta.tree import PrefixTree
 from runtime.engine import EngineCore, build_model, comm
-from verl.utils import tensordict_utils as tu
-from verl.utils.py_functional import append_to_dict
-from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
-
-import runtime.verl.batch as vb
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
 from runtime.verl.config import check_engine_config, dtypes, model_spec, settings_of, sharding_keys
 from runtime.verl.lora import ReferencePolicy, merged_weights

@@ -16,7 +16,6 @@ from types import ModuleType
 from typing import Any, Optional
 
 import torch
-
 from verl.plugin.platform import platform_manager
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry

@@ -13,7 +13,6 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 from tensordict import TensorDict
-
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 

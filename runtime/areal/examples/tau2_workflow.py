@@ -26,7 +26,6 @@ import uuid
 
 import numpy as np
 import torch
-
 from areal.api.io_struct import ModelRequest
 from areal.api.workflow_api import RolloutWorkflow
 
