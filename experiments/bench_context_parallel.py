@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -200,7 +201,9 @@ def main(argv=None) -> int:
     if args.plain:
         configs.append(dict(common, context_parallel=1, rollout=args.rollout,
                             rollouts=args.rollouts, plain=True))
+    load = [os.getloadavg()[0]]  # other jobs on the machine inflate every CPU figure
     rows = run(configs)
+    load.append(os.getloadavg()[0])
     long_rows = [r for r in rows if r["rollout"] == args.rollout and not r["plain"]]
     short_rows = [r for r in rows if r["rollout"] == short]
     plain_rows = [r for r in rows if r["plain"]]
@@ -245,6 +248,8 @@ def main(argv=None) -> int:
         ok &= abs(growth[c] - 1) <= 0.10
     print("  bytes sent per step, long / short path (same tokens walked): " +
           ", ".join(f"C={c}: {g:.3f}" for c, g in growth.items()))
+    print(f"  load average (1 min) at the start and the end: {load[0]:.1f}, {load[1]:.1f} "
+          f"({os.cpu_count()} CPUs)")
     print(f"{'PASS' if ok else 'FAIL'}: per-rank FLOPs at C=2 <= 0.58x, C=4 <= 0.30x; path K/V "
           "at C=2 <= 0.55x, C=4 <= 0.30x; gradients equal C=1's (<= 1e-5); sent per step "
           "within 10 % across path lengths")
@@ -252,7 +257,7 @@ def main(argv=None) -> int:
         print(json.dumps(dict(rows=out, sent_per_step_growth={str(k): v for k, v in growth.items()},
                               short_rollouts=short_n, passed=bool(ok), prompt=args.prompt,
                               rollout=args.rollout, short=short, rollouts=args.rollouts,
-                              block=args.block, model=args.model,
+                              block=args.block, model=args.model, load_average=load,
                               model_config=MODELS.get(args.model, args.model))))
     return 0 if ok else 1
 

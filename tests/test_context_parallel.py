@@ -29,14 +29,18 @@ MOE = {"qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "qwen3_next"}
 COEF = 0.01
 
 
-def _model_and_batch(family: str, lora: bool = False):
+KV4 = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=8)  # "kv4": 4 K/V heads
+
+
+def _model_and_batch(family: str, lora: bool = False, kv4: bool = False):
     from dta.batch import Batch
-    from dta.model.models import build_model, make_truly_float64
+    from dta.model.models import SIZES, build_model, make_truly_float64
     from dta.train import forward_logprobs
     from tests.cases import hard_sequences, make_records
     from tests.test_families import window_sequences
 
-    model = build_model(family, "tiny", dtype="float64", seed=0, matrix=True)
+    size = dict(SIZES["tiny"], **KV4) if kv4 else "tiny"
+    model = build_model(family, size, dtype="float64", seed=0, matrix=True)
     if lora:  # adapters on q and v only: the keys of the first layer need no gradient
         from dta.model.lora import apply_lora
 
@@ -71,7 +75,7 @@ def run_cases(group, cases):
     out = []
     for family, policy, walk, *extra in cases:
         cp = ContextParallel(group)
-        model, batch = _model_and_batch(family, lora="lora" in extra)
+        model, batch = _model_and_batch(family, lora="lora" in extra, kv4="kv4" in extra)
         loss = SEQUENCE_LOSS if "sequence_loss" in extra else PPO(eps_clip=0.2, dual_clip=3.0)
         kw = dict(WALKS[walk], router_aux_loss_coef=COEF if family in MOE else 0.0)
         report = verify(model, batch, loss, policy=policy, context_parallel_group=cp, **kw)
@@ -105,10 +109,13 @@ def check(size: int, cases) -> list:
         for got in per_rank:
             assert float((got["own"] - whole).norm()) > 1e-3 * float(whole.norm()), (size, case)
         # each rank stored its share of the path's K/V and their gradients (its K/V heads,
-        # or its rows of one where C exceeds the 2 K/V heads): at most half of one process's
+        # or its rows of one where C exceeds the K/V heads): at most half of one process's
+        # (2 K/V heads; with 4, at C = 3: ranks of 1, 1, 2 heads)
         kv = [g["report"]["context_parallel_path_kv_bytes"] for g in per_rank]
         alone = per_rank[0]["alone_kv"]
         assert alone > 0 and max(kv) <= 0.5 * alone * (1 + 1e-9), (size, case, kv, alone)
+        if "kv4" in case and size == 3:
+            assert sorted(round(4 * b / alone) for b in kv) == [1, 1, 2], (case, kv, alone)
     return ranks
 
 
@@ -139,6 +146,15 @@ def test_lora_and_sequence_loss(size):
                  ("qwen3", "recompute", "blocks", "sequence_loss"),
                  ("mistral", "retain", "packs", "sequence_loss"),
                  ("qwen3_5", "recompute", "packs", "sequence_loss")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
+def test_four_kv_heads(size):
+    """8 query heads over 4 K/V heads (and GDN: 8 value heads over 4 key heads): C = 2 splits
+    them evenly, C = 3 unevenly (1, 1, 2 K/V heads; 2, 3, 3 value heads), no head shared."""
+    check(size, [("qwen3", "retain", "packs", "kv4"), ("mistral", "recompute", "blocks", "kv4"),
+                 ("qwen3_5", "recompute", "blocks", "kv4")])
 
 
 # --------------------------------------------------------------- one process --

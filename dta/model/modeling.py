@@ -29,6 +29,11 @@ from its parent's last value) is one more entry, not a change to the walk. The w
 treats state tensors opaquely: it detaches them into leaves for the descendants
 (``state_leaves``) and pairs their ``.grad`` with the graph outputs at backward.
 
+Where the pieces live is a model fact as well (``placement``, ``dta/model/placement.py``): a
+process walking alone holds every row and head; under context parallelism (applied to the
+model from outside, ``dta/model/context_parallel.py``) it forwards its rows of each pack
+(``part``) and stores its heads' K/V, through the placement's cache layers and masks.
+
 Which state tensors need a gradient is a model fact too (``state_needs_grad``). With a frozen
 base and adapters on some linear layers (LoRA), a layer's keys may not depend on any trainable
 weight (no adapter on ``k_proj`` and nothing trainable below the layer): such a tensor becomes
