@@ -252,8 +252,11 @@ def test_refusals():
     """No group: nothing applied; a ContextParallel given explicitly is used even for one rank
     (the benchmark's C = 1 baseline); an eager-attention model, and a hybrid whose GDN layers
     have fewer value heads than the group has ranks: refused."""
-    from dta.model.context_parallel import (ContextParallelError, context_parallel_of,
-                                            parallelize_context)
+    from dta.model.context_parallel import (
+        ContextParallelError,
+        context_parallel_of,
+        parallelize_context,
+    )
     from dta.model.models import build_model
     from dta.model.placement import WHOLE, placement_of
 
