@@ -29,7 +29,8 @@ __all__ = ["WalkOptions", "WalkOptionError", "POLICIES", "PACKINGS", "ROUTER_AUX
            "NO_CUT"]
 
 POLICIES = ("retain", "recompute")  # memory policies (dta/walk.py: Retain, Recompute)
-ROUTER_AUX_LOSS = ("refuse", "exclude")  # dta.model.modeling.check_router_aux_loss
+# router_aux_loss: one of these, or a coefficient > 0 (dta.model.modeling.check_router_aux_loss)
+ROUTER_AUX_LOSS = ("refuse", "exclude")
 # the split attention's kernels (dta.model.attention_kernels: the table's rows per device)
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 # ``block_tokens`` as a run config may give it: the memory model's choice for the budget when
@@ -81,11 +82,12 @@ class WalkOptions:
         pack's head at its push).
     logits_chunk: rows of ``[rows, vocab]`` logits the LM head materializes at a time.
     temperature: log-probs of ``logits / temperature``.
-    router_aux_loss: with ``router_aux_loss_coef`` 0, ``refuse`` raises at ``train`` when a
-        MoE config asks for the load-balancing loss; ``exclude`` trains the policy loss
-        without it (``dta.model.modeling.check_router_aux_loss``).
-    router_aux_loss_coef: > 0 adds the router's load-balancing loss of every sequence, as
-        per-sequence training does (``dta/model/router_aux.py``, docs/moe.md); 0: off.
+    router_aux_loss: the MoE router's load-balancing loss, one choice: a coefficient > 0 adds
+        every sequence's load-balancing loss times it, as per-sequence training does
+        (``dta/model/router_aux.py``, docs/moe.md); ``refuse`` (off) raises at ``train`` when
+        the model's config asks for it (``dta.model.modeling.check_router_aux_loss``);
+        ``exclude`` (off) trains the policy loss without it. :attr:`router_aux_coef` is the
+        coefficient (0 when off).
     native_gqa: the attention backend of the walk: True runs ``sdpa`` models on ``dta_sdpa``
         (``dta.model.attention``: SDPA's grouped-query path, and forwards over cached keys
         split at the cache boundary); False leaves the model's own attention.
@@ -105,8 +107,7 @@ class WalkOptions:
     head_rows: int | None = None
     logits_chunk: int = 1024
     temperature: float = 1.0
-    router_aux_loss: str = "refuse"
-    router_aux_loss_coef: float = 0.0
+    router_aux_loss: str | float = "refuse"
     native_gqa: bool = True
     attention_backend: str = "auto"
     min_shared: int = 1
@@ -138,10 +139,12 @@ class WalkOptions:
         if not _is_number(self.temperature) or not self.temperature > 0:
             bad("temperature", "> 0")
         object.__setattr__(self, "temperature", float(self.temperature))
-        choice("router_aux_loss", ROUTER_AUX_LOSS)
-        if not _is_number(self.router_aux_loss_coef) or not self.router_aux_loss_coef >= 0:
-            bad("router_aux_loss_coef", ">= 0 (0: off)")
-        object.__setattr__(self, "router_aux_loss_coef", float(self.router_aux_loss_coef))
+        if _is_number(self.router_aux_loss):
+            if not self.router_aux_loss > 0:
+                bad("router_aux_loss", "a coefficient > 0, or one of " + ", ".join(ROUTER_AUX_LOSS))
+            object.__setattr__(self, "router_aux_loss", float(self.router_aux_loss))
+        elif self.router_aux_loss not in ROUTER_AUX_LOSS:
+            bad("router_aux_loss", "one of " + ", ".join(ROUTER_AUX_LOSS) + ", or a coefficient > 0")
         if not isinstance(self.native_gqa, (bool, np.bool_)):
             bad("native_gqa", "true or false")
         object.__setattr__(self, "native_gqa", bool(self.native_gqa))
@@ -196,6 +199,11 @@ class WalkOptions:
         return {name: getattr(self, name) for name in self.names()}
 
     # ------------------------------------------------------------- derived values --
+    @property
+    def router_aux_coef(self) -> float:
+        """The router load-balancing loss's coefficient (0: off, refused or excluded)."""
+        return 0.0 if isinstance(self.router_aux_loss, str) else self.router_aux_loss
+
     @property
     def flush_rows(self) -> int:
         """Queued head rows that force a flush (``head_rows``, default ``logits_chunk``)."""

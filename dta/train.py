@@ -58,7 +58,7 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
     self_check: probe the model once (cached) and refuse one the walker would train wrong.
     """
     options = WalkOptions.given(options, settings)
-    validate_for_model(batch, model, loss, aux_loss=options.router_aux_loss_coef > 0)
+    validate_for_model(batch, model, loss, aux_loss=options.router_aux_coef > 0)
     return _accumulate(model, batch, loss, reduction, totals, options, record, progress,
                        self_check)
 
@@ -117,7 +117,7 @@ class DFSTrainer:
         nothing — no gradient, no optimizer step (AdamW would still decay the weights and
         move its moments) — warns, and returns ``updated=False``."""
         validate_for_model(batch, self.model, self.loss,  # before any gradient is touched
-                           aux_loss=self.options.router_aux_loss_coef > 0)
+                           aux_loss=self.options.router_aux_coef > 0)
         if batch.trained_tokens() == 0:
             warn_no_trained_token(len(batch))
             tree = PrefixTree(batch.input_ids, min_shared=self.options.min_shared)

@@ -161,7 +161,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     With `progress`, a bar per side counts the tokens trained. options / settings: the DFS
     side's walk settings (:class:`dta.options.WalkOptions`, or its fields as keywords: policy,
     packing, pack_tokens, block_tokens, ...), used by the training and the forward-only walks;
-    the reference takes their ``temperature`` and ``router_aux_loss_coef`` (both sides add
+    the reference takes their ``temperature`` and router aux loss coefficient (both sides add
     each sequence's router load-balancing loss, docs/moe.md); a batch's ``routed_experts``
     are replayed on both sides. Frozen parameters (a LoRA model's
     base) must end without a gradient on both sides. context_parallel_group: the DFS side
@@ -190,7 +190,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     with _bar(progress, "unpacked (tokens)") as bar:
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
                                  temperature=walk.temperature, progress=bar,
-                                 router_aux_loss_coef=walk.router_aux_loss_coef)
+                                 router_aux_loss_coef=walk.router_aux_coef)
 
     # the training walk: on the sequences it walks whole (those with a loss term)
     walked = [bool(w.any()) for w in token_weights(batch, reduction)]

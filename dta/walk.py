@@ -162,8 +162,8 @@ class Walker:
         self.model, self.options = model, options
         self.memory = MEMORY[options.policy]()
         self.io = ModelInterface(model)
-        if options.router_aux_loss_coef > 0:
-            self.io.moe.require(f"router_aux_loss_coef={options.router_aux_loss_coef:g}")
+        if options.router_aux_coef > 0:
+            self.io.moe.require(f"router_aux_loss={options.router_aux_coef:g}")
         self.head = LMHead(model, temperature=options.temperature, chunk=options.logits_chunk)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -266,11 +266,10 @@ class Walker:
               progress=None) -> WalkResult:
         """Accumulate into the parameters' ``.grad`` the gradient of the objective."""
         o = self.options
-        check_router_aux_loss(self.model, "exclude" if o.router_aux_loss_coef > 0
-                              else o.router_aux_loss)
+        check_router_aux_loss(self.model, o.router_aux_loss)
         self._check_routing(objective.batch, tree)
         with self._walking():
-            plan = self.plan(tree, self._active(tree, objective, o.router_aux_loss_coef > 0))
+            plan = self.plan(tree, self._active(tree, objective, o.router_aux_coef > 0))
             walk = TrainingWalk(self, plan, objective, record, self._stats(plan, tree))
             for kind, i in plan.walk():
                 walk.push(i) if kind == "push" else walk.pop(i)
@@ -358,7 +357,7 @@ class TrainingWalk:
         self.res = WalkResult(plan=stats)
         self.rec = Recorder(self.tree, walker.device, walker.dtype) if record else None
         self.routes = NodeRouting(objective.batch, self.tree, walker.device)
-        self.aux = router_aux(walker.options.router_aux_loss_coef, self.tree, objective,
+        self.aux = router_aux(walker.options.router_aux_coef, self.tree, objective,
                               walker.io)
         self.queue, self.path, self.waiting = HeadQueue(), [], []
         self.flush_rows = walker.options.flush_rows

@@ -5,7 +5,15 @@ from dta_cli.common import add_model_arguments, add_workload_arguments, emit_jso
 
 # the walk settings `dta verify` takes, as its flags (dta.options.WalkOptions field -> flag)
 FLAGS = {"policy": "--policy", "packing": "--packing", "pack_tokens": "--pack-tokens",
-         "block_tokens": "--block-tokens", "router_aux_loss_coef": "--router-aux-loss"}
+         "block_tokens": "--block-tokens", "router_aux_loss": "--router-aux-loss"}
+
+
+def _aux_loss(value: str):
+    """--router-aux-loss: a coefficient, or refuse / exclude (validated by WalkOptions)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def add_arguments(p) -> None:
@@ -40,10 +48,11 @@ def add_arguments(p) -> None:
                    help="exit 1 when max relative error exceeds it (default: 1e-10 for "
                         "float64, 1e-4 for float32)")
     moe = p.add_argument_group("MoE (docs/moe.md)")
-    moe.add_argument("--router-aux-loss", type=float, default=walk.router_aux_loss_coef,
-                     metavar="COEF",
-                     help="add each sequence's router load-balancing loss times COEF on both "
-                          f"sides (default {walk.router_aux_loss_coef:g}: off)")
+    moe.add_argument("--router-aux-loss", type=_aux_loss, default=walk.router_aux_loss,
+                     metavar="COEF|refuse|exclude",
+                     help="COEF > 0: add each sequence's router load-balancing loss times COEF "
+                          "on both sides; refuse (default) / exclude: off, refusing / training "
+                          "without it a model config that asks for it (docs/moe.md)")
     moe.add_argument("--replay", action="store_true",
                      help="replay synthesized routings (random experts per token and MoE "
                           "layer, the same on a shared prefix) on both sides, unless the "
@@ -152,9 +161,10 @@ def run(args) -> int:
         print(f"tested configuration of {args.family}: {feats} (dta/model/families.py)")
     print(f"batch: {report.sequences} sequences, {report.total_tokens:,} tokens, "
           f"{report.unique_tokens:,} unique (sharing {report.sharing_ratio:.2f}x), tree depth {report.tree_depth}")
-    if args.replay or args.router_aux_loss or batch.routed_experts is not None:
+    coef = walk.router_aux_coef
+    if args.replay or coef or batch.routed_experts is not None:
         print(f"MoE: routing {'replayed' if batch.routed_experts is not None else 'chosen by the router'}"
-              f", router aux loss coefficient {args.router_aux_loss:g}")
+              f", router aux loss coefficient {coef:g}")
     if args.lora:
         print(f"LoRA r={args.lora} on {args.lora_targets}{' (rsLoRA)' if args.rslora else ''}: "
               f"{report.trainable_parameters:,} trainable parameters; frozen parameters with a "
@@ -166,7 +176,7 @@ def run(args) -> int:
     if args.json:
         model_info = {} if args.model_path else {"family": args.family, "matrix": bool(args.matrix)}
         model_info.update(replay=batch.routed_experts is not None,
-                          router_aux_loss_coef=args.router_aux_loss)
+                          router_aux_loss_coef=walk.router_aux_coef)
         if args.lora:
             model_info.update(lora_r=args.lora, lora_targets=args.lora_targets,
                               rslora=bool(args.rslora))

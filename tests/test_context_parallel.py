@@ -77,7 +77,7 @@ def run_cases(group, cases):
         cp = ContextParallel(group)
         model, batch = _model_and_batch(family, lora="lora" in extra, kv4="kv4" in extra)
         loss = SEQUENCE_LOSS if "sequence_loss" in extra else PPO(eps_clip=0.2, dual_clip=3.0)
-        kw = dict(WALKS[walk], router_aux_loss_coef=COEF if family in MOE else 0.0)
+        kw = dict(WALKS[walk], router_aux_loss=COEF if family in MOE else "refuse")
         report = verify(model, batch, loss, policy=policy, context_parallel_group=cp, **kw)
         dfs = parallelize_context(copy.deepcopy(model), cp)
         res = accumulate_gradients(dfs, batch, loss, policy=policy, **kw)

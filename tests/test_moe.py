@@ -123,8 +123,8 @@ def test_conflicting_routing_on_a_shared_token(olmoe):
 
 def test_replay_and_aux_refused_without_known_routers():
     llama = build_model("llama", "tiny", dtype="float64", seed=0)
-    with pytest.raises(RoutingError, match="router_aux_loss_coef=0.01 needs a top-k router.*without MoE"):
-        Walker(llama, router_aux_loss_coef=0.01)
+    with pytest.raises(RoutingError, match="router_aux_loss=0.01 needs a top-k router.*without MoE"):
+        Walker(llama, router_aux_loss=0.01)
     batch = Batch.from_records([{"input_ids": [5, 6, 7], "routed_experts": GOOD}])
     with pytest.raises(RoutingError, match="routing replay .* without MoE routers"):
         accumulate_gradients(llama, batch, NLL())
@@ -154,7 +154,7 @@ def test_aux_with_a_sequence_loss_exact(family, policy, packing, opaque):
         for i in (4, 5):
             batch.fields["advantages"][i] = np.zeros_like(batch.fields["advantages"][i])
     report = verify(model, batch, loss, policy=policy, packing=packing, pack_tokens=12,
-                    router_aux_loss_coef=COEF)
+                    router_aux_loss=COEF)
     assert report.max_rel_err() <= 1e-10, report
 
 
@@ -202,7 +202,7 @@ def test_replay_and_aux_loss_exact(family, policy, packing, block):
     differs = (chosen != np.sort(batch.routed_experts[3], -1)).any(axis=(1, 2))
     assert differs.mean() > 0.5  # most tokens replay experts the router would not pick
     report = verify(model, batch, LOSS, policy=policy, packing=packing, pack_tokens=12,
-                    router_aux_loss_coef=COEF, **({"block_tokens": block} if block else {}))
+                    router_aux_loss=COEF, **({"block_tokens": block} if block else {}))
     assert report.truly_float64 and 1 < report.packs <= report.nodes
     for err in ("logprobs", "loss", "grad", "params", "update"):
         assert getattr(report, f"{err}_rel_err") <= 1e-10, (family, report)
@@ -226,7 +226,7 @@ def test_replay_without_the_last_token(family):
     assert report.max_rel_err() <= 1e-10, report
     with pytest.raises(RoutingError, match="sequence 0: field 'routed_experts' has no routing "
                                            "for the last token"):
-        accumulate_gradients(model, batch, LOSS, router_aux_loss_coef=COEF)
+        accumulate_gradients(model, batch, LOSS, router_aux_loss=COEF)
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -235,7 +235,7 @@ def test_aux_loss_value_and_weighting(olmoe):
     sequence's share of the trained tokens), and it is not negligible."""
     seqs = small_sequences()
     batch = replay_batch(olmoe, seqs)
-    dfs = accumulate_gradients(olmoe, batch, LOSS, router_aux_loss_coef=COEF, packing="node")
+    dfs = accumulate_gradients(olmoe, batch, LOSS, router_aux_loss=COEF, packing="node")
     olmoe.zero_grad(set_to_none=True)
     moe = MoERouters(olmoe)
     expect = 0.0
@@ -261,7 +261,7 @@ def test_moe_matrix_exact(family, policy, packing, replay, coef):
         Batch.from_records(make_records(seqs))
     report = verify(model, batch, LOSS, policy=policy, packing=packing,
                     reduction="seq_mean" if packing == "tree" else "token_mean",
-                    router_aux_loss_coef=coef, logits_chunk=7)
+                    router_aux_loss=coef or "refuse", logits_chunk=7)
     assert report.max_rel_err() <= 1e-10, (family, policy, packing, replay, coef, report)
 
 

@@ -59,7 +59,8 @@ def test_frozen_unknown_fields_refused_and_replace_validates():
 @pytest.mark.parametrize("field, bad", [
     ("policy", "keep"), ("packing", "bins"), ("pack_tokens", 0), ("block_tokens", -1),
     ("block_tokens", 2.5), ("block_tokens", True), ("head_rows", -1), ("logits_chunk", 0),
-    ("temperature", 0.0), ("router_aux_loss", "drop"), ("router_aux_loss_coef", -0.1),
+    ("temperature", 0.0), ("router_aux_loss", "drop"), ("router_aux_loss", -0.1),
+    ("router_aux_loss", 0),
     ("native_gqa", "yes"), ("min_shared", 0), ("pack_cost", 3)])
 def test_each_setting_is_validated_and_named_as_spelled(field, bad):
     with pytest.raises(WalkOptionError, match=f"bad value for {field}: "):
@@ -82,7 +83,7 @@ def test_a_bad_router_aux_loss_raises_when_the_walker_is_built(tiny):
 # --------------------------------------------------------------- how it is spelled --
 @pytest.mark.parametrize("field, bad", [("policy", "keep"), ("logits_chunk", 0),
                                         ("temperature", -1), ("min_shared", 0),
-                                        ("block_tokens", -3), ("router_aux_loss_coef", -1)])
+                                        ("block_tokens", -3), ("router_aux_loss", -1)])
 def test_a_bad_config_value_names_its_key(field, bad):
     key = CONFIG_KEYS[field]
     with pytest.raises(ConfigError, match=f"bad value for config key '{re.escape(key)}'"):
@@ -94,7 +95,10 @@ def test_the_config_builds_the_walk_settings_once():
                              "walker.block_tokens=0", "actor.router_aux_loss_coef=0.01"])
     walk = walk_options(cfg)
     assert walk == WalkOptions(policy="recompute", logits_chunk=64, block_tokens=NO_CUT,
-                               router_aux_loss_coef=0.01)
+                               router_aux_loss=0.01)
+    assert walk.router_aux_coef == 0.01
+    off = walk_options(load_config(None, ["actor.router_aux_loss_coef=0"]))
+    assert off.router_aux_loss == "refuse" and off.router_aux_coef == 0.0
     auto = load_config(None, [])
     assert auto.walker.block_tokens == AUTO
     assert walk_options(auto).block_tokens == WalkOptions.default("block_tokens")
@@ -241,8 +245,6 @@ ALLOWED = {
     ("dta/reference.py", "temperature"): "the per-sequence reference, not the walk",
     ("dta/reference.py", "router_aux_loss_coef"): "the per-sequence reference, not the walk",
     ("dta/model/modeling.py", "temperature"): "LogitTransform's own parameter",
-    ("dta/model/modeling.py", "router_aux_loss"): "the model-side check; the walk passes its "
-                                                  "setting",
     ("dta/selfcheck.py", "temperature"): "the self-check probes the head at temperature 1",
     ("runtime/areal/smoke_engine.py", "temperature"): "the smoke rollout's greedy sampling",
     ("runtime/verl/records.py", "temperature"): "a verl batch's own meta field (verl's "

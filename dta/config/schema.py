@@ -197,8 +197,9 @@ class ActorConfig:
     kl_ctl: float = 0.0
     kl_estimator: str = "k1"
     # MoE: the router's load-balancing loss of every sequence, computed exactly (docs/moe.md);
-    # 0 = off (a model config that asks for it is then refused)
-    router_aux_loss_coef: float = _WALK.router_aux_loss_coef
+    # AReaL's spelling of the walk's router_aux_loss: a coefficient, 0 = off (its default,
+    # "refuse": a model config that asks for it is then refused; dta.config.walk)
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclass

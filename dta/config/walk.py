@@ -18,7 +18,7 @@ __all__ = ["CONFIG_KEYS", "walk_options"]
 CONFIG_KEYS = {"policy": "walker.policy", "logits_chunk": "walker.logits_chunk",
                "temperature": "walker.temperature", "min_shared": "walker.min_shared",
                "block_tokens": "walker.block_tokens",
-               "router_aux_loss_coef": "actor.router_aux_loss_coef"}
+               "router_aux_loss": "actor.router_aux_loss_coef"}
 SPELLING = {field: f"config key '{key}'" for field, key in CONFIG_KEYS.items()}
 
 
@@ -30,6 +30,8 @@ def walk_options(cfg, *, auto_block: int | None = None) -> WalkOptions:
     for field, key in CONFIG_KEYS.items():
         section, name = key.split(".")
         values[field] = cfg[section][name]
+    if values["router_aux_loss"] == 0:  # AReaL's spelling: a coefficient, 0 = off
+        values["router_aux_loss"] = WalkOptions.default("router_aux_loss")
     if values["block_tokens"] == AUTO:
         values["block_tokens"] = WalkOptions.default("block_tokens") if auto_block is None \
             else auto_block

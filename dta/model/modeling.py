@@ -428,24 +428,20 @@ def _num_layers(config) -> int:
     return int(n)
 
 
-ROUTER_AUX_LOSS = ("refuse", "exclude")
-
-
-def check_router_aux_loss(model, router_aux_loss: str = "refuse") -> None:
-    """MoE: the router's auxiliary load-balancing loss is computed only when the walker is
-    given ``router_aux_loss_coef > 0`` (``dta/model/router_aux.py``; docs/moe.md). A model config
-    that asks for it (``output_router_logits=True`` with ``router_aux_loss_coef > 0``, which
-    makes HF's CausalLM add it to a labelled loss) while the walker's coefficient is 0 is
-    refused, unless ``router_aux_loss="exclude"`` says explicitly to train without it."""
-    if router_aux_loss not in ROUTER_AUX_LOSS:
-        raise ValueError(f"unknown router_aux_loss {router_aux_loss!r}; choose one of {ROUTER_AUX_LOSS}")
+def check_router_aux_loss(model, router_aux_loss) -> None:
+    """MoE: the router's auxiliary load-balancing loss is computed only when the walk's
+    ``router_aux_loss`` (``dta.options.WalkOptions``, validated there) is a coefficient
+    (``dta/model/router_aux.py``; docs/moe.md). A model config that asks for it
+    (``output_router_logits=True`` with ``router_aux_loss_coef > 0``, which makes HF's CausalLM
+    add it to a labelled loss) is refused while it is ``refuse``; ``exclude`` says explicitly
+    to train without it."""
     cfg = model.config
     coef = getattr(cfg, "router_aux_loss_coef", 0) or 0
     if router_aux_loss == "refuse" and getattr(cfg, "output_router_logits", False) and coef > 0:
         raise ModelInterfaceError(
             f"{type(model).__name__}: config.output_router_logits=True with router_aux_loss_coef="
-            f"{coef} asks for the router's auxiliary load-balancing loss, but the trainer's "
-            "router_aux_loss_coef is 0; set it (actor.router_aux_loss_coef, "
-            f"router_aux_loss_coef={coef}) to compute it per sequence, pass "
-            "router_aux_loss='exclude' to train the policy loss alone, or set "
-            "config.output_router_logits=False")
+            f"{coef} asks for the router's auxiliary load-balancing loss, but the walk's "
+            "router_aux_loss is 'refuse' (off); give it the coefficient "
+            f"(actor.router_aux_loss_coef={coef}, --router-aux-loss {coef}, "
+            f"router_aux_loss={coef}) to compute it per sequence, router_aux_loss='exclude' to "
+            "train the policy loss alone, or set config.output_router_logits=False")
