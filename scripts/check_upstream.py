@@ -199,13 +199,16 @@ def render(rows: dict, columns: list[str], started, deps: dict) -> str:
             "|---|" + "---|" * len(columns)]
     fails = []
     for v, row in rows.items():
-        cells = []
+        cells, why = [], {}
         for c in columns:
             ok, detail = row.get(c, (False, "not run"))
             cells.append("pass" if ok else "**FAIL**")
             if not ok:
-                fails.append(f"- {v} {c}: {detail}")
+                why.setdefault(detail, []).append(c)
         head.append(f"| {v} | " + " | ".join(cells) + " |")
+        for detail, cols in why.items():  # one line per distinct error
+            who = "every column" if len(cols) == len(columns) else ", ".join(cols)
+            fails.append(f"- {v} ({who}): {detail}")
     notes = [f"- {v} ran beside its own pins: {', '.join(d)} (installed with it)"
              for v, d in deps.items()]
     return "\n".join(head + ([""] + notes if notes else [])
