@@ -150,6 +150,17 @@ def test_lora_and_sequence_loss(size):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
+def test_every_sdpa_family(size):
+    """Every family of the tested matrix that runs on sdpa (all but gemma2's eager attention,
+    refused), recompute in blocks and retain in packs."""
+    from dta.model.families import FAMILIES
+
+    fams = [f for f, fam in FAMILIES.items() if fam.attn_implementation == "sdpa"]
+    check(size, [(f, "recompute", "blocks") for f in fams] + [(f, "retain", "packs") for f in fams])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
 def test_four_kv_heads(size):
     """8 query heads over 4 K/V heads (and GDN: 8 value heads over 4 key heads): C = 2 splits
     them evenly, C = 3 unevenly (1, 1, 2 K/V heads; 2, 3, 3 value heads), no head shared."""
