@@ -36,8 +36,9 @@ from tests.test_areal import (  # noqa: E402
     engine_config,
     grpo,
     loss_weight_fn,
-    make_train_batch,  # noqa: F401  (fixture)
-    )
+    make_train_batch,
+    model_dir,  # noqa: F401  (a fixture)
+)
 
 CASES = [(mode, policy, dtype) for mode in ("zero1", "fsdp")
          for policy in ("retain", "recompute") for dtype in ("float64", "float32")]

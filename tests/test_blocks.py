@@ -14,7 +14,7 @@ import torch
 
 from dta.model.families import WINDOW
 from dta.model.models import build_model, make_truly_float64
-from dta.options import WalkOptions
+from dta.options import NO_CUT, WalkOptions
 from dta.planning.blocks import cut_blocks
 from dta.planning.index import PlanningError
 from dta.reference import unpacked_gradients
@@ -243,7 +243,7 @@ def test_recompute_never_holds_more_than_one_block():
     batch = _plain(seqs)
     from dta.losses import NLL
     walks = {}
-    for block in (64, None):
+    for block in (64, NO_CUT):
         for policy in ("recompute", "retain"):
             model.zero_grad(set_to_none=True)
             walks[block, policy] = accumulate_gradients(model, batch, NLL(), policy=policy,
@@ -251,8 +251,8 @@ def test_recompute_never_holds_more_than_one_block():
     w = walks[64, "recompute"]
     assert w.max_call_tokens <= 64 and w.max_graph_tokens <= 64 and w.max_live_graphs == 1
     assert w.plan["max_pack_tokens"] <= 64 and w.recomputed_tokens > 0
-    assert walks[None, "recompute"].max_call_tokens >= 300  # the root in one call
-    assert walks[None, "recompute"].max_graph_tokens >= 300
+    assert walks[NO_CUT, "recompute"].max_call_tokens >= 300  # the root in one call
+    assert walks[NO_CUT, "recompute"].max_graph_tokens >= 300
     r = walks[64, "retain"]
     assert r.max_call_tokens <= 64 and r.max_graph_tokens >= 300  # the path's pieces
     assert r.max_live_graphs > 1

@@ -18,8 +18,9 @@ from tests.test_areal import (  # noqa: E402
     engine_config,
     grpo,
     loss_weight_fn,
-    make_train_batch,  # noqa: F401  (fixture)
-    )
+    make_train_batch,
+    model_dir,  # noqa: F401  (a fixture)
+)
 from tests.test_areal_sharding import _rank_setup  # noqa: E402
 
 POLICIES = ("retain", "recompute")

@@ -120,8 +120,7 @@ def run_areal(rank, world, path, sharding):
         for batch in _batches():
             stats.append(eng.train_batch(dict(batch), grpo(), loss_weight_fn))
             eng.lr_scheduler_step()
-        state = (eng.layout.full_state_dict() if eng.layout is not None else
-                 {n: p.detach().clone() for n, p in eng.model.named_parameters()})
+        state = eng.full_state_dict()  # gathered where sharded (every rank calls it)
         out = dict(state=state, stats=stats, sharding=eng.sharding,
                    sent=cp.sent_bytes if cp is not None else 0)
         eng.destroy()

@@ -112,8 +112,7 @@ class EngineCore:
         self.reduction = reduction_of(self.layout, self.model)
         self.mode = make_mode(self.layout.sharding, self.model, self.make_optimizer,
                               group=self.groups.world, compute_dtype=self.compute_dtype,
-                              policy=self.walk.policy,
-                              divide_factor=self.reduction.divide_factor)
+                              policy=self.walk.policy)
         self.model = self.mode.model
         return self
 
@@ -195,7 +194,7 @@ class EngineCore:
 
     def optimizer_step(self, max_grad_norm) -> tuple[float, bool]:
         """The one reduction, the clip, the update or the skip: ``(norm, updated)``."""
-        return optimizer_step(self._require(), self.reduction, max_grad_norm)
+        return optimizer_step(self._require(), max_grad_norm)
 
     def train_step(self, batch, loss, *, totals, max_grad_norm, reduction: str = "token_mean",
                    progress=None, prepare: Callable | None = None,

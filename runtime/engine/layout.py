@@ -181,36 +181,31 @@ def build_groups(layout: ParallelLayout) -> ProcessGroups:
 # ------------------------------------------------------------ who reduces what --
 @dataclass(frozen=True)
 class Reduction:
-    """Who reduces what, on one rank (:func:`reduction_of`).
+    """Who reduces what, on one rank (:func:`reduction_of`). The gradient is always the
+    world's SUM: every rank's gradient is its share of the global batch's loss, and a
+    context-parallel rank's is its rows' and heads' part of its group's.
 
-    partial: the C ranks of a context-parallel group each hold a part of the group's
-        gradient (their rows / heads): the world's SUM is the gradient, nothing dropped.
-    drop_local: this rank's gradient is a copy of its group head's (identical gradients,
-        C > 1, not the head): it drops what the walk left on it before the SUM.
-    divide_factor: what a reduction inside the backward (fsdp's reduce-scatter, which sees
-        every rank's gradient before any drop) divides the world's SUM by.
-    counts_loss / counts_tree: this rank's loss / tree figures enter the run's sums (the
-        group's head alone: every rank of a group reports the group's loss and tree).
+    counts_loss / counts_tree: this rank's loss / tree figures enter the run's sums (a
+    context-parallel group's head alone: every rank of a group holds the group's loss and
+    walked the group's tree).
     """
 
-    partial: bool = False
-    drop_local: bool = False
-    divide_factor: int = 1
     counts_loss: bool = True
     counts_tree: bool = True
 
 
 def reduction_of(layout: ParallelLayout, model) -> Reduction:
-    """The one place the model's context-parallel contract is read: a model whose walk gives
-    each rank a partial gradient (``context_parallel_of(model).partial_gradients``) is summed
-    over the world as it is; otherwise the C ranks of a group hold copies, counted once."""
+    """The one place the model's context-parallel contract is read: with C > 1 the model
+    must walk on its group with partial gradients
+    (``context_parallel_of(model).partial_gradients``), which the world's SUM adds up; the
+    group's loss and tree are reported by its head."""
     from dta.model.context_parallel import context_parallel_of
 
-    C = layout.context_parallel
-    cp = context_parallel_of(model)
-    if C == 1 or cp is None:
+    if layout.context_parallel == 1:
         return Reduction()
-    head = layout.is_head  # the loss and the tree are the group's, alike on its C ranks
-    if bool(getattr(cp, "partial_gradients", False)):
-        return Reduction(partial=True, counts_loss=head, counts_tree=head)
-    return Reduction(drop_local=not head, divide_factor=C, counts_loss=head, counts_tree=head)
+    cp = context_parallel_of(model)
+    if cp is None or not bool(getattr(cp, "partial_gradients", False)):
+        raise LayoutError(f"context_parallel={layout.context_parallel}: the model does not walk "
+                          "on its context-parallel group with partial gradients "
+                          "(dta.model.context_parallel.parallelize_context was not applied)")
+    return Reduction(counts_loss=layout.is_head, counts_tree=layout.is_head)

@@ -28,13 +28,11 @@ if MODES != tuple(PRICED):
 
 
 def make_mode(name: str, model, make_optimizer, *, group=None,
-              compute_dtype: torch.dtype | None = None, policy: str = "recompute",
-              divide_factor: int = 1) -> ShardingMode:
+              compute_dtype: torch.dtype | None = None, policy: str = "recompute") -> ShardingMode:
     """The mode ``name`` over ``model`` (built in ``mode_class(name).storage_dtype``);
     ``compute_dtype``: the dtype the walk runs in (16-bit: fp32 masters are kept and the
     compute copy is cast); ``policy``: the walker's memory policy (fsdp matches the ranks'
-    calls accordingly); ``divide_factor``: what an in-backward reduction divides the world's
-    sum by (the engine's layout decides: ``runtime.engine.layout.Reduction``)."""
+    calls accordingly)."""
     cls = mode_class(name)
     compute_dtype = compute_dtype or next(model.parameters()).dtype
     if cls.sharded:
@@ -45,8 +43,7 @@ def make_mode(name: str, model, make_optimizer, *, group=None,
         ensure_self_check(model)
         for p in model.parameters():
             p.grad = None
-    return cls(model, make_optimizer, group=group, compute_dtype=compute_dtype, policy=policy,
-               divide_factor=divide_factor)
+    return cls(model, make_optimizer, group=group, compute_dtype=compute_dtype, policy=policy)
 
 
 __all__ = ["MODES", "ShardingMode", "make_mode", "master_dtype_for", "mode_class", "register"]

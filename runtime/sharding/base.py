@@ -7,9 +7,7 @@ does not price (or a priced name left without a class) is refused when this pack
 imported. The engine core (:mod:`runtime.engine`) is the only caller of the step's pieces:
 
 1. ``zero_grad()`` before the walk (fsdp also opens its matched-call session);
-2. the walk accumulates into the model's ``.grad``; a context-parallel rank whose gradient
-   is a copy of its group head's drops what ``local_grad_params`` holds
-   (``runtime.engine.step.reduce_gradients``);
+2. the walk accumulates this rank's share into the model's ``.grad``;
 3. ``reduce_gradients()``: the mode's collective, a SUM over its group (all-reduce,
    reduce-scatter);
 4. ``grad_norm()`` (global; a collective where sharded), then the engine's one clip rule
@@ -96,11 +94,6 @@ class ShardingMode:
 
     # ------------------------------------------------------------------ the step --
     def zero_grad(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def local_grad_params(self) -> list:
-        """Parameters whose gradients the walk leaves on this rank, reduced after it."""
         raise NotImplementedError
 
     def reduce_gradients(self) -> None:

@@ -19,9 +19,8 @@ Layout, applied to the model from outside before the walk:
   lockstep's retain protocol matches those backwards, and :meth:`FSDP.walk_needs` asks
   the walker for one LM-head flush per pack, so that one backward covers one decoder call.
 
-The in-backward reduce-scatter sums over the whole world and divides by ``divide_factor``:
-1, unless the engine's layout says a context-parallel group's C ranks hold copies of one
-gradient (``runtime.engine.layout.Reduction``), then C. The step: the global norm (sharded
+The in-backward reduce-scatter sums over the whole world (every rank's gradient is its share,
+a context-parallel rank's its part of its group's). The step: the global norm (sharded
 grads + vocab shards), the engine's clip, AdamW on the local shards, regather the vocab
 weights.
 """
@@ -49,7 +48,7 @@ class FSDP(ShardingMode):
     holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
-                 policy: str = "recompute", divide_factor: int = 1):
+                 policy: str = "recompute"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -76,11 +75,9 @@ class FSDP(ShardingMode):
         fully_shard(decoder, mesh=self.mesh, mp_policy=mp,
                     ignored_params={p for _, p in vocab if id(p) in in_decoder})
         self.units.append(decoder)
-        # SUM: the ranks' shares add up; divided by the layout's factor (C when the C ranks
-        # of a context-parallel group backward copies of one gradient: runtime.engine.layout)
-        self.divide_factor = int(divide_factor)
+        # SUM: the ranks' shares add up (FSDP would average)
         for unit in self.units:
-            unit.set_gradient_divide_factor(float(self.divide_factor))
+            unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         # No backward prefetch (each unit "prefetches" itself, a no-op): whether FSDP's
         # prefetch all-gathers depends on which of the rank's own graphs are pending, which
@@ -101,13 +98,6 @@ class FSDP(ShardingMode):
         for layer in decoder.layers:
             layer.register_forward_pre_hook(self._sample)
         self.device = device
-
-    @property
-    def local_grad_params(self) -> list:
-        """Parameters whose gradients are accumulated on the rank during the walk and reduced
-        at ``reduce_gradients`` (the vocabulary weights; the layers' are reduced in the
-        backward)."""
-        return list(self.vocab.params)
 
     @classmethod
     def walk_needs(cls, policy: str) -> dict:

@@ -116,10 +116,6 @@ class Replicate(ShardingMode):
             for m in self.masters:
                 m.grad = None
 
-    @property
-    def local_grad_params(self) -> list:
-        return list(self.params)
-
     def reduce_gradients(self) -> None:
         if self.masters is not None:  # reduced in the masters' dtype (fp32 under bf16)
             for m, p in zip(self.masters, self.params):

@@ -41,10 +41,6 @@ class Zero1(ShardingMode):
             p.grad = None
         self.shards.zero_master_grads()
 
-    @property
-    def local_grad_params(self) -> list:
-        return list(self.shards.params)
-
     def reduce_gradients(self) -> None:
         self._grad_bytes = self.shards.bytes()["compute_grads"]
         self.shards.reduce_gradients()
