@@ -16,34 +16,27 @@ d(loss)/dθ = Σ_P [∂ own_loss_P/∂θ + (∂ K/V_P/∂θ)ᵀ · Σ_desc ∂ l
 sum is what accumulates in the leaves' ``.grad`` (descendants' backward passes add into it,
 through the rows of P that lie on their path).
 
-The LM head (``dta/model/head.py``) evaluates the queued rows of several packs in one call --
-flushed before a pop needs them, or at ``head_rows`` -- and keeps only ∂L/∂hidden, so no
-[tokens, vocab] graph ever waits on the path. Everything the walk assumes about the model
-(embedding leaves, per-layer states, the logit transform) lives in ``dta/model/modeling.py``; a
-pack's cache (the path's K/V pieces, joined once) and its mask are ``dta/model/attention.py`` and
-``dta/model/packmask.py``. A model with recurrent layers (Gated DeltaNet) is packed the same way:
-its recurrent layers follow the pack's local tree through the model interface
-(``dta/model/gdn.py``: every row starts from its parent's final state).
+The LM head (``dta/model/head.py``) evaluates the queued rows of several packs in one call and
+keeps only ∂L/∂hidden, so no [tokens, vocab] graph waits on the path. Everything the walk
+assumes about the model (embedding leaves, per-layer states, the logit transform, where a
+context-parallel rank's rows and heads are) lives in ``dta/model/modeling.py``; recurrent
+(Gated DeltaNet) layers follow the pack's local tree through it (``dta/model/gdn.py``).
 
 Blocks (``dta/planning/blocks.py``): before packing, a node longer than ``block_tokens`` is
 cut into a chain of pieces, each a node whose parent is the previous piece, and no pack is
 longer than a block; the walk below runs on the cut tree unchanged (``plan.tree``), so no
 call -- and under *recompute* no graph -- is longer than one block.
 
-MoE (docs/moe.md): a record's replayed experts are forced in every router during a pack's
-forward (``dta/model/routing.py``, a model-interface fact: ``routes``); the router's load-balancing
-loss (``dta/model/router_aux.py``: ``aux``) reads each pack's routing at push, lets the sequences
-ending in it carry their per-token coefficients up the path, and adds each pack's surrogate
-to its backward at leaf() or pop(), like the K/V gradients.
+MoE (docs/moe.md): replayed experts are forced in every router during a pack's forward
+(``dta/model/routing.py``: ``routes``); the router's load-balancing loss
+(``dta/model/router_aux.py``: ``aux``) reads each pack's routing at push and adds each pack's
+surrogate to its backward at leaf() or pop(), like the K/V gradients.
 
-Memory policies: *retain* keeps each pack's graph along the current path, plus the leaf packs
-waiting for a head flush (at most ``head_rows`` tokens of them); *recompute* keeps only the
-detached K/V (and ∂L/∂hidden) and re-forwards the pack with grad at pop (AReaL-DTA's choice):
-one graph alive at a time (its leaf packs are flushed at once; the detached head rows of the
-open packs are still batched). Where the attention over the path is split at the cache
-boundary (CPU), the pack's first forward also keeps each layer's attention output on a tape
-(``dta.model.split_attention.Tape``, about the size of its K/V), and the re-forward takes it back
-instead of attending over the whole path again.
+Memory policies: *retain* keeps each pack's graph along the current path (plus the leaf packs
+waiting for a head flush); *recompute* keeps only the detached K/V (and ∂L/∂hidden) and
+re-forwards the pack with grad at pop (AReaL-DTA's choice): one graph alive at a time. Where
+the attention over the path is split at the cache boundary, the first forward keeps each
+layer's attention output on a tape (``dta.model.split_attention.Tape``) for the re-forward.
 """
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ import weakref
 from typing import Callable
 
 from runtime.checkpoints.folders import CLAIMING, RUN_FILE, CheckpointError
+from runtime.checkpoints.folders import fsync_dir as _fsync_dir
 
 PATIENCE = 0.5  # seconds a run.json must stay locked by another process to be a live run's
 _PAUSE = 0.05
@@ -297,15 +298,3 @@ def _unlink(path: str) -> None:
     except OSError:
         pass
 
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -14,6 +14,7 @@ import torch
 
 from dta.records.jsonl import json_safe
 from runtime.checkpoints.folders import CheckpointError  # noqa: F401 (torch-free, re-exported)
+from runtime.checkpoints.folders import fsync_dir as _fsync_dir  # noqa: F401 (used by checkpoint, dcp)
 
 MANIFEST = "manifest.json"
 FORMAT = 2
@@ -60,18 +61,6 @@ def save_tensors(obj, path: str) -> None:
     except OSError as exc:
         raise _with_path(exc, path) from None
 
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _mkdir(path: str) -> None:

@@ -15,6 +15,20 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def fsync_dir(path: str) -> None:
+    """Make a folder's entries durable (a new or renamed file in it); best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _ours(names: list[str]) -> list[str]:
     """``names`` without the files of a claim in flight (or left by a crash during one)."""
     return [n for n in names if not n.startswith(CLAIMING)]

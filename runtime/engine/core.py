@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+import runtime.engine.checkpoint as checkpoint
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
 from runtime.engine.layout import (
@@ -248,8 +249,6 @@ class EngineCore:
     def named_full_tensors(self):
         """``(name, whole tensor in the compute dtype)`` per parameter, in the model's order
         (sharded: gathered, a collective per tensor: every rank iterates)."""
-        from runtime.engine import checkpoint
-
         self._require()
         return checkpoint.named_full_tensors(self)
 
@@ -257,16 +256,12 @@ class EngineCore:
         """The model's state dict in the compute dtype on CPU, whole tensors (what a rollout
         serves; tied weights under both names). Every rank calls it; ``keep=False`` takes
         part in the gathers without holding the result (returns ``{}``)."""
-        from runtime.engine import checkpoint
-
         self._require()
         return checkpoint.full_state_dict(self, keep=keep)
 
     def load_full_state(self, state: dict, *, what: str) -> None:
         """Whole tensors (e.g. a Hugging Face folder read on every rank) into the model, its
         shards and its masters; every parameter must be there (``what`` names the source)."""
-        from runtime.engine import checkpoint
-
         self._require()
         checkpoint.load_full_state(self, state, what=what)
 
@@ -279,19 +274,13 @@ class EngineCore:
     # ------------------------------------------------------------ checkpoints --
     def save(self, directory: str, step: int, meta: dict, *, run_id: str | None = None,
              keep_last: int | None = None) -> str:
-        from runtime.engine import checkpoint
-
         self._require()
         return checkpoint.save(self, directory, step, meta, run_id=run_id, keep_last=keep_last)
 
     def load(self, path: str) -> dict:
-        from runtime.engine import checkpoint
-
         self._require()
         return checkpoint.load(self, path)
 
     def export_hf(self, path: str, *, merged: bool = False) -> str:
-        from runtime.engine import checkpoint
-
         self._require()
         return checkpoint.export_hf(self, path, merged=merged)
