@@ -167,6 +167,13 @@ def ship_paths(cfg, cwd: str | None = None):
         if path is not None:
             check_path(path, "dir", f"config key '{key}':", create=True, write=True,
                        error=ConfigError)
+    log_dir = cfg.train.log_dir
+    if log_dir is not None and log_dir != ckpt_dir:  # a log folder of its own: claimed too
+        from runtime.checkpoints.claim import in_use_message, live_owner
+
+        owner = live_owner(log_dir)
+        if owner is not None:
+            raise ConfigError(in_use_message(log_dir, owner, key="train.log_dir"))
     return cfg
 
 

@@ -121,11 +121,25 @@ class RunInfo:
     run_id: str
     resumed_from: str | None  # the checkpoint a resumed run continues from
     claim: Claim | None = None  # this process's hold on the folder (runtime.checkpoints.claim)
+    created: bool = False  # prepare_run made the folder
 
     def release(self) -> None:
         """The run has ended: let the folder go (another run may resume or take it)."""
         if self.claim is not None:
             self.claim.release()
+
+    def withdraw(self) -> None:
+        """The run is refused before its first step (another of its folders is not free):
+        leave the folder as it was found, when it was missing or empty (the claim replaced no
+        other run's record), then let it go."""
+        if self.claim is not None and self.claim.previous is None and self.claim.held:
+            try:
+                os.unlink(os.path.join(self.directory, RUN_FILE))
+                if self.created:
+                    os.rmdir(self.directory)
+            except OSError:
+                pass  # something else is there now: it stays
+        self.release()
 
 
 def read_run(directory: str) -> dict | None:
@@ -190,7 +204,8 @@ def prepare_run(directory: str, *, resume: bool) -> RunInfo:
     refused = foreign_folder(directory)
     if refused:
         raise CheckpointError(refused)
-    if not os.path.isdir(directory):
+    created = not os.path.isdir(directory)
+    if created:
         try:
             _mkdir(directory)
         except OSError as exc:
@@ -218,7 +233,8 @@ def prepare_run(directory: str, *, resume: bool) -> RunInfo:
         return _run_record(uuid.uuid4().hex)
 
     claim = claim_folder(directory, decide, resume=resume)
-    return RunInfo(directory, claim.run_id, resumed_from[0] if resumed_from else None, claim)
+    return RunInfo(directory, claim.run_id, resumed_from[0] if resumed_from else None, claim,
+                   created)
 
 
 def _run_record(run_id: str, created: str | None = None) -> dict:

@@ -72,10 +72,11 @@ class Claim:
 
 
 def claim_folder(directory: str, decide: Callable[[dict | None], dict], *,
-                 resume: bool) -> Claim:
+                 resume: bool, key: str = "train.checkpoint_dir") -> Claim:
     """Claim ``directory`` (which exists) for this process; see the module doc.
     ``decide(previous)`` gets the record of the stopped run that held the folder (None: none)
-    and returns this run's record (with its ``run_id``) or raises to refuse the folder."""
+    and returns this run's record (with its ``run_id``) or raises to refuse the folder.
+    ``key``: the setting that named the folder (the refusals name it)."""
     path = os.path.join(directory, RUN_FILE)
     seen, since = None, None
     while True:
@@ -101,19 +102,20 @@ def claim_folder(directory: str, decide: Callable[[dict | None], dict], *,
         if not same:
             continue  # replaced since it was opened (a takeover): look again
         if got is False or previous is None:  # held by another process, or being written
-            now, key = time.monotonic(), (ino, got, (previous or {}).get("run_id"))
-            if key != seen:
-                seen, since = key, now
+            now, look = time.monotonic(), (ino, got, (previous or {}).get("run_id"))
+            if look != seen:
+                seen, since = look, now
             elif now - since >= PATIENCE:
                 if previous is None:
                     raise CheckpointError(f"{path!r} is unreadable (not a run record); if no "
                                           "run is using the folder, remove it")
-                raise CheckpointError(in_use_message(directory, previous))
+                raise CheckpointError(in_use_message(directory, previous, key=key))
             time.sleep(_PAUSE)
             continue
         try:  # ours: the record of a run that has stopped (or, got None: no locks to tell)
             if got is None and not resume:
-                raise CheckpointError(in_use_message(directory, previous, unknown=True))
+                raise CheckpointError(in_use_message(directory, previous, unknown=True,
+                                                     key=key))
             record = decide(previous)
             new, locked = _publish(directory, record, exclusive=False)
         finally:
@@ -148,13 +150,21 @@ def create_record(directory: str, record: dict) -> bool:
     return True
 
 
-def in_use_message(directory: str, record: dict, unknown: bool = False) -> str:
-    """One line: ``directory`` is held by the run of ``record`` (``unknown``: perhaps, no
-    locks to tell), and how to continue that run."""
+def in_use_message(directory: str, record: dict, unknown: bool = False,
+                   key: str = "train.checkpoint_dir") -> str:
+    """One line: ``directory`` (named by the setting ``key``) is held by the run of
+    ``record`` (``unknown``: perhaps, no locks to tell), and how to continue that run."""
     who = f"run {record.get('run_id', '?')}"
     if record.get("pid"):
         who += f" (pid {record['pid']}" + (f" on {record['host']}" if record.get("host") else "") \
             + (f", started {record['started']}" if record.get("started") else "") + ")"
+    if key != "train.checkpoint_dir":  # a run's other folder (train.log_dir): not resumable
+        if unknown:
+            return (f"{key} {directory!r} holds {who}, and its filesystem has no file locks to "
+                    f"tell whether that run still runs: if it has stopped, remove {RUN_FILE}; "
+                    f"or choose another {key}")
+        return (f"{key} {directory!r} is in use by {who}, which is still running: one run per "
+                f"folder; choose another {key}")
     if unknown:
         return (f"checkpoint folder {directory!r} holds {who}, and its filesystem has no file "
                 "locks to tell whether that run still runs: continue it with train.resume=true, "

@@ -18,7 +18,9 @@ Nothing is lost, nothing is trusted blindly:
 * a skipped update (non-finite gradient norm) is a warning and, unless
   ``train.skip_nonfinite=true``, an error naming the step;
 * per-step metrics go to ``metrics.jsonl`` / ``metrics.csv`` (and TensorBoard when
-  installed) in ``train.log_dir`` (default: the checkpoint folder) as the run goes;
+  installed) in ``train.log_dir`` (default: the checkpoint folder) as the run goes; a log
+  folder of its own is claimed like the checkpoint folder (:func:`.metrics.claim_log_folder`:
+  not a live run's, not holding another run's rows);
 * ``train.export_hf=DIR`` writes the trained model with ``save_pretrained`` at the end.
 """
 from __future__ import annotations
@@ -33,9 +35,10 @@ from typing import Callable, Protocol
 
 from dta.batch import Batch
 from runtime.checkpoints import checkpoint as ckpt
+from runtime.checkpoints.claim import Claim
 from runtime.errors import TrainingError
 from runtime.ray_runtime.driver import Trainer
-from runtime.ray_runtime.metrics import MetricsLog
+from runtime.ray_runtime.metrics import MetricsLog, claim_log_folder
 from runtime.ray_runtime.stats import StepStats, summarize
 
 
@@ -104,21 +107,38 @@ def run_training(cfg, source: BatchSourceLike, *,
                             "resume from)")
     trainer = Trainer(cfg, address=address, fault=fault, log=log)
     _check_output_paths(t)  # before the claim: a bad path leaves nothing behind
-    # the folder is this run's from here (another run's: refused, one line), until it ends
-    run = ckpt.prepare_run(t.checkpoint_dir, resume=bool(t.resume)) if t.checkpoint_dir else None
+    run, logs = claim_folders(t)
     try:
-        return _run(cfg, trainer, run, source, progress=progress, log=log, on_step=on_step)
+        return _run(cfg, trainer, run, logs, source, progress=progress, log=log,
+                    on_step=on_step)
     finally:
+        for held in (logs, run):
+            if held is not None:
+                held.release()
+
+
+def claim_folders(t) -> tuple[ckpt.RunInfo | None, Claim | None]:
+    """The run's folders are its own from here (another run's: refused, one line) until it
+    ends: ``train.checkpoint_dir``, and ``train.log_dir`` when it is another folder."""
+    run = ckpt.prepare_run(t.checkpoint_dir, resume=bool(t.resume)) if t.checkpoint_dir else None
+    if not t.log_dir or (run is not None and os.path.isdir(str(t.log_dir))
+                         and os.path.samefile(str(t.log_dir), run.directory)):
+        return run, None
+    try:
+        return run, claim_log_folder(str(t.log_dir), run.run_id if run else None,
+                                     resume=bool(t.resume))
+    except BaseException:
         if run is not None:
-            run.release()
+            run.withdraw()  # refused before anything was written: its folder as it was
+        raise
 
 
-def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, source: BatchSourceLike, *,
-         progress: bool, log: Callable[[str], None],
+def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, logs: Claim | None,
+         source: BatchSourceLike, *, progress: bool, log: Callable[[str], None],
          on_step: Callable[[StepStats], None] | None) -> dict:
-    """run_training's steps, in the folder ``run`` holds."""
+    """run_training's steps, in the folders ``run`` and ``logs`` hold."""
     t = cfg.train
-    trainer.run_id = run.run_id if run else None
+    trainer.run_id = run.run_id if run else (logs.run_id if logs else None)
     trainer.progress = bool(progress)
     resume_path = run.resumed_from if run else None
     if resume_path:
