@@ -47,13 +47,11 @@ Folders are created ``0o755`` at most and files ``0o644`` at most (never writabl
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
 import re
 import shutil
-import socket
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -63,7 +61,7 @@ import torch
 
 from dta.model.lora import trained_state
 from dta.paths import check_path
-from runtime.checkpoints.claim import Claim, claim_folder, create_record
+from runtime.checkpoints.claim import Claim, claim_folder, create_record, run_record
 from runtime.checkpoints.files import (  # noqa: F401
     FORMAT,
     MANIFEST,
@@ -238,9 +236,7 @@ def prepare_run(directory: str, *, resume: bool) -> RunInfo:
 
 
 def _run_record(run_id: str, created: str | None = None) -> dict:
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"run_id": run_id, "format": FORMAT, "created": created or now, "started": now,
-            "pid": os.getpid(), "host": socket.gethostname()}
+    return {**run_record(run_id, created), "format": FORMAT}
 
 
 def _manifest_run(path: str) -> str | None:

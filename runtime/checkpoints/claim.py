@@ -28,10 +28,12 @@ No torch, no Ray.
 """
 from __future__ import annotations
 
+import datetime
 import errno
 import fcntl
 import json
 import os
+import socket
 import time
 import uuid
 import weakref
@@ -121,6 +123,14 @@ def claim_folder(directory: str, decide: Callable[[dict | None], dict], *,
         finally:
             _close(fd)  # the stopped run's record: replaced (or kept, refused), now let go
         return Claim(directory, record, previous, new, locked)
+
+
+def run_record(run_id: str, created: str | None = None) -> dict:
+    """A claim's record: the run, when it was created (kept across resumes), and this
+    process (its start, pid, host: what a refused run is told)."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"run_id": run_id, "created": created or now, "started": now, "pid": os.getpid(),
+            "host": socket.gethostname()}
 
 
 def live_owner(directory: str) -> dict | None:

@@ -8,16 +8,14 @@ that folder (:func:`claim_log_folder`): two runs never write rows into one folde
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import math
 import os
-import socket
 import time
 import uuid
 
 from dta.records.jsonl import json_safe
-from runtime.checkpoints.claim import Claim, claim_folder
+from runtime.checkpoints.claim import Claim, claim_folder, run_record
 from runtime.checkpoints.folders import CheckpointError
 
 FILES = ("metrics.jsonl", "metrics.csv", "tensorboard")  # what a MetricsLog writes
@@ -112,9 +110,7 @@ def claim_log_folder(directory: str, run_id: str | None, *, resume: bool) -> Cla
             raise CheckpointError(f"train.log_dir {directory!r} already holds the metrics of "
                                   f"{who} ({', '.join(held)}); this run's rows would join "
                                   f"them: choose an empty folder{hint}")
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        return {"run_id": run_id or uuid.uuid4().hex, "started": now, "pid": os.getpid(),
-                "host": socket.gethostname()}
+        return run_record(run_id or uuid.uuid4().hex, (previous or {}).get("created"))
 
     return claim_folder(directory, decide, resume=resume, key="train.log_dir")
 
