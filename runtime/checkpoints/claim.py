@@ -260,11 +260,7 @@ def _publish(directory: str, record: dict, *, exclusive: bool) -> tuple[int, boo
         _unlink(tmp)
         raise
     except BaseException as exc:
-        _close(fd)
-        _unlink(tmp)
-        if isinstance(exc, OSError):
-            raise CheckpointError(_cannot(directory, exc)) from None
-        raise
+        _give_up(fd, tmp, directory, exc)
     if exclusive:
         _unlink(tmp)
     _fsync_dir(directory)
@@ -290,11 +286,7 @@ def _create(directory: str, record: dict) -> tuple[int, bool]:
             locked = _lock(fd)
         _fill(fd, record)
     except BaseException as exc:
-        _close(fd)
-        _unlink(path)
-        if isinstance(exc, OSError):
-            raise CheckpointError(_cannot(directory, exc)) from None
-        raise
+        _give_up(fd, path, directory, exc)
     _fsync_dir(directory)
     return fd, locked is True
 
@@ -305,6 +297,16 @@ def _fill(fd: int, record: dict) -> None:
         data = data[os.write(fd, data):]
     os.fsync(fd)
     os.fchmod(fd, 0o644)  # whatever the umask: never writable by others
+
+
+def _give_up(fd: int, path: str, directory: str, exc: BaseException):
+    """Writing the claim file ``path`` failed with ``exc``: close and remove it, then raise
+    (an OSError as one line naming the folder)."""
+    _close(fd)
+    _unlink(path)
+    if isinstance(exc, OSError):
+        raise CheckpointError(_cannot(directory, exc)) from None
+    raise exc
 
 
 def _cannot(directory: str, exc: OSError) -> str:
