@@ -47,6 +47,9 @@ KEY_USE: dict[str, str] = {
     "train.memory_budget_gib": "memory budget of sharding=auto (dta.planning.memory)",
     "train.context_parallel": "ranks per tree: context-parallel groups of the workers "
                               "(runtime.ray_runtime.worker, dta.model.context_parallel)",
+    "train.expert_parallel": "ranks per expert group (runtime.engine.layout)",
+    "train.shard_size": "HSDP shard group (runtime.engine.layout)",
+    "train.offload": "optimizer state in host memory (runtime.sharding)",
     "ray.address": "cluster", "ray.num_workers": "workers", "ray.cpus_per_worker": "workers",
     "ray.gpus_per_worker": "workers", "ray.placement": "workers' placement group",
     "ray.object_store_memory": "local instance",

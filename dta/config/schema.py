@@ -33,6 +33,7 @@ from dta.config.errors import ConfigError
 from dta.config.walk import walk_options
 from dta.options import AUTO, WalkOptions
 from dta.planning.memory import MODES as SHARDING_MODES
+from dta.planning.memory import OFFLOADS
 
 __all__ = ["ModelConfig", "WorkloadConfig", "WalkerConfig", "LossConfig", "OptimizerConfig",
            "TrainConfig", "StreamConfig", "RayConfig", "NormConfig", "ActorConfig", "Config",
@@ -136,6 +137,16 @@ class TrainConfig:
     # memory model's choice among 1, 2, 4, 8 dividing ray.num_workers for memory_budget_gib
     # (with the sharding mode and the block, as `dta plan --memory --context-parallel auto`).
     context_parallel: Any = 1
+    # Ranks each MoE layer's routed experts are spread over (docs/expert-parallel.md): groups of
+    # this many consecutive workers hold 1/expert_parallel of the experts each, the routed
+    # tokens sent to their experts' owners and back. 1: off (every worker holds every expert).
+    expert_parallel: int = 1
+    # HSDP (docs/sharding.md): zero1 / fsdp split the state over groups of this many
+    # consecutive workers (a node) and replicate it across the groups; null: all the workers.
+    shard_size: Optional[int] = None
+    # none | optimizer: the AdamW state and the fp32 master weights live in host memory and
+    # are stepped there (docs/sharding.md)
+    offload: str = "none"
 
 
 @dataclass
@@ -307,6 +318,7 @@ CHOICES: dict[str, tuple] = {
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
     "train.sharding": (*SHARDING_MODES, AUTO),  # runtime.sharding registers one class each
+    "train.offload": OFFLOADS,
     "ray.placement": ("pack", "spread"),
     "actor.kl_estimator": ("k1", "k2", "k3"),
     "actor.adv_norm.mean_level": ("batch", "group", None),
@@ -343,6 +355,8 @@ _RANGES: dict[str, tuple] = {
     "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
     "train.context_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
         v, bool) and v >= 1), "an integer >= 1 (ranks per tree; 1: off) or auto"),
+    "train.expert_parallel": (lambda v: v >= 1, ">= 1 (1: off)"),
+    "train.shard_size": (lambda v: v >= 1, ">= 1 (or null: all the workers)"),
     "stream.target_sequences": (lambda v: v >= 0, ">= 0"),
     "stream.target_tokens": (lambda v: v >= 0, ">= 0"),
     "workload.sequences_per_step": (lambda v: v >= 0, ">= 0"),

@@ -61,6 +61,9 @@ from dta.planning.cp import CP_SCHEME, check_scheme
 from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401
 
 MODES = ("replicate", "zero1", "fsdp")  # cheapest communication first
+# where the optimizer's state lives: on the device, or ("optimizer") the AdamW state and the
+# fp32 master weights (where the mode keeps them) in host memory, stepped there
+OFFLOADS = ("none", "optimizer")
 GIB = 2 ** 30
 
 

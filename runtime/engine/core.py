@@ -113,7 +113,8 @@ class EngineCore:
         self.reduction = reduction_of(self.layout, self.model)
         self.mode = make_mode(self.layout.sharding, self.model, self.make_optimizer,
                               group=self.groups.world, compute_dtype=self.compute_dtype,
-                              policy=self.walk.policy)
+                              policy=self.walk.policy, layout=self.layout,
+                              groups=self.groups)
         self.model = self.mode.model
         return self
 

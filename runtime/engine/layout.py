@@ -1,10 +1,21 @@
 """``ParallelLayout``: how one run is laid out over its ranks, decided once.
 
 World size W, context-parallel size C (ranks per tree), data-parallel size W / C, the
-sharding mode (a registered ``runtime.sharding`` mode, resolved: never ``auto``) and this
-rank. Ranks ``[g·C, (g+1)·C)`` form context-parallel group g (they walk the same trees, their
-path K/V spread over the group); the ranks with the same place in their groups form a
-data-parallel group. Sharded state always spans the whole world.
+sharding mode (a registered ``runtime.sharding`` mode, resolved: never ``auto``), the
+expert-parallel size E, the shard size S (HSDP), the offload choice and this rank.
+
+- Ranks ``[g·C, (g+1)·C)`` form context-parallel group g (they walk the same trees, their
+  path K/V spread over the group); the ranks with the same place in their groups form a
+  data-parallel group.
+- Ranks ``[k·E, (k+1)·E)`` form expert-parallel group k: each holds 1/E of every MoE layer's
+  routed experts (rank r the slice ``r mod E``); the ranks with the same place in their
+  expert groups hold the same experts (the *expert replicas*, W / E ranks), over which the
+  experts' gradients are summed and their sharded state is split.
+- Ranks ``[j·S, (j+1)·S)`` form shard group j (HSDP: a node): the sharded state (zero1 /
+  fsdp) is split over them and replicated across the W / S groups (the ranks with the same
+  place in their shard groups: the *replica* group). S = W (the default): plain sharding
+  over the world.
+- ``offload``: where the optimizer's state lives (:data:`dta.planning.memory.OFFLOADS`).
 
 Built and validated once, from any front door's configuration (:meth:`ParallelLayout.make`,
 naming the front door's keys in its errors): ``dta train``'s ``ray.num_workers`` /
@@ -31,7 +42,8 @@ class LayoutError(ValueError):
 
 
 KEYS = {"world": "world size", "context_parallel": "context-parallel size",
-        "sharding": "sharding mode", "rank": "rank"}
+        "sharding": "sharding mode", "rank": "rank", "expert_parallel": "expert-parallel size",
+        "shard_size": "shard size", "offload": "offload"}
 
 
 @dataclass(frozen=True)
@@ -40,14 +52,21 @@ class ParallelLayout:
     context_parallel: int = 1
     sharding: str = "replicate"
     rank: int = 0
+    expert_parallel: int = 1
+    shard_size: int | None = None  # None: the world (plain sharding)
+    offload: str = "none"
 
     def __post_init__(self):
+        from dta.planning.memory import OFFLOADS
         from runtime.sharding import registered
 
         def bad(field, need):
             raise LayoutError(f"bad {KEYS[field]}: {getattr(self, field)!r} must be {need}")
 
-        for field, low in (("world", 1), ("context_parallel", 1), ("rank", 0)):
+        if self.shard_size is None:
+            object.__setattr__(self, "shard_size", self.world)
+        for field, low in (("world", 1), ("context_parallel", 1), ("rank", 0),
+                           ("expert_parallel", 1), ("shard_size", 1)):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 bad(field, f"an integer >= {low}")
@@ -61,17 +80,31 @@ class ParallelLayout:
         if self.world == 1 and self.sharding != "replicate":
             bad("sharding", "replicate on one rank (nothing to shard): build the layout with "
                             "ParallelLayout.make")
+        if self.world % self.expert_parallel:
+            bad("expert_parallel", f"a divisor of the world size {self.world} (each group of "
+                                   "that many ranks holds every expert once)")
+        if self.world % self.shard_size:
+            bad("shard_size", f"a divisor of the world size {self.world} (the state is "
+                              "sharded over that many ranks, replicated across the groups)")
+        if self.shard_size != self.world and not self.sharded:
+            bad("shard_size", f"the world size {self.world} under sharding={self.sharding} "
+                              "(it shards nothing: HSDP needs zero1 or fsdp)")
+        if self.offload not in OFFLOADS:
+            bad("offload", f"one of {OFFLOADS}")
 
     @classmethod
     def make(cls, *, world: int, context_parallel: int = 1, sharding: str = "replicate",
-             rank: int = 0, spelling: Mapping[str, str] | None = None) -> "ParallelLayout":
+             rank: int = 0, expert_parallel: int = 1, shard_size: int | None = None,
+             offload: str = "none", spelling: Mapping[str, str] | None = None
+             ) -> "ParallelLayout":
         """The layout of a front door's settings (one rank: replicate, nothing to shard); an
         error names a setting as ``spelling`` says (field -> the front door's key)."""
         if world == 1 and sharding in _registered():
             sharding = "replicate"
         try:
             return cls(world=world, context_parallel=context_parallel, sharding=sharding,
-                       rank=rank)
+                       rank=rank, expert_parallel=expert_parallel, shard_size=shard_size,
+                       offload=offload)
         except LayoutError as exc:
             msg = str(exc)
             for field, key in (spelling or {}).items():
@@ -113,6 +146,16 @@ class ParallelLayout:
 
         return mode_class(self.sharding).sharded
 
+    @property
+    def replicas(self) -> int:
+        """How many copies of the sharded state (HSDP: W / S; 1 under plain sharding)."""
+        return self.world // self.shard_size
+
+    @property
+    def expert_rank(self) -> int:
+        """Which slice of every MoE layer's experts this rank holds."""
+        return self.rank % self.expert_parallel
+
     def context_groups(self) -> list[list[int]]:
         C = self.context_parallel
         return [list(range(g * C, (g + 1) * C)) for g in range(self.data_parallel)]
@@ -121,10 +164,27 @@ class ParallelLayout:
         return [list(range(i, self.world, self.context_parallel))
                 for i in range(self.context_parallel)]
 
+    def expert_groups(self) -> list[list[int]]:
+        E = self.expert_parallel
+        return [list(range(k * E, (k + 1) * E)) for k in range(self.world // E)]
+
+    def expert_replica_groups(self) -> list[list[int]]:
+        return [list(range(i, self.world, self.expert_parallel))
+                for i in range(self.expert_parallel)]
+
+    def shard_groups(self) -> list[list[int]]:
+        S = self.shard_size
+        return [list(range(j * S, (j + 1) * S)) for j in range(self.replicas)]
+
+    def replica_groups(self) -> list[list[int]]:
+        return [list(range(i, self.world, self.shard_size)) for i in range(self.shard_size)]
+
     def record(self) -> dict:
         """JSON-ready (checkpoint metadata, reports)."""
         return {"world": self.world, "context_parallel": self.context_parallel,
-                "data_parallel": self.data_parallel, "sharding": self.sharding}
+                "data_parallel": self.data_parallel, "sharding": self.sharding,
+                "expert_parallel": self.expert_parallel, "shard_size": self.shard_size,
+                "offload": self.offload}
 
 
 def _registered() -> tuple[str, ...]:
@@ -139,12 +199,20 @@ class ProcessGroups:
     """The layout's groups on this rank (None where torch.distributed is not up: one rank).
     ``context``: this rank's context-parallel group (its C ranks; one rank when C = 1, the
     model-parallel group AReaL asks for); ``data``: its data-parallel group (the world when
-    C = 1); ``cpu``: a gloo group over the world (the world itself when it is gloo)."""
+    C = 1); ``cpu``: a gloo group over the world (the world itself when it is gloo);
+    ``expert``: this rank's expert-parallel group (None when E = 1); ``expert_replicas``: the
+    ranks holding this rank's experts (the world when E = 1); ``shard``: the ranks its
+    sharded state is split over (the world unless HSDP); ``replicas``: the ranks holding the
+    same shard as this one (None unless HSDP)."""
 
     world: object = None
     context: object = None
     data: object = None
     cpu: object = None
+    expert: object = None
+    expert_replicas: object = None
+    shard: object = None
+    replicas: object = None
 
 
 def build_groups(layout: ParallelLayout) -> ProcessGroups:
@@ -168,14 +236,25 @@ def build_groups(layout: ParallelLayout) -> ProcessGroups:
         group = dist.new_group(ranks)
         if layout.rank in ranks:
             context = group
-    if layout.context_parallel == 1:
-        data = world
-    else:
-        for ranks in layout.data_groups():
+
+    def mine(groups):  # every rank creates every group, in the same order
+        found = None
+        for ranks in groups:
             group = dist.new_group(ranks)
             if layout.rank in ranks:
-                data = group
-    return ProcessGroups(world=world, context=context, data=data, cpu=cpu)
+                found = group
+        return found
+
+    data = world if layout.context_parallel == 1 else mine(layout.data_groups())
+    expert = replicas = None
+    expert_replicas = shard = world
+    if layout.expert_parallel > 1:
+        expert = mine(layout.expert_groups())
+        expert_replicas = mine(layout.expert_replica_groups())
+    if layout.shard_size < layout.world:
+        shard, replicas = mine(layout.shard_groups()), mine(layout.replica_groups())
+    return ProcessGroups(world=world, context=context, data=data, cpu=cpu, expert=expert,
+                         expert_replicas=expert_replicas, shard=shard, replicas=replicas)
 
 
 # ------------------------------------------------------------ who reduces what --

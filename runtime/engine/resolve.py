@@ -36,7 +36,10 @@ __all__ = ["RunSettings", "policy_of", "walk_for_layout", "check_walk", "settle"
 # ParallelLayout field -> the dta train config key that sets it
 RUN_CONFIG_KEYS = {"world": "config key 'ray.num_workers'",
                    "context_parallel": "config key 'train.context_parallel'",
-                   "sharding": "config key 'train.sharding'"}
+                   "sharding": "config key 'train.sharding'",
+                   "expert_parallel": "config key 'train.expert_parallel'",
+                   "shard_size": "config key 'train.shard_size'",
+                   "offload": "config key 'train.offload'"}
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
         mode, C, report = priced.mode, priced.context_parallel, priced.report
         if block == AUTO and priced.block_tokens != walk.block_tokens:
             walk = walk.replace(block_tokens=priced.block_tokens)  # the memory model's block
+    shard = cfg.train.shard_size
     layout = ParallelLayout.make(world=W, context_parallel=int(C), sharding=mode,
-                                 spelling=RUN_CONFIG_KEYS)
+                                 expert_parallel=int(cfg.train.expert_parallel),
+                                 shard_size=None if shard is None else int(shard),
+                                 offload=str(cfg.train.offload), spelling=RUN_CONFIG_KEYS)
     return settle(walk, layout, report)

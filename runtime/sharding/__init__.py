@@ -28,12 +28,21 @@ if MODES != tuple(PRICED):
 
 
 def make_mode(name: str, model, make_optimizer, *, group=None,
-              compute_dtype: torch.dtype | None = None, policy: str = "recompute") -> ShardingMode:
+              compute_dtype: torch.dtype | None = None, policy: str = "recompute",
+              layout=None, groups=None) -> ShardingMode:
     """The mode ``name`` over ``model`` (built in ``mode_class(name).storage_dtype``);
     ``compute_dtype``: the dtype the walk runs in (16-bit: fp32 masters are kept and the
     compute copy is cast); ``policy``: the walker's memory policy (fsdp matches the ranks'
-    calls accordingly)."""
+    calls accordingly); ``layout`` / ``groups``: the engine's
+    :class:`~runtime.engine.layout.ParallelLayout` and its process groups (expert parallel,
+    HSDP's shard and replica groups, the offload choice)."""
     cls = mode_class(name)
+    if layout is not None:
+        for field, off in (("expert_parallel", 1), ("shard_size", layout.world),
+                           ("offload", "none")):
+            if getattr(layout, field) != off:
+                raise NotImplementedError(f"sharding={name}: {field}={getattr(layout, field)!r}"
+                                          " is not implemented yet")
     compute_dtype = compute_dtype or next(model.parameters()).dtype
     if cls.sharded:
         # The walker's self-check (dta.selfcheck, cached per model) probes the model with its
@@ -43,7 +52,8 @@ def make_mode(name: str, model, make_optimizer, *, group=None,
         ensure_self_check(model)
         for p in model.parameters():
             p.grad = None
-    return cls(model, make_optimizer, group=group, compute_dtype=compute_dtype, policy=policy)
+    return cls(model, make_optimizer, group=group, compute_dtype=compute_dtype, policy=policy,
+               layout=layout, groups=groups)
 
 
 __all__ = ["MODES", "ShardingMode", "make_mode", "master_dtype_for", "mode_class", "register"]

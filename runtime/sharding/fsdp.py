@@ -48,7 +48,7 @@ class FSDP(ShardingMode):
     holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
-                 policy: str = "recompute"):
+                 policy: str = "recompute", **_):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
