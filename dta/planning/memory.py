@@ -283,12 +283,10 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
         raise ValueError(f"context_parallel {bad or sizes} must divide the world of {world} ranks")
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
     W = int(world)
-    groups = sorted({W if s is None else s for s in shard_size}, key=lambda s: -s)
-    eps = sorted(set(expert_parallel))
-    for E in eps:  # each checked once, before anything is priced
-        check_layout(shape, W, "zero1", E, None, "none")
-    for S in groups:
-        check_layout(shape, W, "zero1", 1, S, "none")
+    # each size checked once, before anything is priced; the world first, then the smallest E
+    groups = sorted({check_layout(shape, W, "zero1", 1, S, "none")[1] for S in shard_size},
+                    key=lambda s: -s)
+    eps = sorted({check_layout(shape, W, "zero1", E, None, "none")[0] for E in expert_parallel})
     for off in offload:
         check_layout(shape, W, "zero1", 1, None, off)
     offloads = tuple(o for o in OFFLOADS if o in offload)  # none first
