@@ -30,6 +30,7 @@ METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dta.options import WalkOptions
     from dta.planning.cp import CP_SCHEME, CP_SCHEMES
+    from dta.planning.shapes import SHAPES
     from dta.planning.state import OFFLOADS
     from dta.planning.timing import PEAK_TFLOPS, Hardware
 
@@ -49,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="balance the batch over W workers")
     parser.add_argument("--model", default="qwen3-1.7b",
                         help="cost model for --workers (and --memory): a size of dta.model.models (e.g. "
-                             "qwen3-0.6b), a Qwen3 shape (qwen3-8b, qwen3-14b, qwen3-32b), "
-                             "a Hugging Face config.json path, or 'tokens' (default: qwen3-1.7b)")
+                             f"qwen3-0.6b), a named shape ({', '.join(SHAPES)}), a Hugging "
+                             "Face config.json path, or 'tokens' (default: qwen3-1.7b)")
     parser.add_argument("--art-sharing", action="store_true",
                         help="stop sharing before the first trainable token (ART's accounting)")
     min_shared = WalkOptions.default("min_shared")  # the walk's (dta/options.py)
@@ -89,8 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "where it divides W)")
     mem.add_argument("--offload", default="auto", choices=("auto",) + OFFLOADS,
                      help="keep the optimizer state and masters in host memory and step "
-                          "there (default: auto, both: offload only where nothing fits "
-                          "without it)")
+                          "there (default: auto, both: a candidate is offloaded only where "
+                          "it does not fit without)")
     mem.add_argument("--lora-r", type=int, default=0, metavar="R",
                      help="price a LoRA run: rank-R adapters, the base frozen (replicate and "
                           "zero1; grads and optimizer count the adapters only)")

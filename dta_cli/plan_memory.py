@@ -11,8 +11,8 @@ HARDWARE = ("peak_tflops", "utilization", "intra_node_gbs", "inter_node_gbs", "g
 
 
 def _memory_config(name: str):
-    """A model config for the memory model: a Qwen3 shape of dta.planning.memory (qwen3-8b,
-    qwen3-14b, qwen3-32b), a size of dta.model.models, or a config.json."""
+    """A model config for the memory model: a named shape (dta.planning.shapes.SHAPES), a
+    size of dta.model.models, or a config.json."""
     from dta.planning.memory import SHAPES
     if name in SHAPES:
         return SHAPES[name]
