@@ -20,20 +20,18 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 
 from dta_cli.common import emit_json
+from dta_cli.plan_memory import memory_report
 
 METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time)
-
-
-HARDWARE = ("peak_tflops", "utilization", "intra_node_gbs", "inter_node_gbs", "gpus_per_node",
-            "latency_us")  # dta.planning.timing.Hardware's fields, one flag each
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dta.options import WalkOptions
     from dta.planning.cp import CP_SCHEME, CP_SCHEMES
+    from dta.planning.shapes import SHAPES
+    from dta.planning.state import OFFLOADS
     from dta.planning.timing import PEAK_TFLOPS, Hardware
 
     src = parser.add_mutually_exclusive_group()
@@ -52,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="balance the batch over W workers")
     parser.add_argument("--model", default="qwen3-1.7b",
                         help="cost model for --workers (and --memory): a size of dta.model.models (e.g. "
-                             "qwen3-0.6b), a Qwen3 shape (qwen3-8b, qwen3-14b, qwen3-32b), "
-                             "a Hugging Face config.json path, or 'tokens' (default: qwen3-1.7b)")
+                             f"qwen3-0.6b), a named shape ({', '.join(SHAPES)}), a Hugging "
+                             "Face config.json path, or 'tokens' (default: qwen3-1.7b)")
     parser.add_argument("--art-sharing", action="store_true",
                         help="stop sharing before the first trainable token (ART's accounting)")
     min_shared = WalkOptions.default("min_shared")  # the walk's (dta/options.py)
@@ -83,6 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--context-parallel-scheme", default=CP_SCHEME, choices=CP_SCHEMES,
                      help="how a group of C ranks divides its tree (dta.planning.cp; default: "
                           f"{CP_SCHEME}: rows outside attention, heads inside)")
+    mem.add_argument("--expert-parallel", default="auto", metavar="E",
+                     help="ranks an MoE layer's routed experts are divided over (default: auto, "
+                          "every E dividing W and the experts; 1 for a dense model)")
+    mem.add_argument("--shard-size", default="auto", metavar="S",
+                     help="ranks zero1/fsdp shard the state over, replicated across W / S "
+                          "groups (HSDP; default: auto, W and one node, --gpus-per-node, "
+                          "where it divides W)")
+    mem.add_argument("--offload", default="auto", choices=("auto",) + OFFLOADS,
+                     help="keep the optimizer state and masters in host memory and step "
+                          "there (default: auto, both: a candidate is offloaded only where "
+                          "it does not fit without)")
     mem.add_argument("--lora-r", type=int, default=0, metavar="R",
                      help="price a LoRA run: rank-R adapters, the base frozen (replicate and "
                           "zero1; grads and optimizer count the adapters only)")
@@ -106,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help=f"GPUs per node (default: {hw.gpus_per_node})")
     tm.add_argument("--latency-us", type=float, default=None, metavar="US",
                     help=f"microseconds per collective call (default: {hw.latency_us:g})")
+    tm.add_argument("--host-link-gbs", type=float, default=None, metavar="GBS",
+                    help=f"GB/s a GPU moves to or from host memory, --offload (default: "
+                         f"{hw.host_link_gbs:g}, PCIe Gen5 shared in a node)")
+    tm.add_argument("--host-adam-gparams", type=float, default=None, metavar="G",
+                    help=f"billions of parameters a second the host's AdamW steps per GPU, "
+                         f"--offload (default: {hw.host_adam_gparams:g})")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 
@@ -136,177 +151,6 @@ def _cost_model(name: str):
         raise ValueError(f"unknown model {name!r}; choose from tokens, a config.json, "
                          f"{', '.join(SIZES)}")
     return CostModel.from_config(SIZES[name], name=name)
-
-
-def _memory_config(name: str):
-    """A model config for the memory model: a Qwen3 shape of dta.planning.memory (qwen3-8b,
-    qwen3-14b, qwen3-32b), a size of dta.model.models, or a config.json."""
-    from dta.planning.memory import SHAPES
-    if name in SHAPES:
-        return SHAPES[name]
-    if name.endswith(".json"):
-        with open(name, encoding="utf-8") as f:
-            return json.load(f)
-    from dta.model.models import SIZES, build_config
-    if name not in SIZES:
-        raise ValueError(f"unknown model {name!r} for --memory; choose from "
-                         f"{', '.join(list(SHAPES) + list(SIZES))} or a config.json")
-    return build_config("qwen3", name)
-
-
-def _memory(args, tree) -> dict:
-    from dta.planning.memory import (
-        BLOCKS,
-        CONTEXT_PARALLEL,
-        GIB,
-        HEADROOM,
-        MODES,
-        POLICY_ORDER,
-        ModelShape,
-        batch_extent,
-        estimate,
-        plan_memory,
-    )
-    from dta.planning.timing import Hardware
-
-    config = _memory_config(args.model)
-    path, node = batch_extent(tree)
-    call = min(args.capacity, path) if args.capacity else node
-    adapters = 0
-    if args.lora_r:
-        from dta.planning.memory import lora_params
-
-        adapters = lora_params(config, args.lora_r, [t.strip() for t in
-                                                     args.lora_targets.split(",") if t.strip()])
-    modes = MODES if not adapters else tuple(m for m in MODES if m != "fsdp")
-    budget = None if args.budget_gib is None else args.budget_gib * GIB
-    from dta.options import WalkOptions
-
-    if args.block_tokens is not None:  # a walk setting: validated as the walker does
-        WalkOptions.make({"block_tokens": "--block-tokens"}, block_tokens=args.block_tokens)
-    # the walk the time model plans each group's calls with (packing, pack cap: the defaults)
-    walk = WalkOptions.make({"min_shared": "--min-shared"}, min_shared=args.min_shared)
-    policies = POLICY_ORDER if args.policy == "auto" else (args.policy,)
-    cps = _context_parallel(args.context_parallel, args.workers, CONTEXT_PARALLEL)
-    blocks = BLOCKS if args.block_tokens is None else (args.block_tokens or None,)
-    hardware = Hardware(**{f: getattr(args, f) for f in HARDWARE if getattr(args, f) is not None})
-    kw = dict(path_tokens=path, call_tokens=call, policies=policies, blocks=blocks,
-              compute_dtype=args.compute_dtype, adapter_params=adapters, modes=modes,
-              headroom=HEADROOM if args.headroom is None else args.headroom,
-              context_parallel=cps, cp_schemes=(args.context_parallel_scheme,))
-    limit = float("inf") if budget is None else budget
-    plan = plan_memory(config, args.workers, limit, tree=tree, hardware=hardware, walk=walk,
-                       **kw)
-    first = plan_memory(config, args.workers, limit, **kw).chosen  # the memory order's pick
-    pick = plan.chosen if plan.chosen is not None else plan.cheapest
-    if budget is None:  # nothing to choose for: the last policy (recompute), the given block
-        pick = estimate(config, args.workers, modes[0], path_tokens=path, call_tokens=call,
-                        policy=policies[-1], block_tokens=blocks[0] if len(blocks) == 1 else None,
-                        compute_dtype=args.compute_dtype, adapter_params=adapters,
-                        context_parallel=cps[0], cp_scheme=args.context_parallel_scheme)
-    rows = [estimate(config, args.workers, m, path_tokens=path, call_tokens=call,
-                     policy=pick.policy, compute_dtype=args.compute_dtype,
-                     block_tokens=pick.block_tokens, adapter_params=adapters,
-                     context_parallel=pick.context_parallel, cp_scheme=pick.cp_scheme)
-            for m in modes]
-    for e in [pick, first] + rows:  # their modeled step, on the same batch
-        if e is not None and e.time is None:
-            plan.pricer.price(e)
-    chosen = plan.chosen.mode if budget is not None and plan.chosen is not None else None
-    shape = ModelShape.of(config)
-    block = pick.block_tokens
-    print(f"memory per rank ({args.model}: {shape.params / 1e9:.2f}B parameters, "
-          f"{args.workers} ranks, context parallel {pick.context_parallel} (data parallel "
-          f"{pick.data_parallel}), {args.compute_dtype} compute, {pick.policy}, block "
-          f"{block or 'none'}; longest path {path:,} tokens, largest call "
-          f"{min(call, block) if block else call:,} (largest node {call:,})):")
-    print(f"  {'mode':<10} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}"
-          f" {'step':>8}")
-    for r in rows:
-        mark = "  <- chosen" if r.mode == chosen else ""
-        print(f"  {r.mode:<10} " + " ".join(f"{v / GIB:>8.2f}G" for v in (
-            r.params, r.grads, r.optimizer, r.activations, r.total)) +
-            f" {r.time.step_s:>7.1f}s" + mark)
-    split = pick.split
-    print("  activations: " + ", ".join(f"{k} {v / GIB:.2f}G" for k, v in split.items()))
-    if budget is not None:
-        print(f"  budget {args.budget_gib:g} GiB: " + (
-            f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}, "
-            f"context_parallel={pick.context_parallel}"
-            if chosen else "no mode fits") + f" ({plan.message()})")
-    _print_time(plan, pick if chosen else None, first)
-    # dta train runs every sharding mode with context_parallel > 1 (fsdp and zero1 shard
-    # over the whole world: docs/context-parallel.md)
-    runnable = bool(chosen)
-    if adapters:
-        print(f"  LoRA r={args.lora_r} on {args.lora_targets}: {adapters:,} adapter parameters "
-              "(grads and optimizer state; the base is frozen)")
-    t = pick.time
-    return {"model": args.model, "params": shape.params, "lora_params": adapters,
-            "path_tokens": path,
-            "call_tokens": min(call, block) if block else call, "node_tokens": node,
-            "compute_dtype": args.compute_dtype, "policy": pick.policy,
-            "block_tokens": block or 0, "activation_split": split, "budget_bytes": budget,
-            "context_parallel": pick.context_parallel, "data_parallel": pick.data_parallel,
-            "cp_scheme": pick.cp_scheme,
-            "usable_bytes": plan.budget if budget is not None else None,
-            "chosen": chosen, "choice": pick.label() if chosen else None,
-            "rule": plan.rule, "runnable": runnable,
-            "shortfall_bytes": int(plan.shortfall) if budget is not None else None,
-            "flops_per_rank": t.flops_per_rank, "group_efficiency": t.group_efficiency,
-            "bytes_sent": t.bytes_sent, "step_seconds": t.step_s,
-            "tokens_per_second": t.tokens_per_s, "time": asdict(t),
-            "hardware": plan.hardware,
-            "first_fit": None if first is None else {
-                "choice": first.label(), "data_parallel": first.data_parallel,
-                "step_seconds": first.time.step_s},
-            "modes": [r.as_dict() for r in rows],
-            "candidates": [e.as_dict() for e in plan.tried]}
-
-
-def _print_time(plan, chosen, first) -> None:
-    """Per data-parallel x context-parallel x mode: the fastest candidate that fits (else the
-    smallest), its per-rank FLOPs, bytes sent and modeled step."""
-    from dta.planning.memory import GIB, MODES
-
-    h = plan.hardware
-    print(f"time per step (a model, docs/planning.md: {h['peak_tflops']:g} TFLOP/s peak x "
-          f"{h['utilization']:g} ({h['compute_dtype']}) per GPU, {h['intra_node_gbs']:g} GB/s "
-          f"in a node, {h['inter_node_gbs']:g} GB/s across, {h['gpus_per_node']} GPUs a node, "
-          f"{h['latency_us']:g} us a collective, no overlap; --peak-tflops --utilization "
-          "--intra-node-gbs --inter-node-gbs --gpus-per-node --latency-us):")
-    print(f"  {'D x C':<7} {'mode':<10} {'policy':<9} {'block':>5} {'GiB/GPU':>8} "
-          f"{'TFLOP/rank':>10} {'GB sent':>8} {'step s':>7} {'tokens/s':>9} {'effic.':>6}")
-    best = {}
-    for e in plan.tried:  # fitting first, the fastest of them; else the smallest
-        rank = (0, e.time.step_s) if e.total <= plan.budget else (1, e.total)
-        if (e.context_parallel, e.mode) not in best or rank < best[e.context_parallel, e.mode][1]:
-            best[e.context_parallel, e.mode] = (e, rank)
-    for (c, _), (e, rank) in sorted(best.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1]))):
-        t = e.time
-        mark = "  <- chosen" if e is chosen else "" if rank[0] == 0 else "  (does not fit)"
-        print(f"  {f'{e.data_parallel} x {c}':<7} {e.mode:<10} {e.policy:<9} "
-              f"{e.block_tokens or 'none':>5} {e.total / GIB:>8.1f} {t.flops_per_rank / 1e12:>10.0f} "
-              f"{t.bytes_sent / 1e9:>8.1f} {t.step_s:>7.1f} {t.tokens_per_s:>9.0f} "
-              f"{t.group_efficiency:>6.3f}{mark}")
-    if chosen is not None and first is not None:
-        print(f"  chosen by modeled throughput: {chosen.label()} ({chosen.time.step_s:.1f} s); "
-              f"the first that fits in the memory order, {first.label()} (data parallel "
-              f"{first.data_parallel}): {first.time.step_s:.1f} s")
-
-
-def _context_parallel(value: str, workers: int, sizes) -> tuple:
-    """--context-parallel: ``auto`` (the sizes dividing W) or one size dividing W."""
-    if value == "auto":
-        return tuple(c for c in sizes if workers % c == 0)
-    try:
-        size = int(value)
-    except ValueError:
-        size = 0
-    if size < 1 or workers % size:
-        raise ValueError(f"--context-parallel must be auto or an integer >= 1 dividing --workers "
-                         f"{workers}, got {value!r}")
-    return (size,)
 
 
 def _sharing(args, records, tree) -> dict:
@@ -403,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         if args.memory or args.budget_gib is not None:
             if args.workers is None:
                 raise ValueError("--memory needs --workers W")
-            out["memory"] = _memory(args, tree)
+            out["memory"] = memory_report(args, tree)
         out["plan_ms"] = round(plan_ms, 3)
     except (PlanningError, ValueError, OSError) as e:
         print(f"dta plan: {e}", file=sys.stderr)

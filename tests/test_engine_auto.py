@@ -41,9 +41,13 @@ def _train_overrides(path, workers, cp):
 def _plan(capsys, path, workers, cp) -> dict:
     from dta_cli.main import main
 
+    # the layouts a run prices today (no train.expert_parallel / shard_size / offload keys
+    # yet: runtime.engine.auto.price's defaults), pinned so that dta plan prices the same
     assert main(["plan", "--input", path, "--workers", str(workers), "--memory", "--model",
                  "tiny", "--budget-gib", str(BUDGET_GIB[workers]), "--policy", "retain",
-                 "--compute-dtype", "float32", "--context-parallel", str(cp), "--json"]) == 0
+                 "--compute-dtype", "float32", "--context-parallel", str(cp), "--json",
+                 "--expert-parallel", "1", "--shard-size", str(workers), "--offload",
+                 "none"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
 
 

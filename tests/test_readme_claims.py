@@ -125,15 +125,21 @@ def test_hybrid_moe_families_in_packs_float64(reference):
 # ------------------------------------------------------------ dta plan, 14B --
 def test_dta_plan_qwen3_14b_full_scale_needs_blocks(capsys):
     """README: `dta plan --workload tau2-airline --scale full --workers 8 --memory --model
-    qwen3-14b --budget-gib 80` picks fsdp / recompute / blocks of 2,048; without blocks no
-    mode fits (fsdp needs ~89 GiB of the usable 72). The planner only, no model."""
+    qwen3-14b --budget-gib 80 --offload none` picks fsdp / recompute / blocks of 2,048;
+    without blocks no mode fits (fsdp needs ~89 GiB of the usable 72). With the optimizer
+    offload priced too (the default, --offload auto) an offloaded layout is faster by the
+    model. The planner only, no model."""
     from dta.planning.memory import SHAPES, plan_memory
     from dta_cli.main import main
 
-    assert main(["plan", "--workload", "tau2-airline", "--scale", "full", "--workers", "8",
-                 "--memory", "--model", "qwen3-14b", "--budget-gib", "80", "--json"]) == 0
+    args = ["plan", "--workload", "tau2-airline", "--scale", "full", "--workers", "8",
+            "--memory", "--model", "qwen3-14b", "--budget-gib", "80", "--json"]
+    assert main(args) == 0
+    auto = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert main(args + ["--offload", "none"]) == 0
     mem = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
     assert (mem["chosen"], mem["policy"], mem["block_tokens"]) == ("fsdp", "recompute", 2048)
+    assert auto["offload"] == "optimizer" and auto["step_seconds"] < mem["step_seconds"]
     assert mem["path_tokens"] == 15562 and mem["node_tokens"] == 5534
     unblocked = plan_memory(SHAPES["qwen3-14b"], 8, 80 * GIB, path_tokens=mem["path_tokens"],
                             call_tokens=mem["node_tokens"], blocks=(None,))

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from dta.planning.index import PlanningError, TreeIndex
+from dta.planning.shapes import gdn_layer, mlp_active_params, text_config
 from dta.tree import PrefixTree
 
 
@@ -78,7 +79,10 @@ class CostModel:
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> "CostModel":
-        """Analytic FLOPs from a Hugging Face config (object or dict)."""
+        """Analytic FLOPs from a Hugging Face config (object or dict; a multimodal config's
+        ``text_config``). MoE layers count the experts a token uses
+        (:func:`dta.planning.shapes.mlp_active_params`)."""
+        config = text_config(config)
         hidden = int(_get(config, "hidden_size", "n_embd", "d_model"))
         layers = int(_get(config, "num_hidden_layers", "n_layer", "num_layers"))
         heads = int(_get(config, "num_attention_heads", "n_head"))
@@ -93,11 +97,8 @@ class CostModel:
         attn_layers = layers - gdn_layers
         q_width = 2 if gdn_layers else 1  # Qwen3.5 / Qwen3-Next: q_proj also yields the gate
         attn_params = hidden * head_dim * ((1 + q_width) * heads + 2 * kv_heads)  # q(+gate), o, k, v
-        experts = _get(config, "num_experts_per_tok", default=0)
-        if experts and _get(config, "moe_intermediate_size", default=0):
-            inter = experts * int(_get(config, "moe_intermediate_size")) + \
-                int(_get(config, "shared_expert_intermediate_size", default=0))
-        params = attn_layers * attn_params + layers * mlp_mats * hidden * inter
+        params = attn_layers * attn_params + mlp_active_params(config, layers, hidden, inter,
+                                                               mlp_mats)
         gdn_flops = 0.0
         if gdn_layers:
             gdn_params, gdn_flops = _gdn_layer(config, hidden)
@@ -170,17 +171,10 @@ GDN_CHUNK = 64  # transformers' / flash-linear-attention's delta-rule chunk
 
 def _gdn_layer(config: Any, hidden: int) -> tuple[int, float]:
     """(parameters, per-token forward FLOPs of the delta rule) of one Gated DeltaNet layer."""
-    k_heads = int(_get(config, "linear_num_key_heads"))
-    v_heads = int(_get(config, "linear_num_value_heads"))
-    dk = int(_get(config, "linear_key_head_dim"))
-    dv = int(_get(config, "linear_value_head_dim"))
-    kernel = int(_get(config, "linear_conv_kernel_dim", default=4))
-    key_dim, value_dim = k_heads * dk, v_heads * dv
-    conv_dim = 2 * key_dim + value_dim
-    params = hidden * (conv_dim + value_dim + 2 * v_heads) + value_dim * hidden + conv_dim * kernel
-    c = GDN_CHUNK
-    rule = v_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
-    return params, float(rule)
+    g = gdn_layer(config, hidden)
+    c, dk, dv = GDN_CHUNK, g["dk"], g["dv"]
+    rule = g["heads"] * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
+    return g["params"], float(rule)
 
 
 def features(tree, sequence_ids) -> tuple[int, int]:

@@ -96,26 +96,27 @@ def activations(shape: ModelShape, scheme: str, ranks: int, *, path: int, call: 
         kv = 2 * shape.attention_layers * shape.kv_heads * d * c  # per token, K and V
         share = math.ceil(path / C)  # this rank's rows of the path
         own = path if policy == "retain" else share  # retain: each graph keeps its pack's K/V
-        saved = (4 * shape.hidden + 2 * q + 2 * shape.kv_heads * d + 4 * shape.intermediate)
+        saved = (4 * shape.hidden + 2 * q + 2 * shape.kv_heads * d) * shape.layers \
+            + shape.mlp_saved  # per token: norms, q/k/v/out; the MLPs'
         graph = path if policy == "retain" else min(call, path) if path else call
         head = 3 * min(logits_rows(logits_chunk, shape.vocab), max(call, 1)) * shape.vocab * 4
         gathered = 2 * C * n * q * c  # (out, lse) and dQ of one layer call, all-gathered
         scores = 2 * shape.heads * n * math.ceil(n / C) * c  # one piece: scores, probabilities
         return {"path_kv": int(kv * (2 * share + own) + states),
-                "graphs": int(saved * c * shape.layers * graph), "head": int(head),
+                "graphs": int(saved * c * graph), "head": int(head),
                 "cp_buffers": int(gathered + kv * n + scores)}
     hs = HeadSplit.of(shape, C)
     store = 2 * shape.attention_layers * d * c * hs.kv_heads * math.ceil(path / hs.row_groups)
     read = store * (pieces + 1) / 2 if policy == "retain" else store  # what graphs saved
     graph = path if policy == "retain" else min(call, path) if path else call
-    rows = (4 * shape.hidden + 4 * shape.intermediate) * math.ceil(graph / C)  # norms, MLP
-    heads = (2 * hs.q_heads + 2 * hs.kv_heads) * d * graph  # q, out, k, v in head layout
+    rows = (4 * shape.hidden * shape.layers + shape.mlp_saved) * math.ceil(graph / C)  # norms, MLPs
+    heads = (2 * hs.q_heads + 2 * hs.kv_heads) * d * graph * shape.layers  # q, out, k, v by heads
     head = 3 * min(logits_rows(logits_chunk, shape.vocab), math.ceil(max(call, 1) / C)) \
         * shape.vocab * 4
     sent = math.ceil(n / C) * (shape.heads + 2 * shape.kv_heads) * d  # one call's q/k/v rows
     got = n * (hs.q_heads + 2 * hs.kv_heads) * d  # ... as this rank's heads
     return {"path_kv": int(2 * store + read + states * _gdn_share(shape, C)),
-            "graphs": int((rows + heads) * c * shape.layers), "head": int(head),
+            "graphs": int((rows + heads) * c), "head": int(head),
             "cp_buffers": int((sent + got) * c)}
 
 

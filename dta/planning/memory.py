@@ -1,10 +1,15 @@
-"""Per-rank memory of a training step, by sharding mode: a model in bytes, from a config.
+"""Per-rank memory of a training step, by layout: a model in bytes, from a config.
 
-For a model config (a Hugging Face config or dict), W ranks, a mode and the batch's longest
-root-to-leaf path / largest call (node or pack), :func:`estimate` returns the bytes one rank
-holds at its peak, split as ``params``, ``grads``, ``optimizer`` (AdamW: two states) and
-``activations``. N = all parameters, V = the vocabulary-sized ones (input embedding and LM
-head, once if tied), c = compute bytes, m = master bytes (fp32 under 16-bit compute):
+For a model config (a Hugging Face config or dict), W ranks, a layout and the batch's
+longest root-to-leaf path / largest call (node or pack), :func:`estimate` returns the bytes
+one rank holds at its peak, split as ``params``, ``grads``, ``optimizer`` (AdamW: two
+states) and ``activations``, and the ``host`` bytes an offloaded optimizer keeps in host
+memory. The layout is a sharding mode (:data:`MODES`), an expert-parallel size E, a shard
+group S (HSDP) and an offload (:data:`OFFLOADS`), defined and priced in
+:mod:`dta.planning.state` (its module doc has the state by mode). Without experts, shard
+groups or offload (E = 1, S = W, none), with N = all parameters, V = the vocabulary-sized
+ones (input embedding and LM head, once if tied), c = compute bytes, m = master bytes (fp32
+under 16-bit compute):
 
 ==========  =====================================  ==========================================  ==========
 mode        params                                 grads (peak)                                optimizer
@@ -17,8 +22,9 @@ fsdp        (N−V) m / W + V c + V m / W + 1 layer  (N−V) m / W + V c + V m +
 (b: the reduce-scatter bucket, 2^24 elements per rank. Replicate keeps its parameters and
 AdamW state in the compute dtype, so c = m there: pure 16-bit AdamW under bfloat16; the
 README table prices it in float32, the numerics zero1/fsdp keep with their fp32 masters.)
-Activations (:func:`activation_split`), with B the block (``dta.planning.blocks``: no call is
-longer than B; None: a call is a whole node, up to the largest):
+Activations (:func:`activation_split`, :mod:`dta.planning.activations`), with B the block
+(``dta.planning.blocks``: no call is longer than B; None: a call is a whole node, up to the
+largest):
 
 * ``path_kv``: the ancestors' K/V along the longest path, held as leaves with their
   gradients (2 copies), plus the path K/V each live graph's attention saved (the cache it
@@ -26,9 +32,11 @@ longer than B; None: a call is a whole node, up to the largest):
   own prefix, about path x (n + 1) / 2 for n graphs); a hybrid model's Gated DeltaNet
   layers hold no K/V but a (conv, recurrent) state per piece on the path (leaf and gradient);
 * ``graphs``: the saved activations of the calls whose graphs are alive (retain: every
-  piece on the path, the path's tokens; recompute: one call, min(largest call, B));
+  piece on the path, the path's tokens; recompute: one call, min(largest call, B)); MoE
+  layers save their routed rows' (balanced routing: a rank's own rows x top_k, whatever E);
 * ``head``: the LM head's chunk of fp32 logits (logits, softmax, gradient);
-* ``cp_buffers`` (context parallel, C > 1 ranks per tree): one call's exchange buffers.
+* ``cp_buffers`` (context parallel, C > 1 ranks per tree): one call's exchange buffers;
+* ``ep_buffers`` (expert parallel, E > 1): one MoE layer call's dispatch buffers.
 
 Context parallel (:mod:`dta.planning.cp`): the C ranks of a group walk one tree. Under the
 ``split`` scheme (the default) each rank stores its KV heads' share of the path's K/V with
@@ -38,34 +46,40 @@ the live graphs and of the head's rows; ``cp_buffers`` is one attention call's a
 path's K/V are stored sliced by rows (retain: each graph on the path also keeps its own
 pack's K/V whole) while the graphs and the head are those of one rank; ``cp_buffers`` is the
 all-gathered (out, lse) and dQ of a call, its gathered K/V gradients and one piece's scores.
-The model state is the same either way (fsdp and zero1 shard over the whole world,
-W = data-parallel x C).
+The model state is the same either way (fsdp and zero1 shard over the shard group, the
+whole world W = data-parallel x C unless S is given).
 
 This mirrors what ``runtime.sharding`` allocates; the benchmark
 ``experiments/bench_sharding.py`` measures the state beside it, and
 ``experiments/bench_blocks.py`` the activations against the block. :func:`plan_memory`
-chooses data-parallel x context-parallel x mode x policy x block for a budget: given the
+chooses data-parallel x context-parallel x layout x policy x block for a budget: given the
 batch's tree, the fastest modeled step that fits (:mod:`dta.planning.timing`); without one,
-the first that fits in the memory order (least communication first, then retain before
-recompute, then the largest block; blocks under 1,024 tokens only when nothing fits with a
-longer one); or it says by how much the cheapest misses.
+the first that fits in the memory order (no offload first, then the smallest C, plain
+sharding before shard groups, the smallest E, modes by communication, retain before
+recompute, the largest block; blocks under 1,024 tokens only when nothing fits with a longer
+one); or it says by how much the cheapest misses. No candidate whose model state alone
+exceeds the budget is ever chosen (the state is part of every total).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
-from dta.planning import cp
-from dta.planning.chunks import logits_rows  # the head's chunk rule (logits within LOGITS_BYTES)
+from dta.planning.activations import (  # noqa: F401 (re-exported)
+    CONTEXT_PARALLEL,
+    activation_split,
+    check_context_parallel,
+)
 from dta.planning.cp import CP_SCHEME, check_scheme
 from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401
+from dta.planning.state import OFFLOADS, check_layout, model_state  # noqa: F401
 
 MODES = ("replicate", "zero1", "fsdp")  # cheapest communication first
 # where the optimizer's state lives: on the device, or ("optimizer") the AdamW state and the
 # fp32 master weights (where the mode keeps them) in host memory, stepped there
 OFFLOADS = ("none", "optimizer")
 GIB = 2 ** 30
-
 
 
 @dataclass
@@ -82,9 +96,17 @@ class MemoryEstimate:
     context_parallel: int = 1  # ranks per tree (world = data-parallel groups x this)
     cp_scheme: str = CP_SCHEME  # how a group divides its tree (dta.planning.cp; C > 1 only)
     time: object = None  # dta.planning.timing.TimeEstimate, when a workload was priced
+    expert_parallel: int = 1  # E: ranks an MoE layer's routed experts are divided over
+    shard_size: int | None = None  # S: ranks the sharded state spans (None: the world)
+    offload: str = "none"  # OFFLOADS
+    host: int = 0  # bytes this rank keeps in host memory (the offloaded optimizer)
+
+    def __post_init__(self):
+        self.shard_size = self.world if self.shard_size is None else self.shard_size
 
     @property
     def total(self) -> int:
+        """Device bytes: params + grads + optimizer + activations (``host`` apart)."""
         return self.params + self.grads + self.optimizer + self.activations
 
     @property
@@ -104,64 +126,27 @@ class MemoryEstimate:
         cp = f"/context parallel {self.context_parallel}" if self.context_parallel > 1 else ""
         if cp and self.cp_scheme != CP_SCHEME:
             cp += f" ({self.cp_scheme})"
+        if self.expert_parallel > 1:
+            cp += f"/expert parallel {self.expert_parallel}"
+        if self.shard_size != self.world:
+            cp += f"/shard {self.shard_size}"
+        if self.offload != "none":
+            cp += f"/offload {self.offload}"
         return f"{self.mode}/{self.policy}/block {self.block_tokens or 'none'}{cp}"
-
-
-def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, policy: str,
-                     compute_bytes: int, logits_chunk: int = 1024,
-                     block_tokens: int | None = None, context_parallel: int = 1,
-                     cp_scheme: str = CP_SCHEME) -> dict:
-    """Activation bytes by part (module doc): ``path_kv``, ``graphs``, ``head`` (and
-    ``cp_buffers`` with ``context_parallel`` > 1 ranks per tree, priced by ``cp_scheme``:
-    :func:`dta.planning.cp.activations`)."""
-    if policy not in ("retain", "recompute"):
-        raise ValueError(f"unknown memory policy {policy!r}; choose retain or recompute")
-    C = check_context_parallel(context_parallel)
-    check_scheme(cp_scheme)
-    c = compute_bytes
-    call = min(call_tokens, block_tokens) if block_tokens else call_tokens
-    path = max(int(path_tokens), 0)
-    pieces = math.ceil(path / max(call, 1)) if path else 0  # graphs along the path (retain)
-    if C > 1:
-        return cp.activations(shape, cp_scheme, C, path=path, call=call, pieces=pieces,
-                              policy=policy, compute_bytes=c, logits_chunk=logits_chunk)
-    kv = 2 * shape.attention_layers * shape.kv_heads * shape.head_dim * c  # per token, K and V
-    q = shape.heads * shape.head_dim
-    # saved per token per layer: norms' inputs, q/k/v, attention out, MLP gate/up/act/down in
-    saved = (4 * shape.hidden + q + 2 * shape.kv_heads * shape.head_dim + q
-             + 4 * shape.intermediate) * c * shape.layers
-    if policy == "retain":
-        graph_tokens, read = path, path * (pieces + 1) / 2
-    else:
-        graph_tokens, read = min(call, path) if path else call, path
-    states = 2 * pieces * shape.gdn_layers * shape.gdn_state * 4  # leaf + gradient, fp32
-    head = 3 * min(logits_rows(logits_chunk, shape.vocab), max(call, 1)) * shape.vocab * 4
-    return {"path_kv": int(kv * (2 * path + read) + states), "graphs": int(saved * graph_tokens),
-            "head": int(head)}
-
-
-# CP sizes `dta plan --memory` tries (those dividing the world); beyond a model's KV heads a
-# split group shares each KV head's rows (dta.planning.cp.HeadSplit)
-CONTEXT_PARALLEL = (1, 2, 4, 8, 16)
-
-
-def check_context_parallel(size) -> int:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"context_parallel must be an integer >= 1 (ranks per tree), got "
-                         f"{size!r}")
-    return size
 
 
 def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: int,
              policy: str = "recompute", compute_dtype: str = "bfloat16",
              logits_chunk: int = 1024, block_tokens: int | None = None,
              adapter_params: int = 0, context_parallel: int = 1,
-             cp_scheme: str = CP_SCHEME) -> MemoryEstimate:
+             cp_scheme: str = CP_SCHEME, expert_parallel: int = 1,
+             shard_size: int | None = None, offload: str = "none") -> MemoryEstimate:
     """Per-rank peak bytes of one step (see the module doc). adapter_params > 0: a LoRA run
     (:func:`with_lora`: the frozen base in the compute dtype, state for the adapters only).
     context_parallel: ranks per tree, dividing ``world`` (the data-parallel groups are
-    ``world / context_parallel``; sharding still spans the whole world), dividing the tree
-    by ``cp_scheme`` (:mod:`dta.planning.cp`)."""
+    ``world / context_parallel``; sharding still spans the shard group), dividing the tree
+    by ``cp_scheme`` (:mod:`dta.planning.cp`). expert_parallel, shard_size, offload: the
+    layout of :mod:`dta.planning.state` (checked there)."""
     if mode not in MODES:
         raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES}")
     if int(world) < 1:
@@ -170,29 +155,24 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
     if int(world) % C:
         raise ValueError(f"context_parallel={C} does not divide the world of {world} ranks")
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
-    c = DTYPE_BYTES[compute_dtype]
-    m = max(c, 4)
-    N, V = shape.params, shape.vocab_params
     W = int(world)
-    layer_c = shape.layer_params * c
-    if mode == "replicate" or W == 1:
-        params, grads, opt = N * c, N * c, 2 * N * c
-        mode = "replicate" if W == 1 else mode
-    elif mode == "zero1":
-        params = N * c + math.ceil(N / W) * m
-        grads = N * c + math.ceil(N / W) * m + W * min(BUCKET_ELEMS, math.ceil(N / W)) * m
-        opt = 2 * math.ceil(N / W) * m
-    else:
-        params = math.ceil((N - V) / W) * m + V * c + math.ceil(V / W) * m + layer_c
-        grads = math.ceil((N - V) / W) * m + V * c + V * m + layer_c
-        opt = 2 * math.ceil(N / W) * m
+    mode = "replicate" if W == 1 else mode
+    E, S = check_layout(shape, W, mode, expert_parallel, shard_size, offload)
+    if adapter_params and (E > 1 or S != W or offload != "none"):
+        raise ValueError("a LoRA run is priced without expert parallelism, shard groups or "
+                         "offload (expert_parallel=1, shard_size=world, offload=none)")
+    c = DTYPE_BYTES[compute_dtype]
+    st = model_state(shape, W, mode, compute_bytes=c, expert_parallel=E, shard_size=S,
+                     offload=offload)
     split = activation_split(shape, path_tokens=path_tokens, call_tokens=call_tokens,
                              policy=policy, compute_bytes=c, logits_chunk=logits_chunk,
                              block_tokens=block_tokens, context_parallel=C,
-                             cp_scheme=cp_scheme)
-    est = MemoryEstimate(mode, W, int(params), int(grads), int(opt), sum(split.values()),
-                         policy=policy, block_tokens=block_tokens or None, split=split,
-                         context_parallel=C, cp_scheme=cp_scheme)
+                             cp_scheme=cp_scheme, expert_parallel=E)
+    est = MemoryEstimate(mode, W, int(st["params"]), int(st["grads"]), int(st["optimizer"]),
+                         sum(split.values()), policy=policy, block_tokens=block_tokens or None,
+                         split=split, context_parallel=C, cp_scheme=cp_scheme,
+                         expert_parallel=E, shard_size=S, offload=offload,
+                         host=int(st["host"]))
     return with_lora(est, shape, adapter_params, compute_dtype=compute_dtype) \
         if adapter_params else est
 
@@ -255,25 +235,32 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
                 blocks=BLOCKS, compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
                 headroom: float = HEADROOM, adapter_params: int = 0,
                 context_parallel=(1,), tree=None, hardware=None,
-                cp_schemes=(CP_SCHEME,), walk=None) -> MemoryPlan:
-    """Data-parallel x context-parallel x mode x policy x block for ``budget_bytes`` less the
-    ``headroom`` share (a block no shorter than the largest call is the same as none:
+                cp_schemes=(CP_SCHEME,), walk=None, expert_parallel=(1,), shard_size=(None,),
+                offload=("none",)) -> MemoryPlan:
+    """Data-parallel x context-parallel x layout x policy x block for ``budget_bytes`` less
+    the ``headroom`` share (a block no shorter than the largest call is the same as none:
     skipped). adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters).
     context_parallel: the CP sizes to try (each must divide ``world``); cp_schemes: how a
-    group of C > 1 divides its tree (:mod:`dta.planning.cp`).
+    group of C > 1 divides its tree (:mod:`dta.planning.cp`); expert_parallel, shard_size
+    (None: the world) and offload: the layouts of :mod:`dta.planning.state` to try (the
+    defaults: none of them; :func:`dta.planning.state.expert_parallel_sizes` and
+    :func:`~dta.planning.state.shard_sizes` list what a world allows). A shard size is
+    tried with replicate only when it is the world.
 
     With ``tree`` (the batch's PrefixTree; path_tokens and call_tokens default to its
     :func:`batch_extent`): **by modeled throughput**. Every candidate is priced
     (:mod:`dta.planning.timing`, ``hardware`` a :class:`~dta.planning.timing.Hardware`,
     default an H100-class GPU; the figures on ``estimate.time``) and the shortest modeled
     step among those that fit is chosen (ties: the memory order below); blocks under
-    SHORT_BLOCK only when nothing fits with a longer one. ``walk`` (needed with a tree): the
-    run's :class:`dta.options.WalkOptions`, whose packing settings plan each group's calls as
-    the walker will (:mod:`dta.planning.work`).
+    SHORT_BLOCK only when nothing fits with a longer one; an offloaded candidate only where
+    the same candidate without offload does not fit (offload adds time, saves nothing
+    else). ``walk`` (needed with a tree): the run's :class:`dta.options.WalkOptions`, whose
+    packing settings plan each group's calls as the walker will (:mod:`dta.planning.work`).
 
     Without a tree (nothing to price time on): the first that fits in the memory order --
-    the smallest C first, modes by communication, retain before recompute, the largest
-    block (blocks under SHORT_BLOCK only when nothing fits at that C with a longer one)."""
+    no offload first, the smallest C, plain sharding before shard groups, the smallest E,
+    modes by communication, retain before recompute, the largest block (blocks under
+    SHORT_BLOCK only when nothing fits at that C with a longer one)."""
     if tree is not None:
         path, node = batch_extent(tree)
         path_tokens = path if path_tokens is None else path_tokens
@@ -297,35 +284,56 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
     bad = [c for c in sizes if int(world) % c]
     if bad or not sizes:
         raise ValueError(f"context_parallel {bad or sizes} must divide the world of {world} ranks")
+    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
+    W = int(world)
+    # each size checked once, before anything is priced; the world first, then the smallest E
+    groups = sorted({check_layout(shape, W, "zero1", 1, S, "none")[1] for S in shard_size},
+                    key=lambda s: -s)
+    eps = sorted({check_layout(shape, W, "zero1", E, None, "none")[0] for E in expert_parallel})
+    for off in offload:
+        check_layout(shape, W, "zero1", 1, None, off)
+    offloads = tuple(o for o in OFFLOADS if o in offload)  # none first
+    pairs = [(S, E) for S in groups for E in eps if S % E == 0 or E % S == 0]
+    if not (pairs and offloads):
+        raise ValueError(f"plan_memory: no layout to try (shard sizes {groups} and "
+                         f"expert-parallel sizes {eps} dividing one another, offload "
+                         f"{tuple(offload)})")
 
-    def candidates(size, tier):  # one C and block tier, in the memory order
-        for scheme in (schemes if size > 1 else schemes[:1]):
-            for mode in modes:
-                for policy in policies:
-                    for block in tier:
-                        if block is not None and 0 < call_tokens <= block and len(tier) > 1:
-                            continue  # the same as no cut
-                        yield estimate(config, world, mode, path_tokens=path_tokens,
-                                       call_tokens=call_tokens, policy=policy,
-                                       block_tokens=block, compute_dtype=compute_dtype,
-                                       logits_chunk=logits_chunk, adapter_params=adapter_params,
-                                       context_parallel=size, cp_scheme=scheme)
+    def candidates(size, tier, off):  # one C, block tier and offload, in the memory order
+        for scheme, (S, E), mode in itertools.product(
+                schemes if size > 1 else schemes[:1], pairs, modes):
+            if mode == "replicate" and S != W:
+                continue  # replicate shards nothing
+            for policy, block in itertools.product(policies, tier):
+                if block is not None and 0 < call_tokens <= block and len(tier) > 1:
+                    continue  # the same as no cut
+                yield estimate(shape, W, mode, path_tokens=path_tokens, call_tokens=call_tokens,
+                               policy=policy, block_tokens=block, compute_dtype=compute_dtype,
+                               logits_chunk=logits_chunk, adapter_params=adapter_params,
+                               context_parallel=size, cp_scheme=scheme, expert_parallel=E,
+                               shard_size=S, offload=off)
 
     tried = []
     if tree is None:
-        for size in sizes:
-            for tier in tiers:
-                for est in candidates(size, tier):
-                    tried.append(est)
-                    if est.total <= budget_bytes:
-                        return MemoryPlan(float(budget_bytes), est, est, tried)
+        for off in offloads:
+            for size in sizes:
+                for tier in tiers:
+                    for est in candidates(size, tier, off):
+                        tried.append(est)
+                        if est.total <= budget_bytes:
+                            return MemoryPlan(float(budget_bytes), est, est, tried)
     else:
         from dta.planning.timing import Pricer
 
         pricer = Pricer(config, tree, hardware, compute_dtype=compute_dtype,
                         adapter_params=adapter_params, walk=walk)
         for tier in tiers:
-            tier_ests = [pricer.price(e) for size in sizes for e in candidates(size, tier)]
+            tier_ests = [pricer.price(e) for size in sizes for e in candidates(
+                size, tier, offloads[0])]
+            for off in offloads[1:]:  # offload only where the same without it does not fit
+                missed = {_key(e) for e in tier_ests if e.total > budget_bytes}
+                tier_ests += [pricer.price(e) for size in sizes for e in candidates(
+                    size, tier, off) if offloads[0] != "none" or _key(e) in missed]
             tried += tier_ests
             fits = [e for e in tier_ests if e.total <= budget_bytes]
             if fits:
@@ -340,6 +348,12 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
                       "throughput", pricer.hardware_dict(), pricer)
 
 
+def _key(e: MemoryEstimate) -> tuple:
+    """A candidate less its offload (its twin under another offload has the same key)."""
+    return (e.mode, e.policy, e.block_tokens, e.context_parallel, e.cp_scheme,
+            e.expert_parallel, e.shard_size)
+
+
 def batch_extent(tree) -> tuple[int, int]:
     """(longest root-to-leaf path, largest node) in tokens, of a PrefixTree."""
     import numpy as np
@@ -350,27 +364,35 @@ def batch_extent(tree) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------- LoRA --
-_LORA_SHAPES = {  # module -> (in, out) of its weight, by the shape's sizes
-    "q_proj": lambda s: (s.hidden, s.heads * s.head_dim),
-    "k_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
-    "v_proj": lambda s: (s.hidden, s.kv_heads * s.head_dim),
-    "o_proj": lambda s: (s.heads * s.head_dim, s.hidden),
-    "gate_proj": lambda s: (s.hidden, s.intermediate),
-    "up_proj": lambda s: (s.hidden, s.intermediate),
-    "down_proj": lambda s: (s.intermediate, s.hidden),
+_LORA_SHAPES = {  # module -> (in, out) of its weight, by the shape's sizes (and an MLP's I)
+    "q_proj": lambda s, i: (s.hidden, s.heads * s.head_dim),
+    "k_proj": lambda s, i: (s.hidden, s.kv_heads * s.head_dim),
+    "v_proj": lambda s, i: (s.hidden, s.kv_heads * s.head_dim),
+    "o_proj": lambda s, i: (s.heads * s.head_dim, s.hidden),
+    "gate_proj": lambda s, i: (s.hidden, i),
+    "up_proj": lambda s, i: (s.hidden, i),
+    "down_proj": lambda s, i: (i, s.hidden),
 }
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def lora_params(config, r: int, targets) -> int:
     """Adapter parameters of rank-``r`` LoRA on ``targets`` (module names of a Llama/Qwen
-    layer, or ``lm_head``): r (in + out) per adapted weight."""
+    layer, or ``lm_head``): r (in + out) per adapted weight. On an MoE model the MLP names
+    are the dense layers' MLPs and the shared experts (the routed experts are not
+    ``nn.Linear`` modules: LoRA does not adapt them)."""
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
     total = 0
     for name in targets:
         if name == "lm_head":
             total += int(r) * (shape.hidden + shape.vocab)
+        elif name in _MLP:
+            shared = shape.experts.shared_inter
+            total += int(r) * (shape.dense_layers * sum(_LORA_SHAPES[name](shape, shape.intermediate))
+                               + (shape.sparse_layers * sum(_LORA_SHAPES[name](shape, shared))
+                                  if shared else 0))
         elif name in _LORA_SHAPES:
-            total += shape.layers * int(r) * sum(_LORA_SHAPES[name](shape))
+            total += shape.layers * int(r) * sum(_LORA_SHAPES[name](shape, 0))
         else:
             raise ValueError(f"LoRA target {name!r} is not priced; choose from "
                              f"{', '.join(list(_LORA_SHAPES) + ['lm_head'])}")
