@@ -33,7 +33,7 @@ from dta.config.errors import ConfigError
 from dta.config.walk import walk_options
 from dta.options import AUTO, WalkOptions
 from dta.planning.memory import MODES as SHARDING_MODES
-from dta.planning.memory import OFFLOADS
+from dta.planning.state import OFFLOADS
 
 __all__ = ["ModelConfig", "WorkloadConfig", "WalkerConfig", "LossConfig", "OptimizerConfig",
            "TrainConfig", "StreamConfig", "RayConfig", "NormConfig", "ActorConfig", "Config",

@@ -76,9 +76,6 @@ from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, SHAPES, ModelShape  #
 from dta.planning.state import OFFLOADS, check_layout, model_state  # noqa: F401
 
 MODES = ("replicate", "zero1", "fsdp")  # cheapest communication first
-# where the optimizer's state lives: on the device, or ("optimizer") the AdamW state and the
-# fp32 master weights (where the mode keeps them) in host memory, stepped there
-OFFLOADS = ("none", "optimizer")
 GIB = 2 ** 30
 
 

@@ -15,7 +15,7 @@ expert-parallel size E, the shard size S (HSDP), the offload choice and this ran
   fsdp) is split over them and replicated across the W / S groups (the ranks with the same
   place in their shard groups: the *replica* group). S = W (the default): plain sharding
   over the world.
-- ``offload``: where the optimizer's state lives (:data:`dta.planning.memory.OFFLOADS`).
+- ``offload``: where the optimizer's state lives (:data:`dta.planning.state.OFFLOADS`).
 
 Built and validated once, from any front door's configuration (:meth:`ParallelLayout.make`,
 naming the front door's keys in its errors): ``dta train``'s ``ray.num_workers`` /
@@ -57,7 +57,7 @@ class ParallelLayout:
     offload: str = "none"
 
     def __post_init__(self):
-        from dta.planning.memory import OFFLOADS
+        from dta.planning.state import OFFLOADS
         from runtime.sharding import registered
 
         def bad(field, need):
