@@ -48,3 +48,25 @@ def test_run_config_reaches_the_layout():
     assert (layout.expert_parallel, layout.shard_size, layout.offload) == (2, 2, "optimizer")
     with pytest.raises(Exception, match="train.offload"):
         load_config(None, ["train.offload=disk"])
+
+
+def test_auto_layout_keys_are_priced_once():
+    """train.expert_parallel / shard_size / offload = auto: the memory model's choice, among
+    the values the world and the model allow, reaches the layout."""
+    from dta.config.schema import load_config
+    from dta.model.models import build_model
+    from runtime.engine.resolve import needs_budget, resolve_run_config
+
+    hf = build_model("qwen3_moe", "tiny").config
+    cfg = load_config(None, ["ray.num_workers=4", "train.sharding=zero1",
+                             "train.expert_parallel=auto", "train.shard_size=auto",
+                             "train.offload=auto", "train.memory_budget_gib=4"])
+    assert needs_budget(cfg)
+    settings = resolve_run_config(cfg, hf)
+    layout, report = settings.layout, settings.report
+    assert layout.expert_parallel in report["priced_expert_parallel"]
+    assert report["priced_expert_parallel"] == [e for e in (1, 2, 4)
+                                                if hf.num_experts % e == 0]
+    assert layout.offload in ("none", "optimizer") and layout.shard_size == 4
+    assert (layout.expert_parallel, layout.offload) == (report["expert_parallel"],
+                                                        report["offload"])

@@ -140,12 +140,14 @@ class TrainConfig:
     # Ranks each MoE layer's routed experts are spread over (docs/expert-parallel.md): groups of
     # this many consecutive workers hold 1/expert_parallel of the experts each, the routed
     # tokens sent to their experts' owners and back. 1: off (every worker holds every expert).
-    expert_parallel: int = 1
+    # auto: the memory model's choice (as `dta plan --memory --expert-parallel auto`).
+    expert_parallel: Any = 1
     # HSDP (docs/sharding.md): zero1 / fsdp split the state over groups of this many
-    # consecutive workers (a node) and replicate it across the groups; null: all the workers.
-    shard_size: Optional[int] = None
+    # consecutive workers (a node) and replicate it across the groups; null: all the workers;
+    # auto: the memory model's choice (all the workers, or one node).
+    shard_size: Any = None
     # none | optimizer: the AdamW state and the fp32 master weights live in host memory and
-    # are stepped there (docs/sharding.md)
+    # are stepped there (docs/sharding.md) | auto: the memory model's choice
     offload: str = "none"
 
 
@@ -318,7 +320,7 @@ CHOICES: dict[str, tuple] = {
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
     "train.sharding": (*SHARDING_MODES, AUTO),  # runtime.sharding registers one class each
-    "train.offload": OFFLOADS,
+    "train.offload": (*OFFLOADS, AUTO),
     "ray.placement": ("pack", "spread"),
     "actor.kl_estimator": ("k1", "k2", "k3"),
     "actor.adv_norm.mean_level": ("batch", "group", None),
@@ -355,8 +357,10 @@ _RANGES: dict[str, tuple] = {
     "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
     "train.context_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
         v, bool) and v >= 1), "an integer >= 1 (ranks per tree; 1: off) or auto"),
-    "train.expert_parallel": (lambda v: v >= 1, ">= 1 (1: off)"),
-    "train.shard_size": (lambda v: v >= 1, ">= 1 (or null: all the workers)"),
+    "train.expert_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
+        v, bool) and v >= 1), "an integer >= 1 (1: off) or auto"),
+    "train.shard_size": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
+        v, bool) and v >= 1), "an integer >= 1, null (all the workers) or auto"),
     "stream.target_sequences": (lambda v: v >= 0, ">= 0"),
     "stream.target_tokens": (lambda v: v >= 0, ">= 0"),
     "workload.sequences_per_step": (lambda v: v >= 0, ">= 0"),

@@ -98,10 +98,32 @@ def settle(walk: WalkOptions, layout: ParallelLayout, report: dict | None = None
 
 # ------------------------------------------------------------------- dta train --
 def needs_budget(cfg) -> bool:
-    """Whether the memory model decides something: an ``auto`` mode or context-parallel
-    size, or an ``auto`` block with a budget given."""
-    return AUTO in (str(cfg.train.sharding), cfg.train.context_parallel) or (
-        cfg.walker.block_tokens == AUTO and cfg.train.memory_budget_gib is not None)
+    """Whether the memory model decides something: an ``auto`` mode, context-parallel size,
+    expert-parallel size, shard size or offload, or an ``auto`` block with a budget given."""
+    t = cfg.train
+    return AUTO in (str(t.sharding), t.context_parallel, t.expert_parallel, t.shard_size,
+                    str(t.offload)) or (
+        cfg.walker.block_tokens == AUTO and t.memory_budget_gib is not None)
+
+
+def _candidates(cfg, hf_config, W: int) -> dict:
+    """What the memory model tries for each layout key: the configured value, or for
+    ``auto`` every value the world (and the model's experts, the node size) allows."""
+    from dta.planning.memory import CONTEXT_PARALLEL
+    from dta.planning.shapes import ModelShape
+    from dta.planning.state import OFFLOADS, expert_parallel_sizes, shard_sizes
+    from dta.planning.timing import Hardware
+
+    t = cfg.train
+    C, E, S, O = t.context_parallel, t.expert_parallel, t.shard_size, str(t.offload)
+    return dict(
+        context_parallel=tuple(c for c in CONTEXT_PARALLEL if W % c == 0) if C == AUTO
+        else (int(C),),
+        expert_parallel=expert_parallel_sizes(ModelShape.of(hf_config), W) if E == AUTO
+        else (int(E),),
+        shard_size=shard_sizes(W, Hardware().gpus_per_node) if S == AUTO
+        else (None if S is None or int(S) == W else int(S),),
+        offload=OFFLOADS if O == AUTO else (O,))
 
 
 def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
@@ -109,12 +131,13 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     ``train.sharding`` and the ``walker.*`` keys of a validated config; ``auto`` priced by the
     memory model on ``tree`` (the first batch's prefix tree; None: no batch yet). Raises
     ValueError naming the keys when nothing fits."""
-    from dta.planning.memory import CONTEXT_PARALLEL, GIB, MODES
+    from dta.planning.memory import GIB, MODES
     from runtime.engine.auto import default_budget_bytes, price
 
-    W, C = int(cfg.ray.num_workers), cfg.train.context_parallel
-    mode, block = str(cfg.train.sharding), cfg.walker.block_tokens
-    sizes = tuple(c for c in CONTEXT_PARALLEL if W % c == 0) if C == AUTO else (int(C),)
+    t = cfg.train
+    W, C = int(cfg.ray.num_workers), t.context_parallel
+    mode, block = str(t.sharding), cfg.walker.block_tokens
+    E, S, offload = t.expert_parallel, t.shard_size, str(t.offload)
     walk, report = walk_options(cfg), None  # an auto block: the default, unless priced
     if needs_budget(cfg):
         budget = cfg.train.memory_budget_gib
@@ -122,21 +145,23 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
         lora = cfg.model.lora
         try:
             priced = price(hf_config, world=W, budget_bytes=budget, tree=tree, walk=walk,
-                           modes=MODES if mode == AUTO else (mode,), context_parallel=sizes,
+                           modes=MODES if mode == AUTO else (mode,),
+                           **_candidates(cfg, hf_config, W),
                            blocks=None if block == AUTO and tree is not None else
                            (walk.block_tokens,), compute_dtype=str(cfg.model.dtype),
                            lora=(int(lora.r), list(lora.target_modules)) if int(lora.r) else None)
         except ValueError as exc:
             what = "no mode fits" if mode == AUTO else f"train.sharding={mode} does not fit"
             raise ValueError(f"train.sharding={mode}, walker.block_tokens={block}, "
-                             f"train.context_parallel={C}: {what} train.memory_budget_gib "
-                             f"({exc})") from None
+                             f"train.context_parallel={C}, train.expert_parallel={E}, "
+                             f"train.shard_size={S}, train.offload={offload}: {what} "
+                             f"train.memory_budget_gib ({exc})") from None
         mode, C, report = priced.mode, priced.context_parallel, priced.report
+        E, S, offload = priced.expert_parallel, priced.shard_size, priced.offload
         if block == AUTO and priced.block_tokens != walk.block_tokens:
             walk = walk.replace(block_tokens=priced.block_tokens)  # the memory model's block
-    shard = cfg.train.shard_size
     layout = ParallelLayout.make(world=W, context_parallel=int(C), sharding=mode,
-                                 expert_parallel=int(cfg.train.expert_parallel),
-                                 shard_size=None if shard is None else int(shard),
-                                 offload=str(cfg.train.offload), spelling=RUN_CONFIG_KEYS)
+                                 expert_parallel=int(E),
+                                 shard_size=None if S is None else int(S),
+                                 offload=offload, spelling=RUN_CONFIG_KEYS)
     return settle(walk, layout, report)
