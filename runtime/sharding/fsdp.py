@@ -13,11 +13,12 @@ Layout, applied to the model from outside before the walk:
   the embedding's), outside any module call FSDP could hook. They are flat shards
   (:mod:`.flat`): fp32 master slice and optimizer state per rank, the compute copy gathered
   once per step, their gradients reduce-scattered once per step.
-- the ranks walk different trees, so their calls are kept matched by
-  :mod:`.lockstep` (dummy one-token calls where a rank has nothing to do). Under the
-  walker's retain policy a pack's backward runs long after its forward (at its pop): the
-  lockstep's retain protocol matches those backwards, and :meth:`FSDP.walk_needs` asks
-  the walker for one LM-head flush per pack, so that one backward covers one decoder call.
+- the ranks walk different trees, so their calls are kept matched by the engine core's
+  lockstep (``runtime.engine.lockstep``: dummy one-token calls where a rank has nothing to
+  do; ``matched_calls``). Under the walker's retain policy a pack's backward runs long after
+  its forward (at its pop): the lockstep's retain protocol matches those backwards, and the
+  layout asks the walker for one LM-head flush per pack, so that one backward covers one
+  decoder call; :meth:`FSDP.forward_steps` is a forward's gathers without a forward.
 
 The in-backward reduce-scatter sums over the whole world (every rank's gradient is its share,
 a context-parallel rank's its part of its group's). The step: the global norm (sharded
@@ -34,7 +35,6 @@ import torch.distributed as dist
 from runtime.sharding.base import ShardingMode, master_dtype_for, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
 from runtime.sharding.flat import FlatShards
-from runtime.sharding.lockstep import Lockstep, LockstepDecoder
 
 
 def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -46,6 +46,7 @@ def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
 @register("fsdp")
 class FSDP(ShardingMode):
     holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
+    matched_calls = True  # every decoder call gathers: the ranks' calls are kept matched
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
                  policy: str = "recompute", **_):
@@ -88,10 +89,7 @@ class FSDP(ShardingMode):
         vocab_ids = {id(p) for _, p in vocab}
         self.sharded = [p for p in model.parameters() if p.requires_grad
                         and id(p) not in vocab_ids]
-        self.sync = Lockstep(decoder, group, kept_graphs=policy == "retain",
-                             units=[decoder, *decoder.layers])
-        wrapper = LockstepDecoder(decoder, self.sync)
-        model.get_decoder = lambda: wrapper  # what the walker calls; the model is unchanged
+        self.decoder = decoder
         self.optimizer = make_optimizer(self.sharded + self.vocab.master_params)
         self._peak_unsharded = 0
         self._grad_bytes = 0
@@ -99,16 +97,18 @@ class FSDP(ShardingMode):
             layer.register_forward_pre_hook(self._sample)
         self.device = device
 
-    @classmethod
-    def walk_needs(cls, policy: str) -> dict:
-        """Under retain one backward must cover one decoder call: the LM head flushed per
-        pack (:mod:`.lockstep`)."""
-        return {"head_rows": 0} if policy == "retain" else {}
+    def forward_steps(self, inner: dict) -> list:
+        """A forward's collectives without a forward: the root unit gathered (FSDP keeps it
+        gathered after a forward), then each layer gathered, its ``inner`` steps, freed."""
+        steps = [self.decoder.unshard]
+        for i, layer in enumerate(self.decoder.layers):
+            steps += [layer.unshard, *inner.get(i, ()), layer.reshard]
+        return steps
 
     # ------------------------------------------------------------------ memory --
     def _sample(self, module, args):
         """Bytes of layer parameters currently gathered (after FSDP's pre-forward)."""
-        live = sum(tensor_bytes(p) for layer in self.model.get_decoder().inner.layers
+        live = sum(tensor_bytes(p) for layer in self.decoder.layers
                    for p in layer.parameters() if not hasattr(p, "to_local"))
         self._peak_unsharded = max(self._peak_unsharded, live)
 
@@ -125,10 +125,8 @@ class FSDP(ShardingMode):
             p.grad = None
         self.vocab.zero_master_grads()
         self._peak_unsharded = 0
-        self.sync.begin()
 
     def reduce_gradients(self) -> None:
-        self.sync.end()  # follow the peers' remaining calls; FSDP's reduce-scatters are done
         vb = self.vocab.bytes()["compute_grads"]
         self.vocab.reduce_gradients()
         sharded_grads = sum(tensor_bytes(p.grad) for p in self.sharded)

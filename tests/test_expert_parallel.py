@@ -1,0 +1,181 @@
+"""Expert parallelism under the walk (docs/expert-parallel.md): ``train.expert_parallel=E``
+on local gloo ranks, as ``dta train``'s workers run it (``DFSWorker``, the engine core),
+against the same worker in one process (which equals per-sequence training: tests/test_moe.py)
+in float64: log-probs (a forward-only walk, ``EngineCore.logprobs``), the loss, every
+gradient after the reduction, and the parameters and their norm after 2 AdamW steps, all
+<= 1e-10 -- with replayed routing and the router aux loss, on a batch with fully masked fork
+tails. Each rank walks a different tree (the data-parallel groups' shares), so the ranks'
+decoder calls are matched by the lockstep (``runtime.engine.lockstep``) and the owners serve
+the backward of whichever call a peer backpropagates (``dta.model.expert_parallel``): under
+retain, B rounds where one rank backpropagates and another makes a dummy call happen
+(checked). The default suite runs E = 2 (qwen3_moe retain in packs, mixtral recompute in
+blocks); ``-m slow`` runs E = 2 and 4 x qwen3_moe, mixtral x retain, recompute x packs,
+blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dta.config.schema import load_config
+from runtime.sharding.local import run_ranks
+from tests.test_sharding import _step, _worker, rel_l2
+
+TOL = 1e-10
+STEPS = 2
+
+
+def overrides(family, policy, block, expert_parallel=1, mode="replicate", cp=1):
+    return ["workload.scale=tiny", "model.dtype=float64", f"walker.policy={policy}",
+            f"walker.block_tokens={block}", f"train.sharding={mode}", "optimizer.lr=1e-3",
+            "optimizer.max_grad_norm=0.5", f"model.family={family}",
+            "actor.router_aux_loss_coef=0.01", f"train.expert_parallel={expert_parallel}",
+            f"train.context_parallel={cp}"]
+
+
+class RoutedTails:
+    """The generated batch plus a small tree whose fork tails carry no trained token (packs
+    reached by the aux loss only), every sequence with a replayed routing (a function of its
+    prefix, mostly not the router's choice)."""
+
+    def __init__(self, cfg):
+        from dta_cli.batches import BatchSource
+
+        self.source, self.family = BatchSource(cfg, 512), str(cfg.model.family)
+
+    def batch(self, k):
+        from dta.batch import Batch
+        from dta.model.models import build_config
+        from dta.model.routing import synthetic_routing
+        from tests.cases import make_records
+        from tests.test_moe import small_sequences
+
+        recs = make_records(small_sequences(seed=k), prompt=4)
+        for i, r in enumerate(recs):
+            r["logprobs"], r["group_id"] = r.pop("old_logprobs"), 1000 + i
+            del r["prox_logprobs"]
+            if i < 3:
+                r["loss_mask"][-2:] = 0
+        records = list(self.source.records(k)) + recs
+        c = build_config(self.family, "tiny")
+        n = getattr(c, "num_local_experts", None) or c.num_experts
+        routed = synthetic_routing([r["input_ids"] for r in records], c.num_hidden_layers,
+                                   c.num_experts_per_tok, n, seed=k)
+        for r, x in zip(records, routed):
+            r["routed_experts"] = x
+        return Batch.from_records(records)
+
+
+def share(batch, cfg, rank, world):
+    """This rank's share of a batch (the trees balanced over the data-parallel groups)."""
+    from dta.planning.workers import assign_workers
+    from dta.tree import PrefixTree
+
+    cp = int(cfg.train.context_parallel)
+    ids = assign_workers(PrefixTree(batch.input_ids), world // cp).workers[rank // cp]
+    return ids, (batch.subset(ids) if ids else None)
+
+
+def run_case(rank, world, case):
+    """2 steps on this rank; the first step's batch's log-probs before it, every reduced
+    gradient after it."""
+    cfg = load_config(None, overrides(*case))
+    w = _worker(cfg, rank, world)
+    source = RoutedTails(cfg)
+    ids, mine = share(source.batch(0), cfg, rank, world)
+    logprobs = w.core.logprobs(mine).logprobs if mine is not None else []  # every rank: matched
+    stats, grads = [], None
+    for k in range(STEPS):
+        stats.append(_step(w, cfg, k, rank, world, source))
+        if k == 0:
+            grads = w.gradients()
+    sync = w.core.sync
+    return {"state": w.state()["model"], "param_norm": w.param_norm(), "grads": grads,
+            "loss": stats[0]["loss"], "logprobs": dict(zip(ids, logprobs)),
+            "sent": [s["expert_parallel_sent_bytes"] for s in stats],
+            "lockstep": sync.stats() if sync is not None else None,
+            "slices": expert_slices(w.core)}
+
+
+def expert_slices(core) -> dict:
+    """name -> (first, stop) of the expert slices this rank holds."""
+    from dta.model.expert_parallel import expert_parallel_of
+
+    ep = expert_parallel_of(core.model)
+    if ep is None:
+        return {}
+    return {n: ep.slice_of(p)[:2] for n, p in core.model.named_parameters() if ep.is_expert(p)}
+
+
+def on_ranks(rank, world, cases):
+    torch.set_num_threads(1)
+    return [run_case(rank, world, case) for case in cases]
+
+
+def one_process(case):
+    threads = torch.get_num_threads()
+    try:
+        family, policy, block = case[:3]
+        return run_case(0, 1, (family, policy, block))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def compare(case, ranks, ref) -> float:
+    """The worst relative error of every check; raises naming the first that fails."""
+    worst = 0.0
+
+    def check(what, err):
+        nonlocal worst
+        worst = max(worst, err)
+        if not err <= TOL:
+            raise AssertionError(f"{case}: {what}: relative error {err:.3g}")
+
+    logprobs = {}
+    for got in ranks:
+        logprobs.update(got["logprobs"])
+    assert sorted(logprobs) == sorted(ref["logprobs"]), case
+    for i, lp in ref["logprobs"].items():
+        got = torch.as_tensor(np.asarray(logprobs[i]))
+        check(f"log-probs of sequence {i} (absolute)",
+              float((got - torch.as_tensor(np.asarray(lp))).abs().max()))
+    check("loss", abs(sum(g["loss"] for g in ranks) - ref["loss"]) / abs(ref["loss"]))
+    for rank, got in enumerate(ranks):
+        assert got["slices"], f"{case} rank {rank}: no expert slices"
+        for name, g in ref["grads"].items():
+            first, stop = got["slices"].get(name, (None, None))
+            want = g if first is None else g[first:stop]
+            check(f"rank {rank} gradient of {name}", rel_l2({name: got["grads"][name]},
+                                                            {name: want}))
+        check(f"rank {rank} parameters after {STEPS} steps", rel_l2(got["state"], ref["state"]))
+        check(f"rank {rank} parameter norm",
+              abs(got["param_norm"] - ref["param_norm"]) / ref["param_norm"])
+        assert all(s > 0 for s in got["sent"]), (case, rank, got["sent"])
+    return worst
+
+
+def run_and_compare(world, cases):
+    results = run_ranks(on_ranks, world, cases, timeout=900.0)
+    for i, case in enumerate(cases):
+        ranks = [results[r][i] for r in range(world)]
+        err = compare(case, ranks, one_process(case))
+        lock = ranks[0]["lockstep"]
+        if case[1] == "retain":  # a rank backpropagated while a peer made a dummy call
+            assert lock["B"] > 0 and lock["mixed_backwards"] > 0, (case, lock)
+        print(f"{case}: worst relative error {err:.2g}, sent per step "
+              f"{[g['sent'] for g in ranks]} bytes, lockstep {lock}")
+
+
+DEFAULT = [("qwen3_moe", "retain", 0, 2), ("mixtral", "recompute", 8, 2)]
+MATRIX = [(family, policy, block, E) for E in (2, 4) for family in ("qwen3_moe", "mixtral")
+          for policy in ("retain", "recompute") for block in (0, 8)]
+
+
+def test_expert_parallel_2_matches_one_process():
+    run_and_compare(2, DEFAULT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("E", [2, 4])
+def test_expert_parallel_matrix(E):
+    run_and_compare(E, [c for c in MATRIX if c[3] == E and c not in DEFAULT])
