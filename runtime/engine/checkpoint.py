@@ -176,9 +176,11 @@ def load_full_state(core, state: dict, *, what: str) -> None:
     mode = core.mode
     if hasattr(mode, "load_masters"):  # replicate's masters
         mode.load_masters({n: piece(n, p) for n, p in named})
-    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None)):
-        if flat is not None:  # zero1's / fsdp's vocabulary flat shards: their master slices
+    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None),
+                 getattr(mode, "expert_shards", None)):
+        if flat is not None:  # zero1's / fsdp's vocabulary / expert flat shards: their masters
             for pc in flat.pieces:
-                src = state[flat.names[pc.index]].reshape(-1)[pc.start:pc.stop]
+                name = flat.names[pc.index]
+                src = piece(name, flat.params[pc.index]).reshape(-1)[pc.start:pc.stop]
                 flat.master[pc.offset:pc.offset + pc.stop - pc.start].copy_(
                     src.to(device=flat.master.device, dtype=flat.master.dtype))

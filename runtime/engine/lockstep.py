@@ -207,6 +207,7 @@ class LockstepDecoder(torch.nn.Module):
         super().__init__()
         self.inner = decoder
         self.sync = sync
+        object.__setattr__(self, "__wrapped__", decoder)  # what the model interface reads
 
     def forward(self, *args, cache=None, **kwargs):
         self.sync.before_call()

@@ -7,6 +7,11 @@ served rows gave; the ranks holding the same slice -- the *expert replicas*
 mode's rule (a SUM over the world). The global norm counts every expert once: the dense
 norm² (the same on every rank) plus the expert-parallel group's sum of its slices' norm².
 Whole tensors (a state dict, an export) gather a slice over the group (dim 0).
+
+``replicate`` all-reduces the slices' gradients over the replicas (:meth:`ExpertPart.reduce`);
+``zero1`` and ``fsdp`` hold them as flat shards over the replicas (:meth:`ExpertPart.flat`:
+ZeRO-1 of the slices -- fp32 master pieces and optimizer state split over the W / E ranks
+holding the same experts, one reduce-scatter per step); fsdp leaves them out of its units.
 """
 from __future__ import annotations
 
@@ -35,6 +40,18 @@ class ExpertPart:
     def holds(self, p) -> bool:
         """Whether ``p`` (a model parameter) is an expert slice."""
         return self.ep.is_expert(p)
+
+    def split(self, named: list) -> tuple[list, list]:
+        """``(dense, expert slices)`` of ``(name, parameter)`` pairs, in their order."""
+        return ([(n, p) for n, p in named if not self.holds(p)],
+                [(n, p) for n, p in named if self.holds(p)])
+
+    def flat(self, named: list, compute_dtype):
+        """The slices as flat shards over the expert replicas (None: no trained slice)."""
+        from runtime.sharding.flat import FlatShards
+
+        return FlatShards(named, group=self.replicas, compute_dtype=compute_dtype) \
+            if named else None
 
     def reduce(self, params: list) -> None:
         """Sum the slices' ``.grad`` over the expert replicas."""
