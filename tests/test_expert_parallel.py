@@ -147,6 +147,7 @@ def on_ranks(rank, world, cases):
 
 
 def one_process(case):
+    """The case in one process: replicate, no expert or context parallelism."""
     threads = torch.get_num_threads()
     try:
         family, policy, block = case[:3]
@@ -188,8 +189,10 @@ def compare(case, ranks, ref) -> float:
     return worst
 
 
-def run_and_compare(world, cases):
+def run_and_compare(world, cases) -> list:
+    """Every case on ``world`` ranks against one process; returns the lockstep's stats."""
     results = run_ranks(on_ranks, world, cases, timeout=900.0)
+    locks = []
     for i, case in enumerate(cases):
         ranks = [results[r][i] for r in range(world)]
         err = compare(case, ranks, one_process(case))
@@ -197,10 +200,12 @@ def run_and_compare(world, cases):
         spans = case[3] > 1 and (case[5] if len(case) > 5 else 1) % case[3] != 0
         matched = spans or (len(case) > 4 and case[4] == "fsdp")
         assert (lock is not None) == matched, (case, lock)  # the calls matched where needed
-        if spans and case[1] == "retain":  # a rank backpropagated, a peer made a dummy call
-            assert lock["B"] > 0 and lock["mixed_backwards"] > 0, (case, lock)
+        if matched and case[1] == "retain":  # kept graphs backpropagated in B rounds
+            assert lock["B"] > 0, (case, lock)
+        locks.append(lock)
         print(f"{case}: worst relative error {err:.2g}, sent per step "
               f"{[g['sent'] for g in ranks]} bytes, lockstep {lock}")
+    return locks
 
 
 DEFAULT = [("qwen3_moe", "retain", 0, 2), ("mixtral", "recompute", 8, 2)]
@@ -209,7 +214,10 @@ MATRIX = [(family, policy, block, E) for E in (2, 4) for family in ("qwen3_moe",
 
 
 def test_expert_parallel_2_matches_one_process():
-    run_and_compare(2, DEFAULT)
+    locks = run_and_compare(2, DEFAULT)
+    # retain: a rank backpropagated a kept graph while its peer made a dummy call (the peer
+    # matched the dummy's forward exchanges and served the backward)
+    assert locks[0]["mixed_backwards"] > 0, locks[0]
 
 
 @pytest.mark.slow

@@ -148,3 +148,31 @@ def test_the_layout_matches_calls_where_an_expert_group_spans_data_parallel_grou
                                           "3 must be a divisor of the world size 4"):
         lay(world=4, expert_parallel=3,
             spelling={"expert_parallel": "config key 'train.expert_parallel'"})
+
+
+# ------------------------------------------------------------------------ the CLI --
+def test_cli_verify_expert_parallel_needs_its_group():
+    from dta_cli.main import main
+
+    with pytest.raises(SystemExit, match="--expert-parallel must be an integer >= 1"):
+        main(["verify", "--family", "qwen3_moe", "--expert-parallel", "0"])
+    with pytest.raises(SystemExit, match="--context-parallel must be 2 \\(or unset\\), not 4"):
+        main(["verify", "--family", "qwen3_moe", "--expert-parallel", "2",
+              "--context-parallel", "4"])
+
+
+@pytest.mark.slow
+def test_cli_verify_expert_parallel(capsys):
+    """``dta verify --expert-parallel 2``: the experts divided over the 2 ranks that walk the
+    batch together (each routes its own rows), replay + aux loss, blocks over a path."""
+    import json
+
+    from dta_cli.main import main
+
+    assert main(["verify", "--family", "qwen3_moe", "--dtype", "float64", "--expert-parallel",
+                 "2", "--replay", "--router-aux-loss", "0.01", "--packing", "node",
+                 "--block-tokens", "16", "--policy", "recompute", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["passed"] and got["expert_parallel"] == 2 and got["max_rel_err"] <= 1e-10
+    ranks = got["context_parallel_ranks"]
+    assert min(ranks["expert_sent_bytes"]) > 0 and ranks["expert_weight_share"] == [0.5, 0.5]

@@ -63,7 +63,9 @@ class ExpertParallel:
     """The expert-parallel group of a model, its MoE layers' slices and what was sent.
 
     ``sent_bytes``: bytes this rank sent to the other ranks (forward and backward, headers
-    included); ``routed_rows``: (token, k) rows this rank dispatched in forward."""
+    included); ``routed_rows``: the (token, k) rows this rank routed to their owners -- each
+    forward's rows, and each backward's rows of output gradient (a recomputed call routes
+    its rows again)."""
 
     def __init__(self, group):
         import torch.distributed as dist
@@ -257,6 +259,7 @@ class ExpertSlice(torch.nn.Module):
         """The gradient of the outputs of call ``call`` (rows sent as ``sends``) to their
         owners, the peers' served; returns the gradient of the rows."""
         ep, H, E = self.ep, self.hidden_dim, self.ep.size
+        ep.routed_rows += sum(sends)
         head = ep.exchange(torch.tensor([[s, call] for s in sends], dtype=torch.long,
                                         device=g.device).reshape(-1), [2] * E, [2] * E)
         head = head.view(E, 2).tolist()
