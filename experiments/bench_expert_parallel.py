@@ -46,11 +46,15 @@ import sys
 import time
 
 TARGET = {4: 0.30}
-MODELS = {  # the "small" shapes with 8 routed experts
+MODELS = {  # the "small" shapes with 8 routed experts; the tests' tiny one with 4
     "small-moe8": dict(vocab_size=32000, hidden_size=256, intermediate_size=704,
                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, max_position_embeddings=32768, num_experts=8,
                        num_experts_per_tok=2, moe_intermediate_size=256),
+    "tiny-moe4": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=4096, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32),
 }
 
 

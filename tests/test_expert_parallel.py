@@ -8,8 +8,9 @@ tails. Each rank walks a different tree (the data-parallel groups' shares), so t
 decoder calls are matched by the lockstep (``runtime.engine.lockstep``) and the owners serve
 the backward of whichever call a peer backpropagates (``dta.model.expert_parallel``): under
 retain, B rounds where one rank backpropagates and another makes a dummy call happen
-(checked). The default suite runs E = 2 (qwen3_moe retain in packs, mixtral recompute in
-blocks); ``-m slow`` runs E = 2 and 4 x qwen3_moe, mixtral x retain, recompute x packs,
+(checked), and the Hugging Face export (the slices gathered) equals one process's. The
+default suite runs E = 2 (qwen3_moe retain in blocks, mixtral recompute in packs); ``-m slow``
+runs E = 2 and 4 x qwen3_moe, mixtral x retain, recompute x packs,
 blocks."""
 from __future__ import annotations
 
@@ -76,9 +77,10 @@ def share(batch, cfg, rank, world):
     return ids, (batch.subset(ids) if ids else None)
 
 
-def run_case(rank, world, case):
+def run_case(rank, world, case, export=None):
     """2 steps on this rank; the first step's batch's log-probs before it, every reduced
-    gradient of the first step (before clipping, as the mode holds it)."""
+    gradient of the first step (before clipping, as the mode holds it); ``export``: then the
+    Hugging Face export into that folder (every rank: the expert slices are gathered)."""
     cfg = load_config(None, overrides(*case))
     w = _worker(cfg, rank, world)
     source = RoutedTails(cfg)
@@ -94,6 +96,8 @@ def run_case(rank, world, case):
     mode.reduce_gradients = reduce_and_capture
     stats = [_step(w, cfg, k, rank, world, source) for k in range(STEPS)]
     mode.reduce_gradients = reduce
+    if export is not None:
+        w.export_hf(export)
     sync = w.core.sync
     return {"state": w.state()["model"], "param_norm": w.param_norm(), "grads": grads["first"],
             "loss": stats[0]["loss"], "logprobs": dict(zip(ids, logprobs)),
@@ -141,19 +145,28 @@ def expert_slices(core) -> dict:
     return {n: ep.slice_of(p)[:2] for n, p in core.model.named_parameters() if ep.is_expert(p)}
 
 
-def on_ranks(rank, world, cases):
+def on_ranks(rank, world, cases, export=None):
     torch.set_num_threads(1)
-    return [run_case(rank, world, case) for case in cases]
+    return [run_case(rank, world, case, export if i == 0 else None)
+            for i, case in enumerate(cases)]
 
 
-def one_process(case):
+def one_process(case, export=None):
     """The case in one process: replicate, no expert or context parallelism."""
     threads = torch.get_num_threads()
     try:
         family, policy, block = case[:3]
-        return run_case(0, 1, (family, policy, block))
+        out = run_case(0, 1, (family, policy, block), export)
     finally:
         torch.set_num_threads(threads)
+    if export is not None:  # the expert-parallel export (slices gathered) equals this one
+        from safetensors.torch import load_file
+
+        ep, one = (load_file(f"{d}/model.safetensors") for d in (export[:-4], export))
+        assert set(ep) == set(one), sorted(set(ep) ^ set(one))
+        err = rel_l2(ep, one)
+        assert err <= TOL, f"{case}: export vs one process's: relative L2 {err:.3g}"
+    return out
 
 
 def compare(case, ranks, ref) -> float:
@@ -189,13 +202,16 @@ def compare(case, ranks, ref) -> float:
     return worst
 
 
-def run_and_compare(world, cases) -> list:
-    """Every case on ``world`` ranks against one process; returns the lockstep's stats."""
-    results = run_ranks(on_ranks, world, cases, timeout=900.0)
+def run_and_compare(world, cases, export=None) -> list:
+    """Every case on ``world`` ranks against one process (``export``: the first case's
+    Hugging Face export written there, checked to be its whole state); returns the
+    lockstep's stats."""
+    results = run_ranks(on_ranks, world, cases, export, timeout=900.0)
     locks = []
     for i, case in enumerate(cases):
         ranks = [results[r][i] for r in range(world)]
-        err = compare(case, ranks, one_process(case))
+        ref = one_process(case, export + "-one" if export is not None and i == 0 else None)
+        err = compare(case, ranks, ref)
         lock = ranks[0]["lockstep"]
         spans = case[3] > 1 and (case[5] if len(case) > 5 else 1) % case[3] != 0
         matched = spans or (len(case) > 4 and case[4] == "fsdp")
@@ -208,13 +224,13 @@ def run_and_compare(world, cases) -> list:
     return locks
 
 
-DEFAULT = [("qwen3_moe", "retain", 0, 2), ("mixtral", "recompute", 8, 2)]
+DEFAULT = [("qwen3_moe", "retain", 8, 2), ("mixtral", "recompute", 0, 2)]
 MATRIX = [(family, policy, block, E) for E in (2, 4) for family in ("qwen3_moe", "mixtral")
           for policy in ("retain", "recompute") for block in (0, 8)]
 
 
-def test_expert_parallel_2_matches_one_process():
-    locks = run_and_compare(2, DEFAULT)
+def test_expert_parallel_2_matches_one_process(tmp_path):
+    locks = run_and_compare(2, DEFAULT, export=str(tmp_path / "export"))
     # retain: a rank backpropagated a kept graph while its peer made a dummy call (the peer
     # matched the dummy's forward exchanges and served the backward)
     assert locks[0]["mixed_backwards"] > 0, locks[0]
