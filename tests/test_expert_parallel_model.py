@@ -159,6 +159,24 @@ def test_checkpoints_of_expert_slices_are_refused_before_training():
                            "train.checkpoint_dir=/tmp/dta-ep-never-written"])
 
 
+def test_a_frozen_base_is_refused_with_expert_parallel():
+    from dta.model.models import build_model
+    from dta.options import WalkOptions
+    from runtime.engine import EngineCore, ParallelLayout, settle
+
+    def frozen(dtype):
+        m = build_model("qwen3_moe", "tiny", dtype=dtype)
+        m.lm_head.weight.requires_grad_(False)
+        return m
+
+    layout = ParallelLayout.make(world=2, expert_parallel=2)
+    with pytest.raises(ValueError, match="expert_parallel=2 is not supported with frozen "
+                                         "weights"):
+        EngineCore(frozen, layout=layout, walk=settle(WalkOptions(), layout).walk,
+                   make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                   compute_dtype="float32")
+
+
 # ------------------------------------------------------------------------ the CLI --
 def test_cli_verify_expert_parallel_needs_its_group():
     from dta_cli.main import main

@@ -92,6 +92,11 @@ class EngineCore:
         masters = resolve_dtype(master_dtype) if master_dtype is not None else None
         stored = mode_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
         self.model = build(stored).to(self.device)
+        if layout.expert_parallel > 1 and any(not p.requires_grad
+                                              for p in self.model.parameters()):
+            raise ValueError(f"expert_parallel={layout.expert_parallel} is not supported with "
+                             "frozen weights (a LoRA base): expert parallelism is tested on "
+                             "full training only")
         if not mode_class(layout.sharding).holds_frozen and any(
                 not p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"sharding={layout.sharding} trains every weight; this model "
