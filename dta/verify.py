@@ -43,6 +43,7 @@ import torch
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, token_weights
 from dta.model.context_parallel import context_parallel_of, parallelize_context
+from dta.model.expert_parallel import expert_parallel_of, parallelize_experts
 from dta.model.models import make_truly_float64
 from dta.options import WalkOptions
 from dta.reference import unpacked_gradients
@@ -86,6 +87,9 @@ class VerifyReport:
     # per rank of the group (``dta verify --context-parallel``): sent_bytes, path_kv_bytes,
     # path_kv_alone_bytes (one process walking the same batch alone), path_kv_share
     context_parallel_ranks: dict | None = None
+    expert_parallel: int = 1  # ranks of the group the DFS side's experts were divided over
+    expert_parallel_sent_bytes: int = 0  # what this rank's expert exchanges sent
+    expert_weight_share: float = 1.0  # this rank's expert weights / the model's
 
     def max_rel_err(self) -> float:
         """The figure held to the tolerance: everything in float64; outside float64 the
@@ -103,8 +107,9 @@ class VerifyReport:
 
     @property
     def vacuous(self) -> bool:
-        """A context-parallel check whose rank sent nothing."""
-        return self.context_parallel > 1 and self.context_parallel_sent_bytes == 0
+        """A context- or expert-parallel check whose rank sent nothing."""
+        return (self.context_parallel > 1 and self.context_parallel_sent_bytes == 0) or \
+            (self.expert_parallel > 1 and self.expert_parallel_sent_bytes == 0)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "max_rel_err": self.max_rel_err()}
@@ -156,7 +161,7 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
            lr: float = 1e-3, adam_eps: float | None = None,
            truly_float64: bool = True, progress: bool = False,
            options: WalkOptions | None = None, context_parallel_group=None,
-           **settings) -> VerifyReport:
+           expert_parallel_group=None, **settings) -> VerifyReport:
     """Train `batch` both ways on two copies of `model`; the model itself is not changed.
     With `progress`, a bar per side counts the tokens trained. options / settings: the DFS
     side's walk settings (:class:`dta.options.WalkOptions`, or its fields as keywords: policy,
@@ -166,7 +171,11 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     are replayed on both sides. Frozen parameters (a LoRA model's
     base) must end without a gradient on both sides. context_parallel_group: the DFS side
     walks with its K/V spread over this group (``dta.model.context_parallel``; every rank of
-    the group calls ``verify`` with the same model and batch); the reference runs alone."""
+    the group calls ``verify`` with the same model and batch); the reference runs alone.
+    expert_parallel_group: the DFS side's MoE experts divided over this group
+    (``dta.model.expert_parallel``), the context-parallel group itself (its ranks walk one
+    tree, each routing its own rows): every expert slice's gradient is then whole on its
+    rank, and the slices are gathered to whole tensors to be compared."""
     walk = WalkOptions.given(options, settings)
     validate_for_model(batch, model, loss)
     dfs_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -176,8 +185,17 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         make_truly_float64(ref_model)
     for m in (dfs_model, ref_model):
         m.zero_grad(set_to_none=True)
+    if expert_parallel_group is not None:
+        if expert_parallel_group is not context_parallel_group:
+            raise ValueError("verify: the experts are divided over the context-parallel group "
+                             "(expert_parallel_group must be context_parallel_group)")
+        from dta.selfcheck import ensure_self_check
+
+        ensure_self_check(dfs_model)  # alone, on the whole experts (as the engine core does)
     cp = context_parallel_of(parallelize_context(dfs_model, context_parallel_group))
+    ep = expert_parallel_of(parallelize_experts(dfs_model, expert_parallel_group))
     sent = cp.sent_bytes if cp is not None else 0
+    ep_sent = ep.sent_bytes if ep is not None else 0
     if cp is not None:
         cp.path_bytes_peak = cp.path_bytes
 
@@ -185,7 +203,14 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         dfs = accumulate_gradients(dfs_model, batch, loss, reduction=reduction, options=walk,
                                    record=True, progress=bar)
     if cp is not None and cp.partial_gradients:  # each rank holds its share: the group's sum
-        cp.sum_gradients(dfs_model)
+        cp.sum_gradients(dfs_model, exclude=ep.expert_parameters() if ep is not None else ())
+    if ep is not None:
+        ep.check()
+    slices = {n for n, p in dfs_model.named_parameters() if ep is not None and ep.is_expert(p)}
+
+    def whole(name, t):  # an expert slice gathered over its group (every rank, same order)
+        return ep.full_tensor(t) if name in slices else t
+
     path_kv = cp.path_bytes_peak if cp is not None else 0
     with _bar(progress, "unpacked (tokens)") as bar:
         ref = unpacked_gradients(ref_model, batch, loss, reduction=reduction,
@@ -206,10 +231,12 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     for name, p in dfs_model.named_parameters():
         g_ref = ref_params[name].grad
         g_dfs = p.grad
+        if name in slices:  # a collective: gathered on every rank, with or without a grad
+            g_dfs = whole(name, g_dfs if g_dfs is not None else torch.zeros_like(p))
         if g_ref is None and g_dfs is None:
             continue
-        g_ref = torch.zeros_like(p) if g_ref is None else g_ref
-        g_dfs = torch.zeros_like(p) if g_dfs is None else g_dfs
+        g_ref = torch.zeros_like(ref_params[name]) if g_ref is None else g_ref
+        g_dfs = torch.zeros_like(g_ref) if g_dfs is None else g_dfs
         grad_errs.append(_rel(g_dfs, g_ref, g_floor))
     grad_err = worst(grad_errs)
     frozen_with_grad = sum(p.grad is not None for m in (dfs_model, ref_model)
@@ -217,6 +244,8 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
     if adam_eps is None:
         adam_eps = 1e-8 if is_f64 else 1e-5
     (p_dfs, d_dfs), (p_ref, d_ref) = (_adamw_step(m, lr, adam_eps) for m in (dfs_model, ref_model))
+    p_dfs = {n: whole(n, t) for n, t in p_dfs.items()}
+    d_dfs = {n: whole(n, t) for n, t in d_dfs.items()}
     p_all = _whole_norm(p_ref.values())
     params_err = worst(_rel(p_dfs[n], p_ref[n], p_all if n in noise else 0.0) for n in p_ref)
     d_all = _whole_norm(d_ref.values())
@@ -240,7 +269,19 @@ def verify(model, batch: Batch, loss: TokenLoss | SequenceLoss, *, reduction: st
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         frozen_with_grad=int(frozen_with_grad), context_parallel=cp.size if cp else 1,
         context_parallel_sent_bytes=cp.sent_bytes - sent if cp else 0,
-        context_parallel_path_kv_bytes=path_kv, path_tokens=dfs.walk.plan.get("max_prefix", 0))
+        context_parallel_path_kv_bytes=path_kv, path_tokens=dfs.walk.plan.get("max_prefix", 0),
+        expert_parallel=ep.size if ep else 1,
+        expert_parallel_sent_bytes=ep.sent_bytes - ep_sent if ep else 0,
+        expert_weight_share=_expert_share(ep))
+
+
+def _expert_share(ep) -> float:
+    """This rank's expert weights over all of them (1.0 without expert parallelism)."""
+    if ep is None:
+        return 1.0
+    params = ep.expert_parameters()
+    whole = sum(p.numel() * n // (b - a) for p in params for a, b, n in [ep.slice_of(p)])
+    return sum(p.numel() for p in params) / whole
 
 
 def _lp_err(a: torch.Tensor, b: torch.Tensor) -> float:

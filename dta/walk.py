@@ -88,7 +88,7 @@ def _from_output(hidden, dhidden):
     """A pack's backward starts at its output: the head's gradient, or zeros when only the
     router aux loss reaches the pack (its surrogate enters the decoder at the routers; a
     backward that does not pass the decoder's output is invisible to a wrapper of the
-    decoder, e.g. FSDP's lockstep, runtime/sharding/lockstep.py). Zeros add nothing."""
+    decoder, e.g. FSDP's lockstep, runtime/engine/lockstep.py). Zeros add nothing."""
     return dhidden if dhidden is not None else torch.zeros_like(hidden)
 
 

@@ -1,7 +1,9 @@
 """`dta verify --context-parallel C`: the DFS side walked by C local gloo ranks (CPU) that
 divide every pack's rows and heads (dta/model/context_parallel.py), the group's gradient
 (the sum of the ranks') compared on each rank with one-sequence-at-a-time training; the
-report is the worst rank's, with what each rank sent and stored."""
+report is the worst rank's, with what each rank sent and stored. `--expert-parallel E`
+(E = C): the group also divides every MoE layer's experts (dta/model/expert_parallel.py),
+each expert slice's gradient whole on its rank."""
 from __future__ import annotations
 
 import math
@@ -14,7 +16,7 @@ def check_size(size, flag: str = "--context-parallel") -> int:
     return size
 
 
-def _verify_rank(group, model, batch, loss, kw):
+def _verify_rank(group, model, batch, loss, kw, experts=False):
     """One rank: the check on the group, then the same DFS walk alone (a group of one rank:
     the path K/V one process stores, the figure the rank's share is measured against)."""
     import copy
@@ -26,7 +28,8 @@ def _verify_rank(group, model, batch, loss, kw):
     from dta.train import accumulate_gradients
     from dta.verify import verify
 
-    report = verify(model, batch, loss, context_parallel_group=group, **kw)
+    report = verify(model, batch, loss, context_parallel_group=group,
+                    expert_parallel_group=group if experts else None, **kw)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     solo = ContextParallel([dist.new_group([r]) for r in range(size)][rank])
     walk = WalkOptions.given(kw.get("options"), {})
@@ -36,14 +39,15 @@ def _verify_rank(group, model, batch, loss, kw):
     return report, solo.path_bytes_peak
 
 
-def verify_on_group(size: int):
-    """``dta.verify.verify`` with the DFS side on a group of ``size`` spawned gloo ranks:
-    the worst rank's report (a NaN error is the worst), with the group's per-rank figures."""
+def verify_on_group(size: int, experts: bool = False):
+    """``dta.verify.verify`` with the DFS side on a group of ``size`` spawned gloo ranks
+    (``experts``: the experts divided over it too): the worst rank's report (a NaN error is
+    the worst), with the group's per-rank figures."""
     from dta.local_ranks import run_group
 
     def run(model, batch, loss, **kw):
         kw["progress"] = False  # one bar per rank would interleave
-        got = run_group(_verify_rank, size, model, batch, loss, kw)
+        got = run_group(_verify_rank, size, model, batch, loss, kw, experts)
         reports = [r for r, _ in got]
         alone = got[0][1]
         sent = [r.context_parallel_sent_bytes for r in reports]
@@ -64,12 +68,26 @@ def verify_on_group(size: int):
         if not all(sent):
             print(f"  FAIL: rank(s) {[r for r, b in enumerate(sent) if not b]} sent nothing: "
                   "the group checked nothing of context parallelism")
+        ex = [r.expert_parallel_sent_bytes for r in reports]
+        if experts:
+            print(f"expert parallel: the experts divided over the {size} ranks (each holds "
+                  f"{', '.join(f'{r.expert_weight_share:.2f}' for r in reports)} of the expert "
+                  f"weights); routed rows sent per rank {', '.join(f'{b:,}' for b in ex)} bytes")
+            if not all(ex):
+                print(f"  FAIL: rank(s) {[r for r, b in enumerate(ex) if not b]} sent no routed "
+                      "row: the group checked nothing of expert parallelism")
         worst = max(reports, key=lambda r: (math.inf if math.isnan(r.max_rel_err())
                                             else r.max_rel_err(), r.vacuous))
         worst.context_parallel_ranks = dict(sent_bytes=sent, path_kv_bytes=kv,
                                             path_kv_alone_bytes=alone, path_kv_share=share)
         if not all(sent):
             worst.context_parallel_sent_bytes = 0  # vacuous: the report fails
+        if experts:
+            worst.context_parallel_ranks["expert_sent_bytes"] = ex
+            worst.context_parallel_ranks["expert_weight_share"] = [r.expert_weight_share
+                                                                   for r in reports]
+            if not all(ex):
+                worst.expert_parallel_sent_bytes = 0  # vacuous: the report fails
         return worst
 
     return run

@@ -69,6 +69,11 @@ def add_arguments(p) -> None:
     p.add_argument("--context-parallel", type=int, default=1, metavar="C",
                    help="walk the DFS side on C local gloo ranks (CPU) that store the path's "
                         "K/V spread over the group (docs/context-parallel.md; default 1)")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="E",
+                   help="divide the DFS side's MoE experts over the context-parallel group of "
+                        "E ranks (1/E of every MoE layer's experts each, routed rows "
+                        "exchanged; --context-parallel defaults to E and must equal it; "
+                        "docs/expert-parallel.md; default 1)")
     from dta_cli import fidelity
 
     fidelity.add_arguments(p)
@@ -87,6 +92,15 @@ def run(args) -> int:
     from dta_cli.context_parallel import check_size, verify_on_group
 
     check_size(args.context_parallel)  # before anything is built
+    check_size(args.expert_parallel, "--expert-parallel")
+    if args.expert_parallel > 1:
+        if args.context_parallel == 1:
+            args.context_parallel = args.expert_parallel
+        if args.context_parallel != args.expert_parallel:
+            raise SystemExit(f"dta verify: --expert-parallel {args.expert_parallel} divides the "
+                             "experts over the context-parallel group that walks the batch: "
+                             f"--context-parallel must be {args.expert_parallel} (or unset), "
+                             f"not {args.context_parallel}")
     check_input_paths(args)
     given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in FLAGS.items()}
     if given["block_tokens"] is None:
@@ -140,7 +154,7 @@ def run(args) -> int:
         if "advantages" not in batch.fields:
             batch.fields["advantages"] = [np.ones(len(s)) for s in batch.input_ids]
     if args.context_parallel > 1:  # the DFS side on a group of gloo ranks
-        verify = verify_on_group(args.context_parallel)
+        verify = verify_on_group(args.context_parallel, experts=args.expert_parallel > 1)
     if args.against:  # bf16 fidelity against the float64 truth (dta/fidelity.py)
         from dta_cli import fidelity
 

@@ -42,11 +42,11 @@ def _dta_loss(logprobs, entropy, mb, *, loss, **_):
     return (loss.values(logprobs, entropy, fields) * mask).sum() / mask.sum()
 
 
-def front_door(rank, world, mode, cp, cfg):
+def front_door(rank, world, mode, cp, cfg, ep=1):
     """AReaL's ``DTATrainEngine`` as a front door of tests/test_engine_front_doors.py: the run
     config's model, walk, loss (DTA's PPO through AReaL's ``loss_fn`` / ``loss_weight_fn``)
-    and optimizer (AReaL's ``OptimizerConfig``) on ``fsdp:d{W/C}c{C}`` +
-    ``actor.dta.sharding``; the run config's batches as AReaL's right-padded training dicts
+    and optimizer (AReaL's ``OptimizerConfig``) on ``fsdp:d{W/C}c{C}`` (E > 1:
+    ``archon:d{W/C}c{C}e{E}``, AReaL's fsdp backend refuses ``e``) + ``actor.dta.sharding``; the run config's batches as AReaL's right-padded training dicts
     (each data-parallel group its share, as the Ray trainer hands them out); 2
     ``train_batch`` steps."""
     import functools
@@ -68,7 +68,8 @@ def front_door(rank, world, mode, cp, cfg):
     path = _model_dir(cfg)
     config = TrainEngineConfig(
         experiment_name="front-doors", trial_name="areal", path=path,
-        attn_impl=str(cfg.model.attn_implementation), backend=f"fsdp:d{dp}c{cp}",
+        attn_impl=str(cfg.model.attn_implementation),
+        backend=f"fsdp:d{dp}c{cp}" if ep == 1 else f"archon:d{dp}c{cp}e{ep}",
         temperature=float(cfg.actor.temperature), mb_spec=MicroBatchSpec(n_mbs=1),
         optimizer=OptimizerConfig(type="adam", lr=float(oc.lr),
                                   weight_decay=float(oc.weight_decay), beta1=float(oc.betas[0]),
@@ -105,7 +106,11 @@ def front_door(rank, world, mode, cp, cfg):
         stats = eng.train_batch(convert.from_records(records, logprobs_dtype=torch.float64),
                                 loss_fn, lambda mb: mb["loss_mask"].count_nonzero())
         assert stats["update_successful"] == 1.0
+    from dta.model.expert_parallel import expert_parallel_of
+
+    experts = expert_parallel_of(eng.model)
     out = {"state": eng.core.full_state(), "param_norm": eng.param_norm(),
-           "layout": eng.core.layout, "sent": (cpo.sent_bytes - sent) if cpo is not None else 0}
+           "layout": eng.core.layout, "sent": (cpo.sent_bytes - sent) if cpo is not None else 0,
+           "expert_sent": experts.sent_bytes if experts is not None else 0}
     eng.destroy()
     return out

@@ -43,7 +43,7 @@ from tests.test_areal import (  # noqa: E402
 CASES = [(mode, policy, dtype) for mode in ("zero1", "fsdp")
          for policy in ("retain", "recompute") for dtype in ("float64", "float32")]
 MIXED = [("zero1", "retain", "bfloat16"), ("fsdp", "recompute", "bfloat16")]
-RUN = CASES + MIXED  # runtime.sharding.lockstep cannot match retain's calls
+RUN = CASES + MIXED  # runtime.engine.lockstep cannot match retain's calls
 TOL = {"float64": 1e-12, "float32": 1e-6}
 LINEAR = OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0,
                          lr_scheduler_type="linear", warmup_steps_proportion=0.0)

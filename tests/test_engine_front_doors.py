@@ -1,12 +1,15 @@
 """One engine core behind the front doors (runtime/engine): the same batches trained for 2
 steps through a front door on every layout -- replicate, zero1, fsdp; context parallel C = 1
-and 2 -- on 2 local gloo ranks end at the parameters the same front door reaches in one
-process (float64 <= 1e-10 relative L2, and the parameter norm), with C = 2's path attention
-really exchanged between the ranks.
+and 2; expert parallel E = 2 on an MoE model (qwen3_moe) -- on 2 local gloo ranks end at the
+parameters the same front door reaches in one process (float64 <= 1e-10 relative L2, and the
+parameter norm), with C = 2's path attention and E = 2's routed rows really exchanged between
+the ranks.
 
-A front door is an entry of ``FRONT_DOORS``: ``train(rank, world, mode, C)`` runs 2 steps
-through it on this rank and returns ``{"state", "param_norm", "layout", "sent"}``; the
-reference is ``train(0, 1, "replicate", 1)``. The Ray worker (``DFSWorker``, without Ray) is
+A front door is an entry of ``FRONT_DOORS``: ``train(rank, world, mode, C, E, moe)`` runs 2
+steps through it on this rank and returns ``{"state", "param_norm", "layout", "sent",
+"expert_sent"}`` (E through the door's own key: ``train.expert_parallel``, AReaL's allocation
+``e``, verl's ``expert_parallel_size``); the reference is ``train(0, 1, "replicate", 1, 1,
+moe)``. The Ray worker (``DFSWorker``, without Ray) is
 the first, verl's ``DTAEngine`` the second and AReaL's ``DTATrainEngine`` the third (the run
 config's batches, loss and optimizer as each writes them -- AReaL: ``fsdp:dNcM`` +
 ``actor.dta.sharding``, its padded batches, DTA's PPO through its ``loss_fn`` /
@@ -26,6 +29,7 @@ from runtime.sharding.local import run_ranks
 
 WORLD = 2
 LAYOUTS = [(mode, cp) for cp in (1, 2) for mode in MODES]
+EXPERT_LAYOUTS = [(mode, 1, 2) for mode in MODES]  # (mode, C, E) on qwen3_moe
 TOL = 1e-10
 
 
@@ -36,46 +40,48 @@ def _rel_l2(a, b):
 
 
 # ------------------------------------------------------------------ front doors --
-def run_config(world, mode, cp):
+def run_config(world, mode, cp, ep=1, moe=False):
     """What every front door trains: ``dta train``'s run config (blocks of 16 tokens: the
-    paths span several packs, so C = 2 spreads their K/V)."""
+    paths span several packs, so C = 2 spreads their K/V); ``moe``: the tiny Qwen3-MoE."""
     return load_config(None, ["workload.scale=tiny", "model.dtype=float64",
                               "walker.policy=recompute", "walker.block_tokens=16",
                               "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
                               f"train.sharding={mode}", f"ray.num_workers={world}",
-                              f"train.context_parallel={cp}"])
+                              f"train.context_parallel={cp}", f"train.expert_parallel={ep}",
+                              *(["model.family=qwen3_moe"] if moe else [])])
 
 
-def ray_worker(rank, world, mode, cp):
+def ray_worker(rank, world, mode, cp, ep=1, moe=False):
     """``dta train``'s worker: the run config, the driver's resolved settings, 2 steps of
     the driver's batches (the trees balanced over the data-parallel groups)."""
     from tests.test_sharding import _step
     from tests.workers import local_worker
 
-    cfg = run_config(world, mode, cp)
+    cfg = run_config(world, mode, cp, ep, moe)
     w = local_worker(cfg, rank, world, truly_float64=True)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     assert all(s["updated"] for s in stats)
     return {"state": w.state()["model"], "param_norm": w.param_norm(),
-            "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats)}
+            "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats),
+            "expert_sent": sum(s["expert_parallel_sent_bytes"] for s in stats)}
 
 
-def verl_engine(rank, world, mode, cp):
+def verl_engine(rank, world, mode, cp, ep=1, moe=False):
     """verl's ``DTAEngine`` (``strategy: dta``; ``dta_sharding``,
     ``ulysses_sequence_parallel_size``): the run config's model, batches, loss and optimizer
     as verl writes them, 2 ``train_batch`` steps (tests/test_verl_layouts.py: front_door)."""
     from tests.test_verl_layouts import front_door
 
-    return front_door(rank, world, mode, cp, run_config(world, mode, cp))
+    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe), ep)
 
 
-def areal_engine(rank, world, mode, cp):
+def areal_engine(rank, world, mode, cp, ep=1, moe=False):
     """AReaL's ``DTATrainEngine`` (``fsdp:d{W/C}c{C}`` + ``actor.dta.sharding``): the run
     config's model, batches, loss and optimizer as AReaL writes them, 2 ``train_batch`` steps
     (tests/areal_front_door.py)."""
     from tests.areal_front_door import front_door
 
-    return front_door(rank, world, mode, cp, run_config(world, mode, cp))
+    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe), ep)
 
 
 FRONT_DOORS = {"ray_worker": ray_worker, "verl": verl_engine, "areal": areal_engine}
@@ -84,15 +90,16 @@ EXTRAS = {"verl": "verl", "areal": "areal"}
 
 
 # ------------------------------------------------------------------------ tests --
-def _on_ranks(rank, world, door, layouts):
+def _on_ranks(rank, world, door, layouts, moe=False):
     torch.set_num_threads(1)
-    return [FRONT_DOORS[door](rank, world, mode, cp) for mode, cp in layouts]
+    return [FRONT_DOORS[door](rank, world, mode, cp, *rest, moe=moe)
+            for mode, cp, *rest in layouts]
 
 
-def _reference(door):
+def _reference(door, moe=False):
     threads = torch.get_num_threads()
     try:
-        return FRONT_DOORS[door](0, 1, "replicate", 1)
+        return FRONT_DOORS[door](0, 1, "replicate", 1, 1, moe=moe)
     finally:
         torch.set_num_threads(threads)
 
@@ -125,6 +132,26 @@ def test_every_layout_equals_one_process(door):
         print(f"{door} {mode} C={cp}: relative L2 vs one process "
               f"{max(_rel_l2(r[i]['state'], ref['state']) for r in results):.2g}, sent "
               f"{[r[i]['sent'] for r in results]} bytes")
+
+
+@pytest.mark.parametrize("door", _doors())
+def test_expert_parallel_layouts_equal_one_process(door):
+    """E = 2 through the door's own key: each rank holds half of every MoE layer's experts,
+    its routed rows exchanged (each rank walks its own trees: the calls matched)."""
+    ref = _reference(door, moe=True)
+    results = run_ranks(_on_ranks, WORLD, door, EXPERT_LAYOUTS, True, timeout=900.0)
+    for i, (mode, cp, ep) in enumerate(EXPERT_LAYOUTS):
+        for rank in range(WORLD):
+            got = results[rank][i]
+            layout = got["layout"]
+            assert (layout.sharding, layout.expert_parallel, layout.rank) == (mode, ep, rank)
+            assert got["expert_sent"] > 0 and got["sent"] == 0, (mode, rank, got["expert_sent"])
+            err = _rel_l2(got["state"], ref["state"])
+            assert err <= TOL, f"{door} {mode} E={ep} rank {rank}: relative L2 {err:.3g}"
+            assert got["param_norm"] == pytest.approx(ref["param_norm"], rel=TOL)
+        print(f"{door} {mode} E={ep}: relative L2 vs one process "
+              f"{max(_rel_l2(r[i]['state'], ref['state']) for r in results):.2g}, routed rows "
+              f"sent {[r[i]['expert_sent'] for r in results]} bytes")
 
 
 @pytest.mark.parametrize("door", _doors("ray_worker"))

@@ -1,4 +1,4 @@
-"""fsdp under the walker's *retain* policy (runtime.sharding.lockstep's B events) on 2 gloo
+"""fsdp under the walker's *retain* policy (runtime.engine.lockstep's B events) on 2 gloo
 ranks, on a branched batch whose pops interleave differently on the two ranks (τ²-airline
 "small": depth 7, 7-10 packs per rank, packs of up to 8 nodes): parameters after 2 steps
 equal one process's (float64 <= 1e-12, float32 <= 1e-6 relative L2), plain ranks and Ray
@@ -32,7 +32,7 @@ def train_cases(rank, world, cases, directory):
         lockstep = []
         for k in range(2):
             _step(w, cfg, k, rank, world)
-            sync = getattr(w.core.mode, "sync", None)
+            sync = w.core.sync
             lockstep.append(sync.stats() if sync is not None else None)
         path = w.export_hf(os.path.join(directory, "-".join(case)))  # every rank: a collective
         out.append({"state": w.state()["model"], "param_norm": w.param_norm(),
@@ -107,17 +107,25 @@ def multi_graph_backward(rank, world):
     from dta.model.models import build_model
     from dta.train import accumulate_gradients
     from dta_cli.batches import BatchSource
+    from runtime.engine import ParallelLayout
+    from runtime.engine.lockstep import Lockstep, LockstepDecoder, LockstepError
     from runtime.ray_runtime.worker import make_training_loss
     from runtime.sharding import make_mode
     from runtime.sharding.common import optimizer_factory
-    from runtime.sharding.lockstep import LockstepError
 
     cfg = load_config(None, overrides("fsdp", "float64", "retain"))
     model = build_model(cfg.model.family, cfg.model.size, dtype=cfg.model.dtype)
     strategy = make_mode("fsdp", model, optimizer_factory(cfg.optimizer), policy="retain")
-    assert strategy.walk_needs("retain") == {"head_rows": 0}
+    layout = ParallelLayout.make(world=2, sharding="fsdp")
+    assert layout.matched_calls and layout.walk_needs("retain") == {"head_rows": 0}
+    decoder = model.get_decoder()  # as the engine core wraps it (EngineCore._lockstep)
+    sync = Lockstep(decoder, kept_graphs=True, forward_steps=strategy.forward_steps({}),
+                    what=layout.matched_reason())
+    wrapper = LockstepDecoder(decoder, sync)
+    model.get_decoder = lambda: wrapper
     batch = BatchSource(cfg, 512).batch(0)
     strategy.zero_grad()
+    sync.begin()
     try:
         accumulate_gradients(strategy.model, batch, make_training_loss(cfg), policy="retain",
                              totals=batch_totals(batch))

@@ -212,7 +212,7 @@ def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
 
 
 # --------------------------------------------- the front door (test_engine_front_doors) --
-def front_door(rank: int, world: int, mode: str, cp: int, cfg) -> dict:
+def front_door(rank: int, world: int, mode: str, cp: int, cfg, ep: int = 1) -> dict:
     """verl's ``DTAEngine`` as a front door of tests/test_engine_front_doors.py, on what the
     Ray worker trains there (``cfg``, a validated run config): the same model saved as a
     local Hugging Face folder, the same batches as verl's trainer hands them to an engine
@@ -220,7 +220,8 @@ def front_door(rank: int, world: int, mode: str, cp: int, cfg) -> dict:
     config's loss as verl writes it (``ppo_loss``, vanilla clip, token-mean, no entropy or KL
     term; ``clip_ratio_c`` so large that the dual clip never binds, as the run config's
     ``loss.dual_clip: null``), verl's AdamW with the run config's settings and verl's constant
-    LR schedule; ``dta_sharding=mode``, ``ulysses_sequence_parallel_size=cp``; 2
+    LR schedule; ``dta_sharding=mode``, ``ulysses_sequence_parallel_size=cp``,
+    ``expert_parallel_size=ep``; 2
     ``train_batch`` steps, the rows of each split over the data-parallel groups."""
     import functools
 
@@ -242,7 +243,8 @@ def front_door(rank: int, world: int, mode: str, cp: int, cfg) -> dict:
                          "0.9/0.999, eps 1e-8) and temperature 1 only")
     path = _door_model(cfg)
     engine = make_engine("dta", path, "fp64", fsdp_size=-1, dta_sharding=mode,
-                         ulysses_sequence_parallel_size=cp, lr=float(o.lr),
+                         ulysses_sequence_parallel_size=cp, expert_parallel_size=ep,
+                         lr=float(o.lr),
                          clip_grad=float(o.max_grad_norm), weight_decay=float(o.weight_decay),
                          dta={"policy": str(w.policy), "block_tokens": int(w.block_tokens)})
     eps_high = lo.eps_clip_high if lo.eps_clip_high is not None else lo.eps_clip
@@ -262,9 +264,12 @@ def front_door(rank: int, world: int, mode: str, cp: int, cfg) -> dict:
                              calculate_entropy=False)
         train(engine, [rows_of(td, engine.core.layout)], loss)
         sent += int(engine.last["context_parallel_sent_bytes"])
+    from dta.model.expert_parallel import expert_parallel_of
+
+    experts = expert_parallel_of(engine.core.model)
     return {"state": engine.core.full_state(),  # gathered under fsdp: every rank
             "param_norm": engine.core.param_norm(), "layout": engine.core.layout,
-            "sent": sent}
+            "sent": sent, "expert_sent": experts.sent_bytes if experts is not None else 0}
 
 
 _DOOR_MODELS: dict[str, str] = {}

@@ -162,11 +162,13 @@ class ContextParallel:
         self.combine([t])
         return float(t[0])
 
-    def sum_gradients(self, model) -> None:
+    def sum_gradients(self, model, exclude=()) -> None:
         """The group's gradient on every rank: each trainable parameter's ``.grad`` summed
-        over the group (a parameter no rank has a gradient for stays None). For
+        over the group (a parameter no rank has a gradient for stays None; ``exclude``:
+        parameters left as they are, e.g. expert slices, whole on their rank). For
         verification and benchmarks; a runtime reduces over its whole world instead."""
-        params = [p for p in model.parameters() if p.requires_grad]
+        skip = {id(p) for p in exclude}
+        params = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
         self.combine([has])
         grads = []

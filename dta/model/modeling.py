@@ -245,7 +245,7 @@ class ModelInterface:
         self.decoder = model.get_decoder()
         self.embedding = EmbeddingInput(model)
         # transformers >= 5.4 names the kwarg `cache` (and warns on `past_key_values`).
-        self.cache_kwarg = hf_cache.cache_kwarg(type(self.decoder).forward)
+        self.cache_kwarg = hf_cache.cache_kwarg(type(inspect.unwrap(self.decoder)).forward)
         self.layer_kinds = (recurrent.layer_kinds(model.config) if recurrent.is_hybrid(model)
                             else ["attention"] * _num_layers(model.config))
         self.recurrent_modules = recurrent.gdn_modules(model) if recurrent.RECURRENT in self.layer_kinds else []

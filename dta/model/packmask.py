@@ -58,7 +58,8 @@ def mask_support(model) -> tuple[dict[str, int | None] | None, str]:
     if kind not in MASKED_KINDS:
         return None, f"attention implementation {kind!r} takes no tree mask"
     try:
-        src = inspect.getsource(type(model.get_decoder()).forward)
+        # a wrapper of the decoder (a runtime's, e.g. its lockstep) names it as __wrapped__
+        src = inspect.getsource(type(inspect.unwrap(model.get_decoder())).forward)
     except (OSError, TypeError):
         return None, "the decoder's forward source is not readable"
     types = getattr(cfg, "layer_types", None)

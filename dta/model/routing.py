@@ -137,7 +137,7 @@ _SUSPENDED = contextvars.ContextVar("dta_routing_suspended", default=False)
 def suspended():
     """Model calls inside are neither forced nor read: a wrapper's own calls made in the
     middle of a walk's call (FSDP's lockstep pads a rank with one-token dummy calls inside
-    the decoder call the replay is set for, runtime/sharding/lockstep.py)."""
+    the decoder call the replay is set for, runtime/engine/lockstep.py)."""
     token = _SUSPENDED.set(True)
     try:
         yield

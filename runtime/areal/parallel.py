@@ -3,10 +3,13 @@ into the engine core's :class:`~runtime.engine.ParallelLayout`.
 
 AReaL's backend string ``fsdp:dNcM`` (or an explicit ``ParallelStrategy``) gives the
 context-parallel size M (``c``: ranks walking the same trees, their K/V spread over the
-group) over the N·M processes running; ``actor.dta.sharding`` gives the sharding mode, or --
+group) over the N·M processes running, and its expert-parallel size E (``e``, AReaL's
+``expert_parallel_size``: groups of E ranks hold each MoE layer's experts once; AReaL's
+``fsdp`` backend refuses ``e`` in its parser, so write e.g. ``archon:d4e2`` or pass the
+``ParallelStrategy``); ``actor.dta.sharding`` gives the sharding mode, or --
 unset -- what AReaL's ``fsdp:dN`` means: ``fsdp`` over N > 1 data-parallel ranks,
 ``replicate`` on one (``d1cM``) or for an engine without an optimizer (:func:`layout_of`).
-Tensor, pipeline and expert parallelism are refused (:func:`strategy_of`).
+Tensor and pipeline parallelism are refused (:func:`strategy_of`).
 
 The process groups are the core's (``runtime.engine.layout.build_groups``, made once):
 AReaL's data-parallel group is the layout's ``data`` group (the world when M = 1), its
@@ -27,16 +30,18 @@ from runtime.engine.layout import build_groups
 
 __all__ = ["GroupsMixin", "init_default_group", "layout_of", "strategy_of"]
 
-_REFUSED = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")
+_REFUSED = ("tensor_parallel_size", "pipeline_parallel_size")
 # ParallelLayout field -> how AReaL spells it
 SPELLING = {"world": "the processes running (AReaL's allocation)",
             "context_parallel": "the allocation's context-parallel size (fsdp:dNcM: M)",
-            "sharding": "actor.dta.sharding"}
+            "sharding": "actor.dta.sharding",
+            "expert_parallel": "the allocation's expert-parallel size (e)"}
 
 
 def strategy_of(backend, parallel_strategy=None):
     """AReaL's ``ParallelStrategy`` from an explicit one or the ``backend`` string
-    (``"fsdp:d2"``); refuses model parallelism, which the DFS walker does not do. Context
+    (``"fsdp:d2"``); refuses tensor and pipeline parallelism, which the DFS walker does not
+    do (expert parallelism, ``e``, is the engine core's: docs/expert-parallel.md). Context
     parallelism (``fsdp:d1c2``) is the walker's: each group of ``c`` ranks walks the same trees
     with their K/V spread over it (docs/context-parallel.md)."""
     strategy = parallel_strategy
@@ -48,13 +53,13 @@ def strategy_of(backend, parallel_strategy=None):
         for name in _REFUSED:
             if getattr(strategy, name, 1) > 1:
                 raise NotImplementedError(
-                    f"DTATrainEngine is data-parallel only; {name}="
+                    f"DTATrainEngine does no tensor or pipeline parallelism; {name}="
                     f"{getattr(strategy, name)} (from {backend or parallel_strategy!r})")
     return strategy
 
 
 def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank: int = 0,
-              trains: bool = True) -> ParallelLayout:
+              trains: bool = True, expert_parallel: int = 1) -> ParallelLayout:
     """The engine core's layout of an AReaL engine: ``actor.dta.sharding`` (``option``) as
     given, or unset what AReaL's ``fsdp:dN`` means -- ``fsdp`` over more than one
     data-parallel rank, else ``replicate`` (one data-parallel rank, or an engine without an
@@ -67,7 +72,8 @@ def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank
         given = True
     try:
         layout = ParallelLayout.make(world=world, context_parallel=context_parallel,
-                                     sharding=option, rank=rank, spelling=SPELLING)
+                                     sharding=option, rank=rank,
+                                     expert_parallel=expert_parallel, spelling=SPELLING)
     except LayoutError as exc:
         raise ValueError(str(exc)) from None
     if given and layout.sharded and not trains:
@@ -125,7 +131,9 @@ class GroupsMixin:
             raise ValueError(f"data-parallel size {dp} (from {where!r}) differs from the "
                              f"{world} process(es) running / context-parallel size {C}")
         self.layout = layout_of(self.dta.sharding, world=world, context_parallel=C, rank=rank,
-                                trains=self.optimizer_config is not None)
+                                trains=self.optimizer_config is not None,
+                                expert_parallel=int(getattr(strategy, "expert_parallel_size", 1)
+                                                    or 1))
         self.groups = build_groups(self.layout)
 
     def _ensure_groups(self) -> None:

@@ -89,10 +89,18 @@ def export_hf(core, path: str, *, merged: bool = False) -> str:
 
 
 # ------------------------------------------------------------- whole tensors --
-def _whole(core, p: torch.Tensor) -> torch.Tensor:
+def _experts(core):
+    from dta.model.expert_parallel import expert_parallel_of
+
+    return expert_parallel_of(core.model)
+
+
+def _whole(core, p: torch.Tensor, ep=None) -> torch.Tensor:
     t = p.detach()
     if hasattr(t, "full_tensor"):  # an FSDP2 DTensor: all-gather (a collective)
         t = t.full_tensor()
+    elif ep is not None and ep.is_expert(p):  # an expert slice: gathered over its group
+        t = ep.full_tensor(t)
     if t.is_floating_point() and t.dtype != core.compute_dtype:
         t = t.to(core.compute_dtype)
     return t
@@ -100,8 +108,9 @@ def _whole(core, p: torch.Tensor) -> torch.Tensor:
 
 def named_full_tensors(core):
     """``(name, whole tensor in the compute dtype)`` per parameter (every rank iterates)."""
+    ep = _experts(core)
     for name, p in core.model.named_parameters():
-        yield name, _whole(core, p)
+        yield name, _whole(core, p, ep)
 
 
 @torch.no_grad()
@@ -110,9 +119,10 @@ def full_state_dict(core, *, keep: bool = True) -> dict:
     both names); ``keep=False``: the gathers only, ``{}`` returned."""
     by_id: dict[int, torch.Tensor | None] = {}
     full: dict[str, torch.Tensor | None] = {}
+    ep = _experts(core)
     for name, p in core.model.named_parameters(remove_duplicate=False):
         if id(p) not in by_id:
-            t = _whole(core, p)
+            t = _whole(core, p, ep)
             by_id[id(p)] = t.cpu().clone() if keep else None
         full[name] = by_id[id(p)]
     if not keep:
@@ -136,13 +146,25 @@ def load_full_state(core, state: dict, *, what: str) -> None:
         raise ValueError(f"{what} does not match the model: missing {missing[:5]}"
                          f"{' …' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                          f"{' …' if len(unexpected) > 5 else ''}")
+    ep = _experts(core)
+
+    def whole_shape(p):
+        if ep is None or not ep.is_expert(p):
+            return tuple(p.shape)
+        return (ep.slice_of(p)[2], *p.shape[1:])
+
+    def piece(name, p):  # an expert slice: its experts of the whole tensor
+        if ep is None or not ep.is_expert(p):
+            return state[name]
+        first, stop, _ = ep.slice_of(p)
+        return state[name][first:stop]
+
     for name, p in named:
-        src = state[name]
-        if tuple(src.shape) != tuple(p.shape):
-            raise ValueError(f"{what}: {name} has shape {tuple(src.shape)}, the model "
-                             f"{tuple(p.shape)}")
+        if tuple(state[name].shape) != whole_shape(p):
+            raise ValueError(f"{what}: {name} has shape {tuple(state[name].shape)}, the model "
+                             f"{whole_shape(p)}")
     for name, p in named:
-        src = state[name].to(device=p.device, dtype=p.dtype)
+        src = piece(name, p).to(device=p.device, dtype=p.dtype)
         if hasattr(p, "device_mesh"):  # FSDP2: this rank's shard of the whole tensor
             from torch.distributed.tensor import distribute_tensor
 
@@ -153,10 +175,12 @@ def load_full_state(core, state: dict, *, what: str) -> None:
             b.copy_(state[name].to(device=b.device, dtype=b.dtype))
     mode = core.mode
     if hasattr(mode, "load_masters"):  # replicate's masters
-        mode.load_masters(state)
-    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None)):
-        if flat is not None:  # zero1's / fsdp's vocabulary flat shards: their master slices
+        mode.load_masters({n: piece(n, p) for n, p in named})
+    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None),
+                 getattr(mode, "expert_shards", None)):
+        if flat is not None:  # zero1's / fsdp's vocabulary / expert flat shards: their masters
             for pc in flat.pieces:
-                src = state[flat.names[pc.index]].reshape(-1)[pc.start:pc.stop]
+                name = flat.names[pc.index]
+                src = piece(name, flat.params[pc.index]).reshape(-1)[pc.start:pc.stop]
                 flat.master[pc.offset:pc.offset + pc.stop - pc.start].copy_(
                     src.to(device=flat.master.device, dtype=flat.master.dtype))

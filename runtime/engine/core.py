@@ -9,8 +9,11 @@ an optimizer factory, the compute dtype and the device -- and its batches into a
 1. ``EngineCore(...)`` builds the model in the dtype the layout's mode stores it in;
 2. :meth:`parallelize` -- once ``torch.distributed`` is up (or on one rank) -- makes the
    layout's process groups, applies context parallelism to the model
-   (``dta.model.context_parallel.parallelize_context``), reads who reduces what
-   (``runtime.engine.layout.reduction_of``) and shards it (``runtime.sharding.make_mode``);
+   (``dta.model.context_parallel.parallelize_context``) and expert parallelism
+   (``dta.model.expert_parallel.parallelize_experts``), reads who reduces what
+   (``runtime.engine.layout.reduction_of``), shards it (``runtime.sharding.make_mode``) and,
+   where the layout needs the ranks' decoder calls matched (fsdp, expert parallelism across
+   data-parallel groups), wraps the decoder in the lockstep (``runtime.engine.lockstep``);
 3. a step: :meth:`train_step` (or its pieces, for a front door that walks its own way:
    :meth:`zero_grad`, :meth:`accumulate` / :meth:`walker`, :meth:`optimizer_step`):
    the walk with the run's one ``WalkOptions`` object, the one gradient reduction, the
@@ -53,7 +56,8 @@ class StepOutcome:
     """One rank's step. ``loss``: what this rank adds to the run's loss (0 on a
     context-parallel rank whose group's head reports it); ``tree``: the walked tree's stats where this rank counts them, else
     None; ``walk``: this rank's walk (None when it walked nothing); ``sent_bytes``: what the
-    context-parallel exchange sent; ``updated`` False on a non-finite norm or a batch
+    context-parallel exchange sent; ``expert_sent_bytes``: what expert parallelism's
+    exchanges sent in the step (forward, backward, and what the rank served); ``updated`` False on a non-finite norm or a batch
     without a trained token (then ``skipped``)."""
 
     loss: float = 0.0
@@ -61,6 +65,7 @@ class StepOutcome:
     tree: object = None
     walk: object = None
     sent_bytes: int = 0
+    expert_sent_bytes: int = 0
     grad_norm: float = 0.0
     updated: bool = False
     skipped: bool = False
@@ -87,6 +92,11 @@ class EngineCore:
         masters = resolve_dtype(master_dtype) if master_dtype is not None else None
         stored = mode_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
         self.model = build(stored).to(self.device)
+        if layout.expert_parallel > 1 and any(not p.requires_grad
+                                              for p in self.model.parameters()):
+            raise ValueError(f"expert_parallel={layout.expert_parallel} is not supported with "
+                             "frozen weights (a LoRA base): expert parallelism is tested on "
+                             "full training only")
         if not mode_class(layout.sharding).holds_frozen and any(
                 not p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"sharding={layout.sharding} trains every weight; this model "
@@ -95,28 +105,55 @@ class EngineCore:
         self.mode = None  # the sharding mode, made by parallelize()
         self.groups = ProcessGroups()
         self.reduction = Reduction()
+        self.sync = None  # the lockstep, where the layout needs matched calls
 
     # ------------------------------------------------------------------ setup --
     def parallelize(self, groups: ProcessGroups | None = None) -> "EngineCore":
-        """Groups, context parallelism, who reduces what, sharding (see the module doc):
-        once, on every rank, after ``torch.distributed`` is initialized (one rank: without).
-        ``groups``: the layout's groups when the front door made them already
-        (``build_groups(layout)``, e.g. before it builds the model)."""
+        """Groups, context and expert parallelism, who reduces what, sharding, the lockstep
+        (see the module doc): once, on every rank, after ``torch.distributed`` is
+        initialized (one rank: without). ``groups``: the layout's groups when the front
+        door made them already (``build_groups(layout)``, e.g. before it builds the
+        model)."""
         from dta.model.context_parallel import parallelize_context
+        from dta.model.expert_parallel import parallelize_experts
         from runtime.sharding import make_mode
 
         if self.mode is not None:
             raise RuntimeError("the engine core is parallelized already")
         self.groups = groups if groups is not None else build_groups(self.layout)
+        if self.layout.expert_parallel > 1:
+            # the walker's self-check probes the model in this process alone: on the whole
+            # experts, before they are divided (its result is kept for this model object)
+            from dta.selfcheck import ensure_self_check
+            ensure_self_check(self.model)
         if self.layout.context_parallel > 1:
             self.model = parallelize_context(self.model, self.groups.context)
+        if self.layout.expert_parallel > 1:
+            self.model = parallelize_experts(self.model, self.groups.expert)
         self.reduction = reduction_of(self.layout, self.model)
         self.mode = make_mode(self.layout.sharding, self.model, self.make_optimizer,
                               group=self.groups.world, compute_dtype=self.compute_dtype,
                               policy=self.walk.policy, layout=self.layout,
                               groups=self.groups)
         self.model = self.mode.model
+        if self.layout.matched_calls:
+            self._lockstep()
         return self
+
+    def _lockstep(self) -> None:
+        """The ranks' decoder calls matched (``runtime.engine.lockstep``): the walker calls
+        the wrapper; a forward's collectives without a forward are the mode's around the
+        model's own (expert parallelism's exchanges)."""
+        from dta.model.expert_parallel import expert_parallel_of
+        from runtime.engine.lockstep import Lockstep, LockstepDecoder
+
+        decoder = self.model.get_decoder()
+        ep = expert_parallel_of(self.model)
+        steps = self.mode.forward_steps(ep.forward_exchanges() if ep is not None else {})
+        self.sync = Lockstep(decoder, self.groups.world, kept_graphs=self.walk.policy == "retain",
+                             forward_steps=steps, what=self.layout.matched_reason())
+        wrapper = LockstepDecoder(decoder, self.sync)
+        self.model.get_decoder = lambda: wrapper  # what the walker calls; the model unchanged
 
     def _require(self):
         if self.mode is None:
@@ -130,9 +167,11 @@ class EngineCore:
 
     @property
     def matched_calls(self) -> bool:
-        """Whether the ranks' decoder calls are kept matched (fsdp): a model call outside the
-        core's walks (:meth:`walk_session`, a step) would unmatch them."""
-        return getattr(self._require(), "sync", None) is not None
+        """Whether the ranks' decoder calls are kept matched (fsdp, expert parallelism across
+        data-parallel groups): a model call outside the core's walks (:meth:`walk_session`,
+        a step) would unmatch them."""
+        self._require()
+        return self.sync is not None
 
     # ------------------------------------------------------------------- walks --
     def walker(self, temperature: float | None = None):
@@ -155,9 +194,10 @@ class EngineCore:
 
     @contextlib.contextmanager
     def walk_session(self):
-        """Around walks outside :meth:`train_step` (forward / eval): under fsdp the ranks'
-        decoder calls are matched for its duration; otherwise nothing."""
-        sync = getattr(self._require(), "sync", None)
+        """Around walks outside :meth:`train_step` (forward / eval): where the layout needs
+        them, the ranks' decoder calls are matched for its duration; otherwise nothing."""
+        self._require()
+        sync = self.sync
         if sync is None or sync.active:
             yield
             return
@@ -174,11 +214,23 @@ class EngineCore:
         """The batch's per-token log-probs by a forward-only walk (no graph)."""
         from dta.train import forward_logprobs
 
-        return forward_logprobs(self.model, batch, options=self.walk, minmax=minmax)
+        with self.walk_session():
+            return forward_logprobs(self.model, batch, options=self.walk, minmax=minmax)
+
+    def _experts(self):
+        from dta.model.expert_parallel import expert_parallel_of
+
+        return expert_parallel_of(self.model)
 
     def zero_grad(self) -> None:
-        """Clear the gradients (under fsdp this also opens the step's matched calls)."""
+        """Clear the gradients and open the step's matched calls (where the layout needs
+        them)."""
         self._require().zero_grad()
+        ep = self._experts()
+        if ep is not None:
+            ep.reset()
+        if self.sync is not None:
+            self.sync.begin()
 
     def accumulate(self, batch, loss, *, totals=None, reduction: str = "token_mean",
                    progress=None):
@@ -195,8 +247,15 @@ class EngineCore:
         return res, (cp.sent_bytes - sent if cp is not None else 0)
 
     def optimizer_step(self, max_grad_norm) -> tuple[float, bool]:
-        """The one reduction, the clip, the update or the skip: ``(norm, updated)``."""
-        return optimizer_step(self._require(), max_grad_norm)
+        """The one reduction, the clip, the update or the skip: ``(norm, updated)`` (after
+        following the peers' remaining calls, where they are matched)."""
+        mode = self._require()
+        if self.sync is not None and self.sync.active:
+            self.sync.end()
+        ep = self._experts()
+        if ep is not None:
+            ep.check()
+        return optimizer_step(mode, max_grad_norm)
 
     def train_step(self, batch, loss, *, totals, max_grad_norm, reduction: str = "token_mean",
                    progress=None, prepare: Callable | None = None,
@@ -213,6 +272,8 @@ class EngineCore:
             out.skipped = True
             return out
         self.zero_grad()
+        ep = self._experts()
+        ep_sent = ep.sent_bytes if ep is not None else 0
         if batch is not None and len(batch):
             if prepare is not None:
                 batch = prepare(batch)
@@ -225,6 +286,7 @@ class EngineCore:
         if before_reduce is not None:
             before_reduce()
         out.grad_norm, out.updated = self.optimizer_step(max_grad_norm)
+        out.expert_sent_bytes = ep.sent_bytes - ep_sent if ep is not None else 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.accumulate_s, out.update_s = t1 - t0, time.perf_counter() - t1

@@ -86,7 +86,7 @@ class ParallelLayout:
         if self.world % self.shard_size:
             bad("shard_size", f"a divisor of the world size {self.world} (the state is "
                               "sharded over that many ranks, replicated across the groups)")
-        if self.shard_size != self.world and not self.sharded:
+        if self.shard_size != self.world and not _mode_sharded(self.sharding):
             bad("shard_size", f"the world size {self.world} under sharding={self.sharding} "
                               "(it shards nothing: HSDP needs zero1 or fsdp)")
         if self.offload not in OFFLOADS:
@@ -141,10 +141,9 @@ class ParallelLayout:
 
     @property
     def sharded(self) -> bool:
-        """Whether the state is split over the ranks (DCP checkpoints)."""
-        from runtime.sharding import mode_class
-
-        return mode_class(self.sharding).sharded
+        """Whether the state is split over the ranks (DCP checkpoints; every rank takes part
+        in gathering or saving it): a sharded mode, or expert slices (E > 1)."""
+        return _mode_sharded(self.sharding) or self.expert_parallel > 1
 
     @property
     def replicas(self) -> int:
@@ -155,6 +154,36 @@ class ParallelLayout:
     def expert_rank(self) -> int:
         """Which slice of every MoE layer's experts this rank holds."""
         return self.rank % self.expert_parallel
+
+    @property
+    def experts_span_data(self) -> bool:
+        """Whether an expert-parallel group spans data-parallel groups (ranks that walk
+        different trees): E > 1 not dividing C."""
+        return self.expert_parallel > 1 and self.context_parallel % self.expert_parallel != 0
+
+    @property
+    def matched_calls(self) -> bool:
+        """Whether the ranks' decoder calls must be kept matched while each walks its own
+        tree (``runtime.engine.lockstep``): the sharding mode gathers inside the calls
+        (fsdp), or an expert-parallel group spans data-parallel groups."""
+        from runtime.sharding import mode_class
+
+        return mode_class(self.sharding).matched_calls or self.experts_span_data
+
+    def walk_needs(self, policy: str) -> dict:
+        """WalkOptions fields this layout needs under the memory ``policy``: with matched
+        calls under retain, one backward per decoder call (the LM head flushed per pack,
+        ``head_rows=0``)."""
+        return {"head_rows": 0} if policy == "retain" and self.matched_calls else {}
+
+    def matched_reason(self) -> str:
+        """Why the calls are matched (for errors)."""
+        from runtime.sharding import mode_class
+
+        why = [f"sharding={self.sharding}"] if mode_class(self.sharding).matched_calls else []
+        if self.experts_span_data:
+            why.append(f"expert_parallel={self.expert_parallel} across data-parallel groups")
+        return " and ".join(why) or "matched calls"
 
     def context_groups(self) -> list[list[int]]:
         C = self.context_parallel
@@ -185,6 +214,12 @@ class ParallelLayout:
                 "data_parallel": self.data_parallel, "sharding": self.sharding,
                 "expert_parallel": self.expert_parallel, "shard_size": self.shard_size,
                 "offload": self.offload}
+
+
+def _mode_sharded(name: str) -> bool:
+    from runtime.sharding import mode_class
+
+    return mode_class(name).sharded
 
 
 def _registered() -> tuple[str, ...]:

@@ -12,8 +12,9 @@ Decided here, and nowhere else:
   memory model (:mod:`.auto`, ``dta plan --memory``'s choice for the same batch), with
   context parallelism priced: at the configured C, or for ``train.context_parallel=auto``
   over 1, 2, 4, 8 dividing the world;
-- what the sharding mode needs of the walk (fsdp under retain: one LM-head flush per pack,
-  ``head_rows=0``) -- :func:`walk_for_layout`;
+- what the layout needs of the walk (matched calls -- fsdp, or expert parallelism across
+  data-parallel groups -- under retain: one LM-head flush per pack, ``head_rows=0``) --
+  :func:`walk_for_layout`;
 - the memory policy a front door leaves unset: :func:`policy_of` (``recompute`` under
   gradient checkpointing, else the walker's default), the one rule of AReaL's
   ``gradient_checkpointing`` and verl's ``enable_gradient_checkpointing``.
@@ -66,26 +67,21 @@ def policy_of(policy: str | None, gradient_checkpointing: bool = False) -> str:
 
 
 def walk_for_layout(walk: WalkOptions, layout: ParallelLayout) -> WalkOptions:
-    """``walk`` with what ``layout``'s sharding mode needs of it (the same object when it has
-    it already)."""
-    from runtime.sharding import mode_class
-
-    needs = mode_class(layout.sharding).walk_needs(walk.policy)
+    """``walk`` with what ``layout`` needs of it (the same object when it has it already)."""
+    needs = layout.walk_needs(walk.policy)
     changes = {k: v for k, v in needs.items() if getattr(walk, k) != v}
     return walk.replace(**changes) if changes else walk
 
 
 def check_walk(walk: WalkOptions, layout: ParallelLayout) -> None:
     """Refuse a walk that was not resolved for ``layout`` (see the module doc)."""
-    from runtime.sharding import mode_class
-
     if not isinstance(walk, WalkOptions):
         raise TypeError(f"the walk settings must be a dta.options.WalkOptions, got "
                         f"{type(walk).__name__}")
-    needs = mode_class(layout.sharding).walk_needs(walk.policy)
+    needs = layout.walk_needs(walk.policy)
     missing = {k: v for k, v in needs.items() if getattr(walk, k) != v}
     if missing:
-        raise LayoutError(f"sharding={layout.sharding} under policy={walk.policy} walks with "
+        raise LayoutError(f"{layout.matched_reason()} under policy={walk.policy} walks with "
                           f"{missing}, the walk settings have "
                           f"{ {k: getattr(walk, k) for k in missing} }: resolve them once "
                           "(runtime.engine.resolve.settle), not on the ranks")

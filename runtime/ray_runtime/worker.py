@@ -251,6 +251,7 @@ class DFSWorker:
                  "update_s": out.update_s, "step_s": wall,
                  "context_parallel_rank": self.core.layout.cp_rank,
                  "context_parallel_sent_bytes": out.sent_bytes,
+                 "expert_parallel_sent_bytes": out.expert_sent_bytes,
                  **peak_memory(self.device)}
         if out.tree is not None:
             stats.update(tokens=out.tree.total_tokens, unique_tokens=out.tree.unique_tokens)

@@ -38,8 +38,10 @@ def make_mode(name: str, model, make_optimizer, *, group=None,
     HSDP's shard and replica groups, the offload choice)."""
     cls = mode_class(name)
     if layout is not None:
-        for field, off in (("expert_parallel", 1), ("shard_size", layout.world),
-                           ("offload", "none")):
+        if layout.expert_parallel != 1 and not cls.holds_experts:
+            raise NotImplementedError(f"sharding={name}: expert_parallel="
+                                      f"{layout.expert_parallel} is not implemented yet")
+        for field, off in (("shard_size", layout.world), ("offload", "none")):
             if getattr(layout, field) != off:
                 raise NotImplementedError(f"sharding={name}: {field}={getattr(layout, field)!r}"
                                           " is not implemented yet")

@@ -14,9 +14,12 @@ imported. The engine core (:mod:`runtime.engine`) is the only caller of the step
    (``scale_gradients(coef)``) and ``apply_update()``, or ``discard_gradients()`` on a
    non-finite norm.
 
-``walk_needs(policy)`` is what the mode asks of the walk (fsdp under retain: one LM-head
-flush per pack); it is part of the one resolution of the walk settings
-(``runtime.engine.resolve.walk_for_layout``), never patched in afterwards.
+``matched_calls``: whether the mode gathers inside the decoder calls (fsdp), so the ranks'
+calls must be kept matched (``runtime.engine.lockstep``, run by the engine core; what that
+asks of the walk is the layout's: ``ParallelLayout.walk_needs``). ``forward_steps(inner)``:
+the collectives one decoder forward makes, in order, as calls that make them without a
+forward -- the mode's own (fsdp's unshard / reshard per unit) around ``inner`` (per decoder
+layer index, the model's own: expert parallelism's exchanges).
 """
 from __future__ import annotations
 
@@ -87,10 +90,13 @@ class ShardingMode:
                              f"{compute} compute, not {masters}")
         return kept
 
-    @classmethod
-    def walk_needs(cls, policy: str) -> dict:
-        """WalkOptions fields this mode needs under the memory ``policy``."""
-        return {}
+    matched_calls: ClassVar[bool] = False  # gathers inside decoder calls (fsdp)
+    holds_experts: ClassVar[bool] = False  # handles expert slices (runtime.sharding.experts)
+
+    def forward_steps(self, inner: dict) -> list:
+        """The collectives of one decoder forward, in order (see the module doc): here the
+        model's own, ``inner`` (decoder layer index -> calls), in layer order."""
+        return [step for i in sorted(inner) for step in inner[i]]
 
     # ------------------------------------------------------------------ the step --
     def zero_grad(self) -> None:

@@ -13,11 +13,17 @@ Layout, applied to the model from outside before the walk:
   the embedding's), outside any module call FSDP could hook. They are flat shards
   (:mod:`.flat`): fp32 master slice and optimizer state per rank, the compute copy gathered
   once per step, their gradients reduce-scattered once per step.
-- the ranks walk different trees, so their calls are kept matched by
-  :mod:`.lockstep` (dummy one-token calls where a rank has nothing to do). Under the
-  walker's retain policy a pack's backward runs long after its forward (at its pop): the
-  lockstep's retain protocol matches those backwards, and :meth:`FSDP.walk_needs` asks
-  the walker for one LM-head flush per pack, so that one backward covers one decoder call.
+- the ranks walk different trees, so their calls are kept matched by the engine core's
+  lockstep (``runtime.engine.lockstep``: dummy one-token calls where a rank has nothing to
+  do; ``matched_calls``). Under the walker's retain policy a pack's backward runs long after
+  its forward (at its pop): the lockstep's retain protocol matches those backwards, and the
+  layout asks the walker for one LM-head flush per pack, so that one backward covers one
+  decoder call; :meth:`FSDP.forward_steps` is a forward's gathers without a forward.
+
+Expert parallelism (:mod:`runtime.sharding.experts`): the expert slices are not FSDP's (each
+rank holds its own experts whole, their calls exchanged by ``dta.model.expert_parallel``,
+their gradients accumulated by the owner's served backward): flat shards over the expert
+replicas, like the vocabulary weights over the world; the layers' units ignore them.
 
 The in-backward reduce-scatter sums over the whole world (every rank's gradient is its share,
 a context-parallel rank's its part of its group's). The step: the global norm (sharded
@@ -33,8 +39,8 @@ import torch.distributed as dist
 
 from runtime.sharding.base import ShardingMode, master_dtype_for, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
+from runtime.sharding.experts import ExpertPart
 from runtime.sharding.flat import FlatShards
-from runtime.sharding.lockstep import Lockstep, LockstepDecoder
 
 
 def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -46,9 +52,11 @@ def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
 @register("fsdp")
 class FSDP(ShardingMode):
     holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
+    matched_calls = True  # every decoder call gathers: the ranks' calls are kept matched
+    holds_experts = True
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
-                 policy: str = "recompute", **_):
+                 policy: str = "recompute", groups=None, **_):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -67,10 +75,17 @@ class FSDP(ShardingMode):
         decoder = model.get_decoder()
         vocab = _vocab_params(model)
         self.vocab = FlatShards(vocab, group=group, compute_dtype=self.compute_dtype)
+        self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
+        slices = self.experts.split(list(model.named_parameters()))[1] if self.experts else []
+        self.expert_shards = self.experts.flat([(n, p) for n, p in slices if p.requires_grad],
+                                               self.compute_dtype) if self.experts else None
+        expert_ids = {id(p) for _, p in slices}
         in_decoder = {id(p) for p in decoder.parameters()}
         self.units = []
         for layer in decoder.layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=True,
+                        ignored_params={p for p in layer.parameters() if id(p) in expert_ids}
+                        or None)
             self.units.append(layer)
         fully_shard(decoder, mesh=self.mesh, mp_policy=mp,
                     ignored_params={p for _, p in vocab if id(p) in in_decoder})
@@ -85,52 +100,58 @@ class FSDP(ShardingMode):
         for unit in self.units:
             unit.set_modules_to_backward_prefetch([unit])
         self.vocab.gather_parameters()
+        if self.expert_shards is not None:
+            self.expert_shards.gather_parameters()
         vocab_ids = {id(p) for _, p in vocab}
         self.sharded = [p for p in model.parameters() if p.requires_grad
-                        and id(p) not in vocab_ids]
-        self.sync = Lockstep(decoder, group, kept_graphs=policy == "retain",
-                             units=[decoder, *decoder.layers])
-        wrapper = LockstepDecoder(decoder, self.sync)
-        model.get_decoder = lambda: wrapper  # what the walker calls; the model is unchanged
-        self.optimizer = make_optimizer(self.sharded + self.vocab.master_params)
+                        and id(p) not in vocab_ids and id(p) not in expert_ids]
+        self.expert_ids = expert_ids
+        self.flats = [f for f in (self.vocab, self.expert_shards) if f is not None]
+        self.decoder = decoder
+        self.optimizer = make_optimizer(self.sharded + [mp for f in self.flats
+                                                        for mp in f.master_params])
         self._peak_unsharded = 0
         self._grad_bytes = 0
         for layer in decoder.layers:
             layer.register_forward_pre_hook(self._sample)
         self.device = device
 
-    @classmethod
-    def walk_needs(cls, policy: str) -> dict:
-        """Under retain one backward must cover one decoder call: the LM head flushed per
-        pack (:mod:`.lockstep`)."""
-        return {"head_rows": 0} if policy == "retain" else {}
+    def forward_steps(self, inner: dict) -> list:
+        """A forward's collectives without a forward: the root unit gathered (FSDP keeps it
+        gathered after a forward), then each layer gathered, its ``inner`` steps, freed."""
+        steps = [self.decoder.unshard]
+        for i, layer in enumerate(self.decoder.layers):
+            steps += [layer.unshard, *inner.get(i, ()), layer.reshard]
+        return steps
 
     # ------------------------------------------------------------------ memory --
     def _sample(self, module, args):
         """Bytes of layer parameters currently gathered (after FSDP's pre-forward)."""
-        live = sum(tensor_bytes(p) for layer in self.model.get_decoder().inner.layers
-                   for p in layer.parameters() if not hasattr(p, "to_local"))
+        live = sum(tensor_bytes(p) for layer in self.decoder.layers
+                   for p in layer.parameters() if not hasattr(p, "to_local")
+                   and id(p) not in self.expert_ids)
         self._peak_unsharded = max(self._peak_unsharded, live)
 
     def state_bytes(self) -> dict:
-        b = self.vocab.bytes()
+        b = [f.bytes() for f in self.flats]
         shards = sum(tensor_bytes(p) for p in self.sharded)
-        return {"params": shards + b["compute_params"] + b["master"] + self._peak_unsharded,
+        flat = sum(x["compute_params"] + x["master"] for x in b)
+        return {"params": shards + flat + self._peak_unsharded,
                 "grads": self._grad_bytes, "optimizer": optimizer_bytes(self.optimizer)}
 
     # -------------------------------------------------------------------- step --
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        for p in self.vocab.params:
-            p.grad = None
-        self.vocab.zero_master_grads()
+        for flat in self.flats:
+            for p in flat.params:
+                p.grad = None
+            flat.zero_master_grads()
         self._peak_unsharded = 0
-        self.sync.begin()
 
     def reduce_gradients(self) -> None:
-        self.sync.end()  # follow the peers' remaining calls; FSDP's reduce-scatters are done
-        vb = self.vocab.bytes()["compute_grads"]
-        self.vocab.reduce_gradients()
+        vb = sum(f.bytes()["compute_grads"] for f in self.flats)
+        for flat in self.flats:
+            flat.reduce_gradients()
         sharded_grads = sum(tensor_bytes(p.grad) for p in self.sharded)
         self._grad_bytes = sharded_grads + vb
 
@@ -140,27 +161,40 @@ class FSDP(ShardingMode):
             if p.grad is not None:
                 local += p.grad.to_local().double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
-        return math.sqrt(float(local) + self.vocab.grad_norm_squared())
+        return math.sqrt(float(local) + self.vocab.grad_norm_squared() + self._experts_squared(
+            self.expert_shards.grad_norm_squared() if self.expert_shards else 0.0))
+
+    def _experts_squared(self, value) -> float:
+        """The expert slices' Σ² over their replicas, summed over the expert group."""
+        if self.expert_shards is None:
+            return 0.0
+        return self.experts.group_sum(value, self.device)
 
     def scale_gradients(self, coef: float) -> None:
         for p in self.sharded:
             if p.grad is not None:
                 p.grad.mul_(coef)
-        self.vocab.scale_gradients(coef)
+        for flat in self.flats:
+            flat.scale_gradients(coef)
 
     def apply_update(self) -> None:
         self.optimizer.step()
         self.discard_gradients()
-        self.vocab.gather_parameters()
+        for flat in self.flats:
+            flat.gather_parameters()
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self.vocab.zero_master_grads()
+        for flat in self.flats:
+            flat.zero_master_grads()
 
     def sharded_state(self) -> dict:
         """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
         from runtime.sharding.state import DTensorParamsState, FlatShardsState
 
+        if self.experts is not None:
+            raise NotImplementedError("checkpoints of expert slices (expert_parallel > 1) are "
+                                      "not implemented yet")
         vocab_ids = {id(p) for p in self.vocab.params}
         named = [(n, p) for n, p in self.model.named_parameters()
                  if p.requires_grad and id(p) not in vocab_ids]
@@ -175,14 +209,19 @@ class FSDP(ShardingMode):
             local += p.to_local().double().pow(2).sum()
         local += self.vocab.master.double().pow(2).sum()
         dist.all_reduce(local, group=self.group)
-        return math.sqrt(float(local))
+        if self.expert_shards is None:
+            return math.sqrt(float(local))
+        e = self.expert_shards._all_reduce(self.expert_shards.master.double().pow(2).sum())
+        return math.sqrt(float(local) + self._experts_squared(float(e)))
 
     @torch.no_grad()
     def full_state(self) -> dict:
         """The whole model's parameters (a collective: call it on every rank)."""
         out = {}
+        ep = self.experts.ep if self.experts is not None else None
         for name, p in self.model.named_parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            t = p.full_tensor() if hasattr(p, "full_tensor") else \
+                ep.full_tensor(p) if ep is not None and ep.is_expert(p) else p
             out[name] = t.detach().cpu().clone()
         for name, b in self.model.named_buffers():
             out[name] = b.detach().cpu().clone()

@@ -7,6 +7,11 @@ bf16 compute, AReaL's ``optimizer_dtype``) keeps those weights as masters: the m
 their cast, the gradients are reduced, clipped and stepped in the masters' dtype, and after
 the step the model's ``.grad`` holds the clipped gradients cast back (as FSDP2's parameters
 hold theirs). Without ``masters`` the model is built in the compute dtype and stepped as it is.
+
+Expert parallelism (``dta.model.expert_parallel``): each rank holds its slice of every MoE
+layer's experts; their gradients are summed over the ranks holding the same slice (the
+expert replicas), the dense ones over the world, and the global norm counts each expert
+once (:class:`~runtime.sharding.experts.ExpertPart`).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.sharding.base import ShardingMode, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
+from runtime.sharding.experts import ExpertPart
 
 
 def allreduce_gradients(params, bucket_elems: int = 1 << 24, group=None) -> None:
@@ -83,17 +89,21 @@ class ReplicaState(Stateful):
 @register("replicate")
 class Replicate(ShardingMode):
     sharded = False
+    holds_experts = True
 
     @classmethod
     def storage_dtype(cls, compute: torch.dtype, masters: torch.dtype | None = None):
         """The compute dtype, or the masters' dtype where masters are asked for."""
         return compute if masters is None else masters
 
-    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, **_):
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, groups=None,
+                 **_):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
+        self.is_expert = [self.experts is not None and self.experts.holds(p) for p in self.params]
         built = next(model.parameters()).dtype
         self.masters = None  # fp32 (the built dtype) copies of the trained parameters
         if compute_dtype is not None and built != compute_dtype:
@@ -122,13 +132,25 @@ class Replicate(ShardingMode):
                 m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
                 p.grad = None
         self._grad_bytes = sum(tensor_bytes(p.grad) for p in self.stepped)
-        if self.world > 1:
-            allreduce_gradients(self.stepped, group=self.group)
+        dense, experts = self._split(self.stepped)
+        if self.world > 1 and dense:
+            allreduce_gradients(dense, group=self.group)
+        if experts:  # over the ranks holding the same slices
+            self.experts.reduce(experts)
+
+    def _split(self, params: list) -> tuple[list, list]:
+        """(dense, expert slices) of a list in the order of ``self.params``."""
+        dense = [p for p, e in zip(params, self.is_expert) if not e]
+        return dense, [p for p, e in zip(params, self.is_expert) if e]
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.stepped if p.grad is not None]
 
     def grad_norm(self) -> float:
+        if self.experts is not None:  # dense² + every expert once (the group's slices)
+            dense, experts = self._split(self.stepped)
+            return self.experts.norm([p.grad for p in dense if p.grad is not None],
+                                     [p.grad for p in experts if p.grad is not None])
         grads = self._grads()  # as torch.nn.utils.clip_grad_norm_ computes it
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
@@ -169,14 +191,22 @@ class Replicate(ShardingMode):
 
     @torch.no_grad()
     def param_norm(self) -> float:
+        if self.experts is not None:
+            return self.experts.norm(*self._split(self.stepped))
         return float(sum(p.double().pow(2).sum() for p in self.stepped) ** 0.5)
 
     def sharded_state(self) -> dict:
         """DCP's view (every rank holds all of it): the stepped weights by name (masters
         where kept) and the optimizer state."""
+        if self.experts is not None:
+            raise NotImplementedError("checkpoints of expert slices (expert_parallel > 1) are "
+                                      "not implemented yet")
         return {"replicate": ReplicaState(list(zip(self.names, self.stepped)), self.optimizer,
                                           loaded=self._masters_to_model)}
 
     @torch.no_grad()
     def full_state(self) -> dict:
+        """The model's state dict (expert slices gathered: a collective where divided)."""
+        if self.experts is not None:
+            return self.experts.full_state(self.model)
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -7,6 +7,10 @@ master dtype, fp32 for 16-bit compute), the global norm from the shards, and Ada
 rank's slice of fp32 master weights (optimizer state sharded too); then one all-gather of the
 updated slices into the compute parameters. The collectives per step do not depend on the
 batch's tree (see :mod:`runtime.sharding.flat`).
+
+Expert parallelism (:mod:`runtime.sharding.experts`): the expert slices are flat shards of
+their own over the expert replicas (the ranks holding the same slices), the global norm
+counting each expert once.
 """
 from __future__ import annotations
 
@@ -16,14 +20,23 @@ import torch
 
 from runtime.sharding.base import ShardingMode, register
 from runtime.sharding.common import optimizer_bytes
+from runtime.sharding.experts import ExpertPart
 from runtime.sharding.flat import FlatShards
 
 
 @register("zero1")
 class Zero1(ShardingMode):
-    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, **_):
+    holds_experts = True
+
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, groups=None,
+                 **_):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
+        self.expert_shards = None  # the expert slices' flat shards, over their replicas
+        if self.experts is not None:
+            named, slices = self.experts.split(named)
+            self.expert_shards = self.experts.flat(slices, compute_dtype)
         # frozen weights (a LoRA model's base): no master, no shard, held in the compute dtype
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
         with torch.no_grad():
@@ -33,52 +46,78 @@ class Zero1(ShardingMode):
         # masters from the parameters as built (fp32), then the compute copy is cast
         self.shards = FlatShards(named, group=group, compute_dtype=compute_dtype)
         self.shards.gather_parameters()  # the compute copy (cast) from the masters
-        self.optimizer = make_optimizer(self.shards.master_params)
+        self.flats = [f for f in (self.shards, self.expert_shards) if f is not None]
+        for flat in self.flats[1:]:
+            flat.gather_parameters()
+        self.optimizer = make_optimizer([mp for f in self.flats for mp in f.master_params])
         self._grad_bytes = 0
 
     def zero_grad(self) -> None:
-        for p in self.shards.params:
-            p.grad = None
-        self.shards.zero_master_grads()
+        for flat in self.flats:
+            for p in flat.params:
+                p.grad = None
+            flat.zero_master_grads()
 
     def reduce_gradients(self) -> None:
-        self._grad_bytes = self.shards.bytes()["compute_grads"]
-        self.shards.reduce_gradients()
-        self._grad_bytes = max(self._grad_bytes, self.shards.bytes()["grad_shard"])
+        self._grad_bytes = sum(f.bytes()["compute_grads"] for f in self.flats)
+        for flat in self.flats:
+            flat.reduce_gradients()
+        self._grad_bytes = max(self._grad_bytes, sum(f.bytes()["grad_shard"] for f in self.flats))
+
+    def _experts_squared(self, value) -> float:
+        """The expert slices' Σ² over their replicas, summed over the expert group."""
+        if self.expert_shards is None:
+            return 0.0
+        return self.experts.group_sum(value, self.expert_shards.device)
 
     def grad_norm(self) -> float:
-        return math.sqrt(self.shards.grad_norm_squared())
+        experts = self.expert_shards.grad_norm_squared() if self.expert_shards else 0.0
+        return math.sqrt(self.shards.grad_norm_squared() + self._experts_squared(experts))
 
     def scale_gradients(self, coef: float) -> None:
-        self.shards.scale_gradients(coef)
+        for flat in self.flats:
+            flat.scale_gradients(coef)
 
     def apply_update(self) -> None:
         self.optimizer.step()
-        self.shards.zero_master_grads()
-        self.shards.gather_parameters()
+        for flat in self.flats:
+            flat.zero_master_grads()
+            flat.gather_parameters()
 
     def discard_gradients(self) -> None:
-        self.shards.zero_master_grads()
+        for flat in self.flats:
+            flat.zero_master_grads()
 
     def state_bytes(self) -> dict:
-        b = self.shards.bytes()
+        b = [f.bytes() for f in self.flats]
         frozen = sum(p.numel() * p.element_size() for p in self.frozen)
-        return {"params": b["compute_params"] + b["master"] + frozen, "grads": self._grad_bytes,
-                "optimizer": optimizer_bytes(self.optimizer)}
+        return {"params": sum(x["compute_params"] + x["master"] for x in b) + frozen,
+                "grads": self._grad_bytes, "optimizer": optimizer_bytes(self.optimizer)}
 
     @torch.no_grad()
     def param_norm(self) -> float:
         local = self.shards.master.double().pow(2).sum()
-        return math.sqrt(float(self.shards._all_reduce(local)))
+        dense = float(self.shards._all_reduce(local))
+        if self.expert_shards is None:
+            return math.sqrt(dense)
+        e = self.expert_shards._all_reduce(self.expert_shards.master.double().pow(2).sum())
+        return math.sqrt(dense + self._experts_squared(float(e)))
 
     @torch.no_grad()
     def full_state(self) -> dict:
-        """The model's state dict (compute dtype; the masters gathered into it)."""
+        """The model's state dict (compute dtype; the masters gathered into it; expert
+        slices gathered over their group: a collective)."""
+        if self.experts is not None:
+            return self.experts.full_state(self.model)
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def sharded_state(self) -> dict:
         """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
         from torch.distributed.device_mesh import init_device_mesh
+
+        if self.experts is not None:
+            raise NotImplementedError("checkpoints of expert slices (expert_parallel > 1) are "
+                                      "not implemented yet")
 
         from runtime.sharding.state import FlatShardsState
         if not hasattr(self, "_mesh"):

@@ -20,7 +20,11 @@ The layout (:func:`layout_of`, validated once by ``runtime.engine.ParallelLayout
 - ``dta_sharding`` (``replicate`` | ``zero1`` | ``fsdp``) is how the training state is held;
   unset, it is what verl's FSDP engine does with ``fsdp_size``: ``-1`` (verl's default: shard
   over the whole world) is ``fsdp``, ``1`` (a DDP mesh) is ``replicate``; one rank holds
-  everything (``replicate``).
+  everything (``replicate``);
+- ``expert_parallel_size`` (verl's spelling in its FSDP-family engine configs, VeOmni's and
+  torchtitan's; Megatron's is ``expert_model_parallel_size``) is the expert-parallel size E:
+  groups of E consecutive ranks hold each MoE layer's experts once, 1/E each
+  (docs/expert-parallel.md).
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ _DTYPES = {"fp32": "float32", "32": "float32", "bf16": "bfloat16", "fp16": "floa
 # ParallelLayout field -> the verl key that sets it (named in the layout's errors)
 SPELLING = {"world": "the world size of verl's process group",
             "context_parallel": "engine_config.ulysses_sequence_parallel_size",
-            "sharding": "engine_config.dta_sharding"}
+            "sharding": "engine_config.dta_sharding",
+            "expert_parallel": "engine_config.expert_parallel_size"}
 
 
 @dataclass
@@ -60,6 +65,7 @@ class DTAEngineConfig(FSDPEngineConfig):
     strategy: str = "dta"
     dta: dict[str, Any] = field(default_factory=dict)
     dta_sharding: Optional[str] = None
+    expert_parallel_size: int = 1  # as verl's VeOmni / torchtitan engine configs spell it
 
     def __post_init__(self):
         # FSDPEngineConfig's own check accepts fsdp strategies only; verl's actor config
@@ -155,13 +161,15 @@ def sharding_of(engine_config, world: int) -> str:
 
 def layout_of(engine_config, *, world: int, rank: int) -> ParallelLayout:
     """This rank's layout: world, ``ulysses_sequence_parallel_size`` as the context-parallel
-    size, the sharding mode (:func:`sharding_of`); an error names the verl key."""
+    size, the sharding mode (:func:`sharding_of`), ``expert_parallel_size`` as the
+    expert-parallel size; an error names the verl key."""
     spelling = dict(SPELLING)
     if getattr(engine_config, "dta_sharding", None) is None:
         spelling["sharding"] = f"engine_config.fsdp_size={engine_config.fsdp_size}'s sharding"
     return ParallelLayout.make(world=int(world),
                                context_parallel=engine_config.ulysses_sequence_parallel_size,
                                sharding=sharding_of(engine_config, world), rank=int(rank),
+                               expert_parallel=getattr(engine_config, "expert_parallel_size", 1),
                                spelling=spelling)
 
 

@@ -1,10 +1,15 @@
-"""Keeping the ranks' FSDP collectives in step while each walks its own tree.
+"""Keeping the ranks' decoder calls matched while each walks its own tree.
 
-Under FSDP a decoder call all-gathers every layer's parameters (forward) and a backward
-all-gathers them again and reduce-scatters the gradients. Each rank walks a different tree,
-so the ranks make different sequences of calls — and collectives must be matched one for
-one. This module pads each rank's sequence with dummy one-token calls (zero gradient) so
-that every rank performs the same kind of event at the same time.
+Some layouts make collectives inside every decoder call: FSDP all-gathers every layer's
+parameters (forward) and a backward all-gathers them again and reduce-scatters the
+gradients; expert parallelism (``dta.model.expert_parallel``) exchanges each MoE layer's
+routed rows with the other ranks of its group, forward and backward. The ranks of different
+data-parallel groups walk different trees, so they make different sequences of calls -- and
+collectives must be matched one for one. This module pads each rank's sequence with dummy
+one-token calls (zero gradient) so that every rank performs the same kind of event at the
+same time. The engine core runs it where the layout needs it
+(``ParallelLayout.matched_calls``: fsdp, or an expert-parallel group spanning data-parallel
+groups), in every sharding mode.
 
 Events. A rank announces its next event when it calls the decoder
 (:class:`LockstepDecoder`), when the backward of a kept graph reaches that call's outputs
@@ -12,8 +17,8 @@ Events. A rank announces its next event when it calls the decoder
 
 - **B**: the backward of a graph kept since its forward (*retain*: a pack's backward at its
   pop, after its subtree; a leaf pack's at its head flush), detected inside
-  ``_Tie.backward``, which runs before any FSDP hook of that graph (the tie sits on the
-  decoder's outputs);
+  ``_Tie.backward``, which runs before any collective of that graph's backward (the tie
+  sits on the decoder's outputs);
 - **F**: a forward (*retain*: with gradient, the graph kept; *recompute*: a push, no grad);
 - **X** (*recompute* only): a forward with gradient whose backward follows before the next
   call (a leaf, or a pop's re-forward);
@@ -22,10 +27,14 @@ Events. A rank announces its next event when it calls the decoder
 One all-reduce of the per-event counts decides each round, by priority B < F < X < DONE:
 
 - B: the B ranks backpropagate; the others make a dummy X (one-token forward with grad,
-  backward of a zero gradient) and announce again. The dummy's forward all-gathers are
-  matched on the B ranks by gathering every unit in forward order with FSDP's own
-  ``unshard()`` / ``reshard()`` (a forward cannot be used: inside a backward FSDP does not
-  reshard after forward, ``is_bw()``). When every rank announced B, nothing is padded;
+  backward of a zero gradient) and announce again. The dummy's forward collectives are
+  matched on the B ranks by ``forward_steps``: the collectives one forward makes, in forward
+  order, without a forward (a forward cannot be used: inside a backward FSDP does not
+  reshard after forward, ``is_bw()``) -- FSDP's ``unshard()`` / ``reshard()`` of each unit,
+  and between a layer's two, expert parallelism's exchanges of that layer with no rows of
+  this rank's (``ExpertParallel.forward_exchanges``; the sharding mode interleaves them,
+  ``ShardingMode.forward_steps``: gloo collectives of different groups block, so the order
+  is the dummy's). When every rank announced B, nothing is padded;
 - F: the F ranks forward, the others make a dummy F (no grad) and announce again;
 - X: the X ranks forward and backpropagate, the DONE ranks make a dummy X;
 - all DONE: the session ends.
@@ -33,12 +42,14 @@ One all-reduce of the per-event counts decides each round, by priority B < F < X
 Every backward passes through the decoder's last hidden state (its K/V outputs are tied to
 it with a zero gradient; the walker starts a pack's backward at its hidden states, with zeros
 where only the router aux loss reaches the pack, whose surrogate enters at the routers), so
-every layer's FSDP hooks fire in every backward, real or dummy.
-One backward must cover one decoder call: the runtime asks the walker to flush its LM head
+every layer's collectives run in every backward, real or dummy: one backward of any call is
+the same sequence of collectives on every rank (expert parallelism's backward exchanges
+serve whichever call a peer backpropagates).
+One backward must cover one decoder call: the layout asks the walker to flush its LM head
 per pack under retain (``head_rows=0``: a leaf pack is backpropagated alone, right after its
 forward), and a backward reaching a second call's tie is refused (:class:`LockstepError`),
 as is, under recompute, a call whose backward did not follow. The walker is untouched: the
-runtime hands it a model whose ``get_decoder()`` is the wrapper.
+engine hands it a model whose ``get_decoder()`` is the wrapper.
 """
 from __future__ import annotations
 
@@ -75,10 +86,12 @@ class Lockstep:
     """One step's protocol state on this rank (see the module doc). ``kept_graphs``: the
     walker's retain policy (forwards with grad keep their graph; backwards are B events)."""
 
-    def __init__(self, decoder, group=None, *, kept_graphs: bool = False, units=()):
+    def __init__(self, decoder, group=None, *, kept_graphs: bool = False, forward_steps=(),
+                 what: str = "matched calls"):
         self.decoder, self.group = decoder, group
         self.kept_graphs = kept_graphs
-        self.units = list(units)  # FSDP modules in forward order (root first)
+        self.forward_steps = list(forward_steps)  # a forward's collectives, in its order
+        self.what = what  # the layout's reason, for errors (e.g. "fsdp")
         self.world = dist.get_world_size(group)
         self.active = False
         self.pending_backward = False
@@ -111,14 +124,11 @@ class Lockstep:
         if grad:
             torch.autograd.backward([h], [torch.zeros_like(h)])
 
-    def _gather_like_forward(self) -> None:
-        """The all-gathers of a forward, without one: each FSDP unit gathered in forward
-        order, the layers freed again (FSDP keeps the root gathered after a forward)."""
+    def _collectives_of_a_forward(self) -> None:
+        """The collectives of a forward, without one (``forward_steps``, in order)."""
         self.padded += 1
-        for i, unit in enumerate(self.units):
-            unit.unshard()
-            if i:
-                unit.reshard()
+        for step in self.forward_steps:
+            step()
 
     def _follow(self, kind: int) -> None:
         """A round another event won: make the matching dummy."""
@@ -128,8 +138,8 @@ class Lockstep:
         if self.pending_backward:
             self.active = False
             raise LockstepError(
-                "fsdp: a decoder call with gradient was not backpropagated before the next "
-                "call; the ranks' FSDP collectives cannot be matched (a walk that keeps graphs "
+                f"{self.what}: a decoder call with gradient was not backpropagated before the "
+                "next call; the ranks' collectives cannot be matched (a walk that keeps graphs "
                 "across calls needs the lockstep's retain protocol: walker.policy=retain)")
 
     def before_call(self) -> None:
@@ -156,15 +166,16 @@ class Lockstep:
         if task == self.backward_task:
             self.active = False
             raise LockstepError(
-                "fsdp: one backward reached two decoder calls; their FSDP collectives "
+                f"{self.what}: one backward reached two decoder calls; their collectives "
                 "interleave and cannot be matched across ranks (flush the walker's LM head "
                 "per pack: head_rows=0)")
         self.backward_task = task
         kind, count = self._decide(B)
         if kind != B:
-            raise LockstepError(f"fsdp lockstep: a backward lost its round to event {kind}")
+            raise LockstepError(f"{self.what} lockstep: a backward lost its round to event "
+                                f"{kind}")
         if count < self.world:  # the other ranks make a dummy X: match its forward
-            self._gather_like_forward()
+            self._collectives_of_a_forward()
 
     def begin(self) -> None:
         self.active, self.pending_backward, self.rounds, self.padded = True, False, 0, 0
@@ -196,6 +207,7 @@ class LockstepDecoder(torch.nn.Module):
         super().__init__()
         self.inner = decoder
         self.sync = sync
+        object.__setattr__(self, "__wrapped__", decoder)  # what the model interface reads
 
     def forward(self, *args, cache=None, **kwargs):
         self.sync.before_call()
@@ -232,6 +244,7 @@ def _state_of(layer) -> tuple[str, tuple]:
     kv = (getattr(layer, "keys", None), getattr(layer, "values", None))
     if all(torch.is_tensor(t) for t in kv):
         return "keys", kv
-    raise LockstepError(f"fsdp: a decoder call left a {type(layer).__name__} cache layer "
-                        "without K/V tensors; the lockstep cannot tie its state to the call's "
-                        "output (train this model with replicate or zero1)")
+    raise LockstepError(f"matched calls: a decoder call left a {type(layer).__name__} cache "
+                        "layer without K/V tensors; the lockstep cannot tie its state to the "
+                        "call's output (train this model without fsdp or expert parallelism "
+                        "across data-parallel groups)")
