@@ -121,5 +121,29 @@ class ShardingMode:
     def full_state(self) -> dict:
         raise NotImplementedError
 
-    def sharded_state(self) -> dict:
+    # ------------------------------------------------------------- checkpoints --
+    # One layout-independent view of the training state (runtime.sharding.logical): a mode
+    # declares what this rank holds of each trained parameter; saving, loading under any
+    # other layout and re-cutting are generic.
+    def held(self) -> list:
+        """This rank's pieces of the trained parameters (:class:`runtime.sharding.logical.
+        Held`: a box or a flat range of the whole parameter, and what the optimizer steps
+        for it)."""
         raise NotImplementedError
+
+    def logical_shapes(self) -> list[tuple[str, tuple]]:
+        """``(name, whole shape)`` of every trained parameter, in the model's order (a mode
+        whose model holds a parameter's slice, e.g. experts, gives the whole shape)."""
+        return [(n, tuple(p.shape)) for n, p in self.model.named_parameters()
+                if p.requires_grad]
+
+    def logical_loaded(self) -> None:
+        """After a load wrote this rank's pieces: derive the rest (gather the compute
+        weights, cast the masters into the model)."""
+
+    def sharded_state(self) -> dict:
+        """DCP's view (``runtime.dcp.save_sharded`` / ``load_sharded``): the logical state,
+        loaded in place under any layout."""
+        from runtime.sharding.logical import KEY, LogicalState
+
+        return {KEY: LogicalState(self)}

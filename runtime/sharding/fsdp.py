@@ -157,15 +157,15 @@ class FSDP(ShardingMode):
         self.optimizer.zero_grad(set_to_none=True)
         self.vocab.zero_master_grads()
 
-    def sharded_state(self) -> dict:
-        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
-        from runtime.sharding.state import DTensorParamsState, FlatShardsState
+    def held(self) -> list:
+        """The layers' DTensor shards (one box each) and the vocabulary's flat pieces."""
+        from runtime.sharding.logical import held_dtensor
 
-        vocab_ids = {id(p) for p in self.vocab.params}
-        named = [(n, p) for n, p in self.model.named_parameters()
-                 if p.requires_grad and id(p) not in vocab_ids]
-        return {"fsdp": DTensorParamsState(named, self.optimizer),
-                "vocab": FlatShardsState(self.vocab, self.optimizer, self.mesh)}
+        return [held_dtensor(n, p) for n, p in self.model.named_parameters()
+                if p.requires_grad and hasattr(p, "to_local")] + self.vocab.held()
+
+    def logical_loaded(self) -> None:
+        self.vocab.gather_parameters()
 
     # --------------------------------------------------------------- reporting --
     @torch.no_grad()

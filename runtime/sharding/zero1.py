@@ -76,11 +76,8 @@ class Zero1(ShardingMode):
         """The model's state dict (compute dtype; the masters gathered into it)."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
-    def sharded_state(self) -> dict:
-        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def held(self) -> list:
+        return self.shards.held()
 
-        from runtime.sharding.state import FlatShardsState
-        if not hasattr(self, "_mesh"):
-            self._mesh = init_device_mesh(self.shards.device.type, (self.shards.world,))
-        return {"zero1": FlatShardsState(self.shards, self.optimizer, self._mesh)}
+    def logical_loaded(self) -> None:
+        self.shards.gather_parameters()
