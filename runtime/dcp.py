@@ -35,10 +35,12 @@ Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/shardi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -87,6 +89,16 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+@contextlib.contextmanager
+def _one_process_quiet():
+    """Without a process group DCP reads and writes in this one process (a replica); it
+    says so in a warning every time, which a one-rank run does not need."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
+
+
 def _logical(state: dict) -> bool:
     from runtime.sharding.logical import LogicalState
 
@@ -119,8 +131,9 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
         from runtime.sharding.pieces import SavePlanner
 
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        dcp.save(_dcp_state(state), storage_writer=writer, planner=SavePlanner(),
-                 process_group=group)
+        with _one_process_quiet():
+            dcp.save(_dcp_state(state), storage_writer=writer, planner=SavePlanner(),
+                     process_group=group)
         _barrier(group)
         if _rank() == 0:
             with open(os.path.join(tmp, META), "w") as f:
@@ -199,8 +212,9 @@ def load_sharded(path: str, state: dict, *, group=None) -> dict:
             f"checkpoint {path!r} was written by {meta.get('world_size')} ranks, this run has "
             f"{_world()} (resume at the same world size)")
     try:
-        dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path),
-                 planner=LoadPlanner(), process_group=group)
+        with _one_process_quiet():
+            dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path),
+                     planner=LoadPlanner(), process_group=group)
     except BaseException as exc:
         own = _own_error(exc)
         if own is not None:

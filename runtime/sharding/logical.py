@@ -81,6 +81,22 @@ def _has_step(optimizer) -> bool:
     return type(optimizer).__name__ in ("AdamW", "Adam")
 
 
+def wanted(mode) -> dict[str, tuple]:
+    """Every logical tensor of ``mode``'s state and its whole shape: what a checkpoint must
+    hold to be loaded by it (read off the mode; nothing is created or touched)."""
+    from runtime.sharding.state import state_keys
+
+    keys = state_keys(mode.optimizer)
+    out = {}
+    for name, shape in mode.logical_shapes():
+        out[f"model.{name}"] = tuple(shape)
+        for k in keys:
+            out[f"optim.{name}.{k}"] = tuple(shape)
+        if _has_step(mode.optimizer):
+            out[f"optim.{name}.{STEP}"] = ()
+    return out
+
+
 class View:
     """The logical tensors of one mode on this rank (targets of a load, sources of a save),
     keyed ``model.<name>``, ``optim.<name>.<key>``, ``optim.<name>.step``; a parameter this
@@ -123,9 +139,6 @@ class View:
         else:
             self.tensors[fqn].add_box(h.offsets, local)
 
-    def wanted(self) -> dict[str, tuple]:
-        """Every logical tensor's whole shape (what a checkpoint must hold)."""
-        return {fqn: tuple(lt.shape) for fqn, lt in self.tensors.items()}
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -158,9 +171,8 @@ class LogicalState(Stateful):
         prefix = f"{key}."
         saved = {k[len(prefix):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
                  if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-        view = View(self.mode)
-        check_fits(repr(path), saved, view.wanted())
-        self.view = view
+        check_fits(repr(path), saved, wanted(self.mode))
+        self.view = View(self.mode)
 
     def state_dict(self) -> dict:
         if self.view is None:
@@ -178,8 +190,8 @@ class LogicalState(Stateful):
 def load_whole(mode, whole: dict[str, torch.Tensor], *, what: str) -> None:
     """Whole tensors keyed as the view's (``model.<name>``, ``optim.<name>.<key>``,
     ``optim.<name>.step``) into this rank's pieces; checked first (:func:`check_fits`)."""
+    check_fits(what, {k: tuple(v.shape) for k, v in whole.items()}, wanted(mode))
     view = View(mode)
-    check_fits(what, {k: tuple(v.shape) for k, v in whole.items()}, view.wanted())
     for fqn, lt in view.tensors.items():
         src = whole[fqn]
         for offsets, local in lt.chunks.items():
@@ -201,16 +213,17 @@ def check_fits(what: str, saved: dict[str, tuple], wanted: dict[str, tuple]) -> 
     if have != need:
         extra, lacking = sorted(have - need), sorted(need - have)
         lora_saved, lora_run = (any("lora_" in n for n in s) for s in (have, need))
-        why = ""
+        why = " (another model or size)"
         if lora_saved != lora_run:
             why = (f": it was saved by a {'LoRA' if lora_saved else 'full'} run and this run "
                    f"trains {'LoRA adapters' if lora_run else 'the full model'}; the trained "
                    "weights are different tensors, so LoRA <-> full cannot resume (start a "
                    "new run from exported weights)")
-        raise ShardedCheckpointError(
-            f"checkpoint {what} does not fit this run: it holds {len(extra)} trained "
-            f"parameter(s) this run does not train {extra[:2]} and lacks {len(lacking)} of "
-            f"this run's {lacking[:2]}{why}")
+        parts = ([f"holds {len(extra)} trained parameter(s) this run does not train "
+                  f"{extra[:2]}"] if extra else []) + \
+            ([f"lacks {len(lacking)} of this run's {lacking[:2]}"] if lacking else [])
+        raise ShardedCheckpointError(f"checkpoint {what} does not fit this run: it "
+                                     f"{' and '.join(parts)}{why}")
     shapes = [n for n in sorted(need) if saved[f"model.{n}"] != wanted[f"model.{n}"]]
     if shapes:
         n = shapes[0]

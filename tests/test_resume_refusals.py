@@ -1,0 +1,153 @@
+"""What a resume under another layout refuses, and the previous format (issue 48): one
+process, the τ²-airline tiny model in float64.
+
+- a checkpoint that is not this run's state -- LoRA <-> full, another optimizer, another
+  model size -- is refused in one line saying what and why, before any parameter is
+  touched, from a replicated checkpoint (``model.pt``) and from a DCP one (the logical view);
+- a sharded checkpoint in the format before 2026-12-05 (zero1's flat tensors, fsdp's
+  DTensors and flat vocabulary) still resumes through the engine core, into the exact saved
+  state; an AReaL-style DCP load of it (``runtime.dcp.load_sharded`` with the logical view)
+  is refused in one line naming the format.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from dta.config.schema import load_config
+from tests.test_sharding import _step, overrides
+
+peft = pytest.importorskip("peft", reason="the optional lora extra: pip install -e '.[lora]'")
+
+LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]"]
+
+
+def worker(*extra):
+    from tests.workers import local_worker
+
+    cfg = load_config(None, overrides("replicate", "float64", "recompute") + list(extra))
+    return cfg, local_worker(cfg, 0, 1, truly_float64=True)
+
+
+def trained(w) -> dict:
+    return {n: p.detach().clone() for n, p in w.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A full run and a LoRA run after one step: their replicated checkpoints and their
+    logical DCP ones (the replica's view saved by ``runtime.dcp.save_sharded``)."""
+    from runtime.dcp import save_sharded
+
+    root = tmp_path_factory.mktemp("refusals")
+    out = {}
+    for kind, extra in (("full", []), ("lora", LORA)):
+        cfg, w = worker(*extra)
+        _step(w, cfg, 0, 0, 1)
+        out[kind] = w.save_checkpoint(str(root / kind), 1, {"note": "test"})
+        out[f"{kind}-dcp"] = save_sharded(str(root / f"{kind}-dcp"), 1,
+                                          w.core.mode.sharded_state(), meta={"note": "test"})
+        out[f"{kind}-state"] = trained(w)
+    return out
+
+
+@pytest.mark.parametrize("source", ["full", "full-dcp"])
+def test_a_full_checkpoint_is_refused_by_lora_sgd_and_another_size(saved, source):
+    from runtime.dcp import ShardedCheckpointError
+
+    cases = [(LORA, r"saved by a full run and this run trains LoRA adapters.*LoRA <-> full"),
+             (["optimizer.name=sgd"], r"optimizer state \['exp_avg', 'exp_avg_sq', 'step'\] "
+                                      r"per parameter, this run's optimizer keeps \[\]"),
+             (["model.size=small"], r"lacks 22 of this run's .* \(another model or size\)")]
+    for extra, pattern in cases:
+        _, w = worker(*extra)
+        before = trained(w)
+        with pytest.raises(ShardedCheckpointError, match=pattern) as info:
+            w.load_checkpoint(saved[source])
+        message = str(info.value)
+        assert "\n" not in message and saved[source] in message, message
+        after = trained(w)
+        assert all((after[k] == v).all() for k, v in before.items()), extra  # untouched
+        assert not any(w.optimizer.state.values()), extra
+        print(f"{source} into {extra}: {message}")
+
+
+@pytest.mark.parametrize("source", ["lora", "lora-dcp"])
+def test_a_lora_checkpoint_resumes_lora_and_is_refused_by_full(saved, source):
+    from runtime.dcp import ShardedCheckpointError
+
+    _, w = worker()
+    with pytest.raises(ShardedCheckpointError,
+                       match=r"saved by a LoRA run and this run trains the full model"):
+        w.load_checkpoint(saved[source])
+    _, w = worker(*LORA)  # the same LoRA run resumes, replicated or from the DCP view
+    w.load_checkpoint(saved[source])
+    got = trained(w)
+    assert all((got[k] == v).all() for k, v in saved["lora-state"].items())
+
+
+# ------------------------------------------------------------ the previous format --
+def write_previous(path: str, w, sharding: str) -> None:
+    """A replica's state in the sharded format before 2026-12-05 (what zero1's
+    ``FlatShardsState`` / fsdp's ``DTensorParamsState`` wrote, here as whole tensors):
+    published with its meta.json and manifest, as ``runtime.dcp.save_sharded`` did."""
+    import torch.distributed.checkpoint as dcp
+
+    from runtime.checkpoints.checkpoint import write_manifest
+    from runtime.sharding.fsdp import _vocab_params
+
+    mode, opt = w.core.mode, w.optimizer
+    named = list(zip(mode.names, mode.stepped))
+    state = {}
+
+    def flat(prefix, items):
+        state[f"{prefix}.master"] = torch.cat([p.detach().reshape(-1) for _, p in items])
+        for k in ("exp_avg", "exp_avg_sq"):
+            state[f"{prefix}.{k}"] = torch.cat([opt.state[p][k].reshape(-1) for _, p in items])
+        state[f"{prefix}.steps"] = torch.tensor([float(opt.state[p]["step"]) for _, p in items],
+                                                dtype=torch.float64)
+
+    if sharding == "zero1":
+        flat("zero1", named)
+    else:
+        vocab = {n for n, _ in _vocab_params(w.model)}
+        flat("vocab", [(n, p) for n, p in named if n in vocab])
+        for n, p in named:
+            if n not in vocab:
+                state[f"fsdp.param.{n}"] = p.detach().clone()
+                for k, v in opt.state[p].items():
+                    state[f"fsdp.optim.{n}.{k}"] = v.clone()
+    tmp = path + ".tmp"
+    os.makedirs(tmp)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump({"step": 1, "world_size": 2, "format": "dcp", "sharding": sharding}, f)
+    write_manifest(tmp, run_id=None, step=1, extra={"kind": "dcp"})
+    shutil.move(tmp, path)
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_the_previous_sharded_format_still_resumes(tmp_path, sharding):
+    from runtime.dcp import ShardedCheckpointError, load_sharded
+
+    cfg, w = worker()
+    _step(w, cfg, 0, 0, 1)
+    path = str(tmp_path / "step-000001")
+    write_previous(path, w, sharding)
+    want = {n: (s.detach().clone(), {k: v.clone() for k, v in w.optimizer.state[s].items()})
+            for n, s in zip(w.core.mode.names, w.core.mode.stepped)}
+    _, fresh = worker()
+    assert fresh.load_checkpoint(path)["sharding"] == sharding and fresh.completed_steps == 1
+    mode = fresh.core.mode
+    for n, s in zip(mode.names, mode.stepped):
+        param, st = want[n]
+        assert (s == param).all(), n
+        for k, v in st.items():
+            assert (fresh.optimizer.state[s][k] == v).all(), (n, k)
+    with pytest.raises(ShardedCheckpointError, match="format before 2026-12-05") as info:
+        load_sharded(path, fresh.core.mode.sharded_state())
+    assert "\n" not in str(info.value)
