@@ -1,5 +1,5 @@
-"""What a resume under another layout refuses, and the previous format (issue 48): one
-process, the τ²-airline tiny model in float64.
+"""What a resume refuses, and the sources it still reads (issue 48): one process, the
+τ²-airline tiny model in float64 (bf16 for the masters).
 
 - a checkpoint that is not this run's state -- LoRA <-> full, another optimizer, another
   model size -- is refused in one line saying what and why, before any parameter is
@@ -7,7 +7,9 @@ process, the τ²-airline tiny model in float64.
 - a sharded checkpoint in the format before 2026-12-05 (zero1's flat tensors, fsdp's
   DTensors and flat vocabulary) still resumes through the engine core, into the exact saved
   state; an AReaL-style DCP load of it (``runtime.dcp.load_sharded`` with the logical view)
-  is refused in one line naming the format.
+  is refused in one line naming the format;
+- a replica keeping fp32 masters under bf16 compute saves the masters (model.pt) and resumes
+  them exactly, bit-identical to the uninterrupted run.
 """
 from __future__ import annotations
 
@@ -151,3 +153,54 @@ def test_the_previous_sharded_format_still_resumes(tmp_path, sharding):
     with pytest.raises(ShardedCheckpointError, match="format before 2026-12-05") as info:
         load_sharded(path, fresh.core.mode.sharded_state())
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------- a replica's fp32 masters --
+def masters_core(cfg, masters: bool):
+    """A one-rank core in bf16 compute: ``masters`` a replica keeping fp32 masters (AReaL's
+    and verl's optimizer dtype), else zero1's layout on one rank is a replica: a plain
+    bf16 replica."""
+    from runtime.engine import EngineCore
+    from runtime.ray_runtime.worker import build_replica
+    from runtime.sharding.common import optimizer_factory
+    from tests.workers import settings_for
+
+    settings = settings_for(cfg, 1)
+    return EngineCore(lambda dtype: build_replica(cfg, dtype=dtype),
+                      layout=settings.layout.at(0), walk=settings.walk,
+                      make_optimizer=optimizer_factory(cfg.optimizer), compute_dtype="bfloat16",
+                      master_dtype="float32" if masters else None).parallelize()
+
+
+def test_a_replicas_fp32_masters_are_saved_and_resumed_exactly(tmp_path):
+    """A replica stepping fp32 masters under bf16 compute writes the masters as its weights
+    (model.pt); a resumed replica holds exactly those masters (not their bf16 cast) and the
+    optimizer state, and its next step equals the uninterrupted run's bit for bit."""
+    from dta.losses import batch_totals
+    from dta_cli.batches import BatchSource
+    from runtime.ray_runtime.worker import make_training_loss
+
+    cfg = load_config(None, overrides("replicate", "bfloat16", "recompute"))
+    source, loss = BatchSource(cfg, 512), make_training_loss(cfg)
+
+    def step(core, k):
+        b = source.batch(k)
+        return core.train_step(b, loss, totals=batch_totals(b), max_grad_norm=0.5)
+
+    core = masters_core(cfg, masters=True)
+    step(core, 0)
+    path = core.save(str(tmp_path / "ckpt"), 1, {"note": "test"})
+    saved = [m.detach().clone() for m in core.mode.masters]
+    step(core, 1)
+    fresh = masters_core(cfg, masters=True)
+    fresh.load(path)
+    for m, want in zip(fresh.mode.masters, saved):
+        assert m.dtype == torch.float32 and torch.equal(m, want)
+    for p, m in zip(fresh.mode.params, fresh.mode.masters):
+        assert torch.equal(p, m.to(torch.bfloat16))  # the model holds their cast
+    step(fresh, 1)
+    for a, b in zip(fresh.mode.masters, core.mode.masters):
+        assert torch.equal(a, b)
+    for a, b in zip(fresh.mode.masters, core.mode.masters):
+        sa, sb = fresh.optimizer.state[a], core.optimizer.state[b]
+        assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
