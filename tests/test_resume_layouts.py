@@ -125,15 +125,35 @@ def run(rank, world, layout, directory, resume_from, straight):
     return out
 
 
+def run_jobs(rank, world, jobs, directory):
+    """Several :func:`run` calls in one spawn (layouts of one world size, in order)."""
+    return [run(rank, world, layout, directory, resume_from, straight)
+            for layout, resume_from, straight in jobs]
+
+
 def on_layout(layout, directory, resume_from=None, straight=True):
-    world = LAYOUTS[layout][1]
+    return on_layouts([(layout, resume_from, straight)], directory)[0]
+
+
+def on_layouts(jobs, directory):
+    """Per job ``(layout, resume_from, straight)`` (one world size), its ranks' results."""
+    world = {LAYOUTS[layout][1] for layout, _, _ in jobs}
+    if len(world) != 1:
+        raise ValueError(f"one world size per spawn, not {sorted(world)}")
+    world = world.pop()
     if world > 1:
-        return run_ranks(run, world, layout, directory, resume_from, straight, timeout=900.0)
+        per_rank = run_ranks(run_jobs, world, jobs, directory, timeout=900.0)
+        return [[r[i] for r in per_rank] for i in range(len(jobs))]
     threads = torch.get_num_threads()
     try:
-        return [run(0, 1, layout, directory, resume_from, straight)]
+        return [[r] for r in run_jobs(0, 1, jobs, directory)]
     finally:
         torch.set_num_threads(threads)
+
+
+def checkpoint_of(directory, layout) -> str:
+    """Where :func:`run` saves ``layout``'s uninterrupted run at step 2."""
+    return os.path.join(directory, layout, "step-000002")
 
 
 def shapes_of():
@@ -169,12 +189,11 @@ def test_resume_across_layouts_equals_the_uninterrupted_run(tmp_path):
     replica."""
     d, shapes = str(tmp_path), shapes_of()
     rep = on_layout("rep1", d)
-    fsdp = on_layout("fsdp2c2", d, {"rep1": rep[0]["straight"]["path"]})
-    ckpt = fsdp[0]["straight"]["path"]
-    zero1 = on_layout("zero1w2", d, {"fsdp2c2": ckpt})
-    rep_back = on_layout("rep1", d, {"fsdp2c2": ckpt}, straight=False)
-    refs = {n: state(r, "straight", shapes) for n, r in
-            (("fsdp2c2", fsdp), ("zero1w2", zero1), ("rep1", rep))}
+    fsdp, zero1 = on_layouts([("fsdp2c2", {"rep1": checkpoint_of(d, "rep1")}, True),
+                              ("zero1w2", {"fsdp2c2": checkpoint_of(d, "fsdp2c2")}, False)], d)
+    assert fsdp[0]["straight"]["path"] == checkpoint_of(d, "fsdp2c2")
+    rep_back = on_layout("rep1", d, {"fsdp2c2": checkpoint_of(d, "fsdp2c2")}, straight=False)
+    refs = {n: state(r, "straight", shapes) for n, r in (("fsdp2c2", fsdp), ("rep1", rep))}
     _check([("rep1", "fsdp2c2", fsdp), ("fsdp2c2", "zero1w2", zero1),
             ("fsdp2c2", "rep1", rep_back)], refs, shapes)
 
