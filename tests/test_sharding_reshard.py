@@ -37,6 +37,15 @@ def save_at_two(rank, world, directory):
         loaded = w.state()["model"]
         _step(w, cfg, 1, rank, world)
         out[f"{mode}->{other}"] = {"meta": meta, "loaded": loaded, "after": w.state()["model"]}
+    # two replicas write the logical view with DCP (as AReaL's dcp does): each whole tensor
+    # is held by both ranks and written once
+    from runtime.dcp import save_sharded
+
+    cfg = load_config(None, overrides("replicate", "float64", "retain"))
+    w = _worker(cfg, rank, world)
+    _step(w, cfg, 0, rank, world)
+    path = save_sharded(os.path.join(directory, "replicas"), 1, w.core.mode.sharded_state())
+    out["replicas"] = {"path": path, "saved": w.state()}
     return out
 
 
@@ -57,6 +66,13 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_in_the_other_mode(tmp_path)
         err = rel_l2(one.state()["model"], two[0][mode]["after"])
         assert err <= 1e-12, f"{mode}: resumed on 1 rank vs 2 ranks, relative L2 {err:.3g}"
         print(f"{mode}: W=2 -> W=1 resume, step 2 vs the 2-rank run {err:.2g}")
+    cfg = load_config(None, overrides("replicate", "float64", "retain"))
+    one = _worker(cfg, 0, 1)
+    one.load_checkpoint(two[0]["replicas"]["path"])
+    got, want = one.state(), two[0]["replicas"]["saved"]
+    assert all((got["model"][k] == v).all() for k, v in want["model"].items())
+    for i, st in want["optimizer"]["state"].items():  # AdamW's state, parameter by parameter
+        assert all((got["optimizer"]["state"][i][k] == v).all() for k, v in st.items()), i
     for mode, other in zip(MODES, reversed(MODES)):
         for rank in (0, 1):
             got = two[rank][f"{mode}->{other}"]

@@ -139,7 +139,6 @@ class View:
         else:
             self.tensors[fqn].add_box(h.offsets, local)
 
-
     @torch.no_grad()
     def finish(self) -> None:
         """After the pieces were written: the step counts into the optimizer state (a
