@@ -9,7 +9,9 @@
   state; an AReaL-style DCP load of it (``runtime.dcp.load_sharded`` with the logical view)
   is refused in one line naming the format;
 - a replica keeping fp32 masters under bf16 compute saves the masters (model.pt) and resumes
-  them exactly, bit-identical to the uninterrupted run.
+  them exactly, bit-identical to the uninterrupted run;
+- an engine without an optimizer (AReaL's reference model) loads a trained run's weights
+  from either format and saves its own weights alone.
 """
 from __future__ import annotations
 
@@ -204,3 +206,34 @@ def test_a_replicas_fp32_masters_are_saved_and_resumed_exactly(tmp_path):
     for a, b in zip(fresh.mode.masters, core.mode.masters):
         sa, sb = fresh.optimizer.state[a], core.optimizer.state[b]
         assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_an_engine_without_optimizer_loads_and_saves_the_weights_alone(saved, tmp_path):
+    """AReaL's reference model (no optimizer, replicated): a trained run's checkpoint, either
+    format, gives it the weights (its optimizer state is not read); its own DCP view is the
+    weights alone."""
+    from runtime.dcp import save_sharded
+    from runtime.engine import EngineCore
+    from runtime.ray_runtime.worker import build_replica
+    from tests.workers import settings_for
+
+    cfg = load_config(None, overrides("replicate", "float64", "recompute"))
+    settings = settings_for(cfg, 1)
+
+    def reference():
+        return EngineCore(lambda dtype: build_replica(cfg, dtype=dtype),
+                          layout=settings.layout.at(0), walk=settings.walk,
+                          make_optimizer=lambda params: None, compute_dtype="float64"
+                          ).parallelize()
+
+    for source in ("full", "full-dcp"):
+        ref = reference()
+        assert ref.optimizer is None
+        ref.load(saved[source])
+        got = {n: p.detach() for n, p in ref.model.named_parameters()}
+        assert all(torch.equal(got[k], v) for k, v in saved["full-state"].items()), source
+    path = save_sharded(str(tmp_path / "ref"), 1, ref.mode.sharded_state())
+    again = reference()
+    again.load(path)
+    assert all(torch.equal(p, q) for p, q in zip(again.model.parameters(),
+                                                 ref.model.parameters()))

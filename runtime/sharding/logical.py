@@ -81,12 +81,18 @@ def _has_step(optimizer) -> bool:
     return type(optimizer).__name__ in ("AdamW", "Adam")
 
 
+def _state_keys(optimizer) -> tuple[str, ...]:
+    """The optimizer's per-parameter state tensors; none without an optimizer (an engine
+    that only infers, e.g. AReaL's reference model: its view is the weights alone)."""
+    from runtime.sharding.state import state_keys
+
+    return () if optimizer is None else state_keys(optimizer)
+
+
 def wanted(mode) -> dict[str, tuple]:
     """Every logical tensor of ``mode``'s state and its whole shape: what a checkpoint must
     hold to be loaded by it (read off the mode; nothing is created or touched)."""
-    from runtime.sharding.state import state_keys
-
-    keys = state_keys(mode.optimizer)
+    keys = _state_keys(mode.optimizer)
     out = {}
     for name, shape in mode.logical_shapes():
         out[f"model.{name}"] = tuple(shape)
@@ -103,13 +109,14 @@ class View:
     rank holds nothing of has empty ones."""
 
     def __init__(self, mode):
-        from runtime.sharding.state import ensure_state, state_keys
+        from runtime.sharding.state import ensure_state
 
         self.mode, self.optimizer = mode, mode.optimizer
-        self.keys = state_keys(self.optimizer)
+        self.keys = _state_keys(self.optimizer)
         self.stepped = _has_step(self.optimizer)
         self.held = list(mode.held())
-        ensure_state(self.optimizer, [h.stepped for h in self.held])
+        if self.optimizer is not None:
+            ensure_state(self.optimizer, [h.stepped for h in self.held])
         self.shapes = {n: tuple(s) for n, s in mode.logical_shapes()}
         self.tensors: dict[str, LogicalTensor] = {}
         for name, shape in self.shapes.items():
@@ -123,7 +130,7 @@ class View:
             if self.shapes.get(h.name) != tuple(h.shape):
                 raise ValueError(f"{h.name}: a piece of a parameter of shape {h.shape}; the "
                                  f"mode's logical shape is {self.shapes.get(h.name)}")
-            st = self.optimizer.state[h.stepped]
+            st = self.optimizer.state[h.stepped] if self.optimizer is not None else {}
             self._add(f"model.{h.name}", h, _local(h.stepped))
             for k in self.keys:
                 self._add(f"optim.{h.name}.{k}", h, _local(st[k]))
@@ -170,7 +177,8 @@ class LogicalState(Stateful):
         prefix = f"{key}."
         saved = {k[len(prefix):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
                  if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-        check_fits(repr(path), saved, wanted(self.mode))
+        check_fits(repr(path), saved, wanted(self.mode),
+                   optimizer=self.mode.optimizer is not None)
         self.view = View(self.mode)
 
     def state_dict(self) -> dict:
@@ -189,7 +197,8 @@ class LogicalState(Stateful):
 def load_whole(mode, whole: dict[str, torch.Tensor], *, what: str) -> None:
     """Whole tensors keyed as the view's (``model.<name>``, ``optim.<name>.<key>``,
     ``optim.<name>.step``) into this rank's pieces; checked first (:func:`check_fits`)."""
-    check_fits(what, {k: tuple(v.shape) for k, v in whole.items()}, wanted(mode))
+    check_fits(what, {k: tuple(v.shape) for k, v in whole.items()}, wanted(mode),
+               optimizer=mode.optimizer is not None)
     view = View(mode)
     for fqn, lt in view.tensors.items():
         src = whole[fqn]
@@ -203,9 +212,11 @@ def _names(keys, prefix: str) -> set[str]:
     return {k[len(prefix):] for k in keys if k.startswith(prefix)}
 
 
-def check_fits(what: str, saved: dict[str, tuple], wanted: dict[str, tuple]) -> None:
+def check_fits(what: str, saved: dict[str, tuple], wanted: dict[str, tuple], *,
+               optimizer: bool = True) -> None:
     """One line (:class:`runtime.dcp.ShardedCheckpointError`) when the checkpoint ``what``
-    (its logical tensors' shapes, ``saved``) is not this run's state (``wanted``)."""
+    (its logical tensors' shapes, ``saved``) is not this run's state (``wanted``). Without
+    an ``optimizer`` the checkpoint's optimizer state is not read (only its weights)."""
     from runtime.dcp import ShardedCheckpointError
 
     have, need = _names(saved, "model."), _names(wanted, "model.")
@@ -232,7 +243,7 @@ def check_fits(what: str, saved: dict[str, tuple], wanted: dict[str, tuple]) -> 
             f"({len(shapes)} parameter(s) differ: another model or size)")
     kinds = ({k.rsplit(".", 1)[1] for k in _names(saved, "optim.")},
              {k.rsplit(".", 1)[1] for k in _names(wanted, "optim.")})
-    if kinds[0] != kinds[1]:
+    if optimizer and kinds[0] != kinds[1]:
         raise ShardedCheckpointError(
             f"checkpoint {what} holds optimizer state {sorted(kinds[0])} per parameter, this "
             f"run's optimizer keeps {sorted(kinds[1])}: resume with the optimizer it was "

@@ -78,7 +78,7 @@ def _load_replicated(core, path: str) -> None:
                 b.copy_(weights[name].to(device=b.device, dtype=b.dtype))
     if not core.layout.sharded:  # as a replica always resumed: hyperparameters, RNG
         groups = opt.get("param_groups") or []
-        if len(groups) == len(mode.optimizer.param_groups):
+        if mode.optimizer is not None and len(groups) == len(mode.optimizer.param_groups):
             for group, saved in zip(mode.optimizer.param_groups, groups):
                 group.update({k: v for k, v in saved.items() if k != "params"})
         if rng is not None:
@@ -94,11 +94,11 @@ def _replicated_whole(path: str, weights: dict, opt: dict, mode) -> dict:
     saved = [n for n in weights if n not in others]
     whole = {f"model.{n}": weights[n] for n in saved}
     ids = [i for g in opt.get("param_groups", []) for i in g["params"]]
-    if set(saved) == trained and len(ids) != len(shapes):
+    if set(saved) == trained and mode.optimizer is not None and len(ids) != len(shapes):
         raise ShardedCheckpointError(f"checkpoint {path!r}: its optimizer holds {len(ids)} "
                                      f"parameters, the model trains {len(shapes)}")
-    if set(saved) != trained:
-        return whole  # check_fits names what differs
+    if set(saved) != trained or mode.optimizer is None:
+        return whole  # check_fits names what differs; an engine without optimizer: weights
     keys = mode_state_keys(mode)
     for i, name in zip(ids, shapes):
         st = {k: v for k, v in (opt["state"].get(i) or {}).items() if v is not None}
