@@ -9,22 +9,22 @@ So the instance's processes carry a marker in their environment,
 ``DTA_RAY_INSTANCE=<token>`` (set by the driver just for ``ray.init``: the GCS, raylet,
 dashboard, log monitor and, through the raylet, every worker inherit it; the agents rewrite
 their title over it and are found as the raylet's descendants, remembered after it dies),
-and a small watcher -- this module, run as its own process in its own session (a Ctrl-C to the
-driver's terminal or a kill of its process group does not reach it) -- waits for the
-driver:
+and a small watcher -- this module, run as its own process in its own session (a Ctrl-C to
+the driver's terminal or a kill of its process group does not reach it) -- lists them every
+second and looks at the driver five times a second:
 
-- the driver dies (its pid is gone, a zombie, or another process now): the watcher
-  sends SIGTERM to every process carrying the marker, SIGKILL to what is left after a grace
-  period, repeats until none is left (workers may still be spawned meanwhile), removes the
+- the driver dies (its pid is gone, a zombie, or another process now): the watcher sends
+  SIGTERM to every process of the instance, SIGKILL to what is left after a grace period,
+  repeats until none is left (workers may still be spawned meanwhile), removes the
   instance's private folders, and exits;
-- the driver shuts the instance down (``ClusterHandle.shutdown``: it writes ``stop`` and
-  closes the pipe after ``ray.shutdown()``): the watcher kills what ``ray.shutdown`` left
+- the driver shuts the instance down (``ClusterHandle.shutdown``: it writes ``stop`` to the
+  watcher's stdin after ``ray.shutdown()``): the watcher kills what ``ray.shutdown`` left
   (never the driver) and exits.
 
 Processes are found by the marker in ``/proc/<pid>/environ`` (this user's only) and as
 descendants of those, never by name, so another run's Ray instance on the same machine is
-never touched. Standard library
-and psutil only (it starts fast and imports neither Ray nor torch).
+never touched. Standard library and psutil only: it starts fast and imports neither Ray nor
+torch.
 """
 from __future__ import annotations
 
@@ -149,8 +149,8 @@ def reap(tracker: Tracker, *, grace_s: float = GRACE_S, deadline_s: float = DEAD
 
 def _driver_alive(pid: int, created: float) -> bool:
     try:
-        return abs(psutil.Process(pid).create_time() - created) < 1e-3 and \
-            psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        driver = psutil.Process(pid)
+        return abs(driver.create_time() - created) < 1e-3 and _alive(driver)
     except psutil.Error:
         return False
 
