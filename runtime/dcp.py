@@ -11,10 +11,15 @@ Atomic: the ranks write into ``.tmp-step-000003-<token>`` (the token is rank 0's
 DCP fsyncs its files (``sync_files``), rank 0 fsyncs meta.json and the directory, then
 renames the directory to its final name and replaces ``latest``; a crash at any point leaves
 no half checkpoint under a final name. ``state`` maps names to tensors (plain tensors are
-saved once, DTensors as their shards: the layout DCP re-shards on load where the tensor's
-logical shape allows) or to objects with ``state_dict()`` / ``load_state_dict()``.
-``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json;
-it refuses a checkpoint written at another world size unless ``allow_reshard``.
+saved once, DTensors as their shards) or to objects with ``state_dict()`` /
+``load_state_dict()`` -- above all a sharding mode's logical view
+(``ShardingMode.sharded_state()``, :mod:`runtime.sharding.logical`: every parameter and its
+optimizer state by name at its whole shape, each rank its pieces), which DCP re-cuts on
+load for any world size and mode (the planners of :mod:`runtime.sharding.pieces`).
+``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json.
+meta.json records ``"logical": 1`` for a checkpoint holding the logical view; one written
+by the previous sharded format (per-mode entries, before 2026-12-05) is refused by
+``load_sharded`` in one line (the engine core still reads it: ``runtime.sharding.reshard``).
 
 Trusted like every other checkpoint (``runtime.checkpoints.checkpoint``): rank 0 writes the
 folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, and
@@ -30,10 +35,12 @@ Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/shardi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -50,26 +57,11 @@ from runtime.checkpoints.files import _fsync_dir
 
 LATEST = "latest"
 META = "meta.json"
+LOGICAL = 1  # meta.json's "logical": the version of the logical view it holds
 
 
 class ShardedCheckpointError(RuntimeError):
     pass
-
-
-def param_holder(named_params) -> torch.nn.Module:
-    """A module tree whose parameters are exactly the given Parameter objects, at the given
-    names -- so torch's ``get_state_dict`` keys an optimizer over them (e.g. over fp32 master
-    copies, or the trained parameters only) by the model's parameter names."""
-    root = torch.nn.Module()
-    for name, param in named_params:
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, param)
-    return root
 
 
 def step_name(step: int) -> str:
@@ -97,6 +89,22 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+@contextlib.contextmanager
+def _one_process_quiet():
+    """Without a process group DCP reads and writes in this one process (a replica); it
+    says so in a warning every time, which a one-rank run does not need."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
+
+
+def _logical(state: dict) -> bool:
+    from runtime.sharding.logical import LogicalState
+
+    return any(isinstance(v, LogicalState) for v in state.values())
+
+
 def _dcp_state(state: dict) -> dict:
     """DCP's view: Stateful objects as they are, tensors as they are."""
     out = {}
@@ -120,12 +128,17 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
         os.makedirs(tmp, exist_ok=True)
     _barrier(group)
     try:
+        from runtime.sharding.pieces import SavePlanner
+
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        dcp.save(_dcp_state(state), storage_writer=writer, process_group=group)
+        with _one_process_quiet():
+            dcp.save(_dcp_state(state), storage_writer=writer, planner=SavePlanner(),
+                     process_group=group)
         _barrier(group)
         if _rank() == 0:
             with open(os.path.join(tmp, META), "w") as f:
                 json.dump({"step": int(step), "world_size": _world(), "format": "dcp",
+                           **({"logical": LOGICAL} if _logical(state) else {}),
                            **(meta or {})}, f, indent=1, default=str)
                 f.flush()
                 os.fsync(f.fileno())
@@ -170,20 +183,38 @@ def read_meta(path: str) -> dict:
         raise ShardedCheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
 
 
-def load_sharded(path: str, state: dict, *, group=None, allow_reshard: bool = False) -> dict:
+def load_sharded(path: str, state: dict, *, group=None) -> dict:
     """Load ``path`` into ``state`` in place (every rank calls this); returns its meta.
-    The manifest is verified first: nothing is read from an unverified folder."""
+    The manifest is verified first: nothing is read from an unverified folder. A logical
+    view loads at any world size and mode; anything else only at the world size that wrote
+    it."""
+    from runtime.sharding.pieces import LoadPlanner
+
     verify_manifest(path)
     meta = read_meta(path)
     if meta.get("format") != "dcp":
         raise ShardedCheckpointError(f"checkpoint {path!r} is not a DCP checkpoint")
-    if int(meta.get("world_size", -1)) != _world() and not allow_reshard:
+    if _logical(state) and meta.get("logical") != LOGICAL:
+        raise ShardedCheckpointError(
+            f"checkpoint {path!r} holds the sharded state in the format before 2026-12-05 "
+            f"(per mode, train.sharding={meta.get('sharding')} on {meta.get('world_size')} "
+            "ranks), not the logical view this DTA loads here; resume it through the engine "
+            "core (dta train / verl), or with the DTA that wrote it")
+    if _logical(state):  # its parameters and optimizer state are this run's (one line)
+        from runtime.sharding.logical import LogicalState
+
+        metadata = dcp.FileSystemReader(path).read_metadata()  # a pickle: verified above
+        for k, v in state.items():
+            if isinstance(v, LogicalState):
+                v.check(path, metadata, k)
+    elif int(meta.get("world_size", -1)) != _world():
         raise ShardedCheckpointError(
             f"checkpoint {path!r} was written by {meta.get('world_size')} ranks, this run has "
             f"{_world()} (resume at the same world size)")
     try:
-        dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path),
-                 process_group=group)
+        with _one_process_quiet():
+            dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path),
+                     planner=LoadPlanner(), process_group=group)
     except BaseException as exc:
         own = _own_error(exc)
         if own is not None:

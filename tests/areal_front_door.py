@@ -42,27 +42,17 @@ def _dta_loss(logprobs, entropy, mb, *, loss, **_):
     return (loss.values(logprobs, entropy, fields) * mask).sum() / mask.sum()
 
 
-def front_door(rank, world, mode, cp, cfg, ep=1):
-    """AReaL's ``DTATrainEngine`` as a front door of tests/test_engine_front_doors.py: the run
-    config's model, walk, loss (DTA's PPO through AReaL's ``loss_fn`` / ``loss_weight_fn``)
-    and optimizer (AReaL's ``OptimizerConfig``) on ``fsdp:d{W/C}c{C}`` (E > 1:
-    ``archon:d{W/C}c{C}e{E}``, AReaL's fsdp backend refuses ``e``) + ``actor.dta.sharding``; the run config's batches as AReaL's right-padded training dicts
-    (each data-parallel group its share, as the Ray trainer hands them out); 2
-    ``train_batch`` steps."""
-    import functools
+def make_engine(world, mode, cp, cfg, ep=1):
+    """AReaL's ``DTATrainEngine`` on ``fsdp:d{W/C}c{C}`` (E > 1: ``archon:d{W/C}c{C}e{E}``,
+    AReaL's fsdp backend refuses ``e``) + ``actor.dta.sharding=mode``: the run config's model
+    (float64 throughout where it is float64), walk and optimizer (AReaL's
+    ``OptimizerConfig``, a constant LR schedule)."""
     import shutil
 
     from areal.api.cli_args import MicroBatchSpec, TrainEngineConfig
 
-    from dta.config.schema import loss_kwargs
     from dta.config.walk import walk_options
-    from dta.losses import make_loss
     from dta.model import models
-    from dta.model.context_parallel import context_parallel_of
-    from dta.planning.workers import assign_workers
-    from dta.tree import PrefixTree
-    from dta_cli.batches import BatchSource
-    from runtime.areal import convert
 
     oc, dp = cfg.optimizer, world // cp
     path = _model_dir(cfg)
@@ -92,20 +82,46 @@ def front_door(rank, world, mode, cp, cfg, ep=1):
     finally:
         models.load_model = load
         shutil.rmtree(path, ignore_errors=True)
+    return eng
+
+
+def train_step(eng, cfg, k, rank, world, cp) -> dict:
+    """``train_batch`` of the run config's batch ``k`` (this data-parallel group's share as
+    AReaL's right-padded training dicts; DTA's PPO through AReaL's ``loss_fn`` /
+    ``loss_weight_fn``)."""
+    import functools
+
+    from dta.config.schema import loss_kwargs
+    from dta.losses import make_loss
+    from dta.planning.workers import assign_workers
+    from dta.tree import PrefixTree
+    from dta_cli.batches import BatchSource
+    from runtime.areal import convert
+
     loss_fn = functools.partial(_dta_loss, loss=make_loss(cfg.loss.name, **loss_kwargs(cfg)))
+    batch = BatchSource(cfg, VOCAB).batch(k)
+    mine = batch.subset(assign_workers(PrefixTree(batch.input_ids),
+                                       world // cp).workers[rank // cp])
+    records = [{"input_ids": mine.input_ids[i],
+                **{f: mine.fields[f][i] for f in ("loss_mask", "advantages", "old_logprobs")}}
+               for i in range(len(mine))]
+    stats = eng.train_batch(convert.from_records(records, logprobs_dtype=torch.float64),
+                            loss_fn, lambda mb: mb["loss_mask"].count_nonzero())
+    if stats["update_successful"] != 1.0:
+        raise RuntimeError(f"AReaL front door: step {k} did not update")
+    return stats
+
+
+def front_door(rank, world, mode, cp, cfg, ep=1):
+    """AReaL's ``DTATrainEngine`` as a front door of tests/test_engine_front_doors.py
+    (:func:`make_engine`), 2 ``train_batch`` steps (:func:`train_step`)."""
+    from dta.model.context_parallel import context_parallel_of
+
+    eng = make_engine(world, mode, cp, cfg, ep)
     cpo = context_parallel_of(eng.model)
     sent = cpo.sent_bytes if cpo is not None else 0
-    source = BatchSource(cfg, VOCAB)
     for k in range(2):
-        batch = source.batch(k)
-        mine = batch.subset(assign_workers(PrefixTree(batch.input_ids), dp).workers[rank // cp])
-        records = [{"input_ids": mine.input_ids[i],
-                    **{f: mine.fields[f][i] for f in ("loss_mask", "advantages",
-                                                       "old_logprobs")}}
-                   for i in range(len(mine))]
-        stats = eng.train_batch(convert.from_records(records, logprobs_dtype=torch.float64),
-                                loss_fn, lambda mb: mb["loss_mask"].count_nonzero())
-        assert stats["update_successful"] == 1.0
+        train_step(eng, cfg, k, rank, world, cp)
     from dta.model.expert_parallel import expert_parallel_of
 
     experts = expert_parallel_of(eng.model)

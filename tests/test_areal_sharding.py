@@ -224,7 +224,7 @@ def _dcp_round_trip(rank, world, path, directory, mode, policy):
                    "files": files}
 
 
-def _refusals(eng, directory, other):
+def _refusals(eng, directory):
     attempts = {
         "offload": eng.offload,
         "hf_with_optim": lambda: eng.save(SaveLoadMeta(
@@ -232,8 +232,6 @@ def _refusals(eng, directory, other):
         "dcp_without_optim": lambda: eng.save(SaveLoadMeta(
             path=directory, weight_format="dcp", with_optim=False)),
         "forward_backward": lambda: eng.forward_backward_batch([], None),
-        "other_mode": lambda: eng.load(SaveLoadMeta(path=other, weight_format="dcp",
-                                                    with_optim=True)),
     }
     refused = {}
     for name, attempt in attempts.items():
@@ -253,9 +251,8 @@ def dcp_and_refusals(rank, world, path, directory):
             engines[mode], out[mode] = _dcp_round_trip(rank, world, path,
                                                        os.path.join(directory, mode),
                                                        mode, policy)
-        for mode, other in (("zero1", "fsdp"), ("fsdp", "zero1")):
-            out[mode]["refused"] = _refusals(engines[mode], os.path.join(directory, mode),
-                                             os.path.join(directory, other))
+        for mode in ("zero1", "fsdp"):
+            out[mode]["refused"] = _refusals(engines[mode], os.path.join(directory, mode))
         for eng in engines.values():
             eng.destroy()
     return out
@@ -394,9 +391,7 @@ def test_dcp_round_trip_continues_bit_identically(runs, mode):
         assert f"with_optim=False under actor.dta.sharding={mode}" in \
             refused["dcp_without_optim"]
         assert "forward_backward_batch(forward_only=False)" in refused["forward_backward"]
-        other = "fsdp" if mode == "zero1" else "zero1"
-        assert f"written under sharding={other}; this engine runs sharding={mode}" in \
-            refused["other_mode"]
+        # another mode's checkpoint loads (the logical view): tests/test_resume_front_doors.py
     # the optimizer state is sharded: each rank holds half of a replica's (AdamW: 2 / param)
     sizes = [sum(v.numel() for v in r["straight"]["optim"].values()) for r in res]
     replica = 2 * sum(v.numel() for v in res[0]["straight"]["state"].values())

@@ -150,15 +150,6 @@ def test_the_layout_matches_calls_where_an_expert_group_spans_data_parallel_grou
             spelling={"expert_parallel": "config key 'train.expert_parallel'"})
 
 
-def test_checkpoints_of_expert_slices_are_refused_before_training():
-    from dta.config.schema import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match="'train.expert_parallel': checkpoints of expert "
-                                          "slices are not implemented yet"):
-        load_config(None, ["ray.num_workers=2", "train.expert_parallel=2",
-                           "train.checkpoint_dir=/tmp/dta-ep-never-written"])
-
-
 def test_a_frozen_base_is_refused_with_expert_parallel():
     from dta.model.models import build_model
     from dta.options import WalkOptions

@@ -422,12 +422,6 @@ def validate_config(cfg) -> None:
         raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} does not "
                           f"divide ray.num_workers={workers} (the data-parallel size is "
                           "ray.num_workers / train.context_parallel)")
-    ep = _get(cfg, "train.expert_parallel")
-    if ep != AUTO and int(ep) > 1 and _get(cfg, "train.checkpoint_dir"):
-        raise ConfigError("bad value for config key 'train.expert_parallel': checkpoints of "
-                          "expert slices are not implemented yet; train.checkpoint_dir must be "
-                          "null with train.expert_parallel > 1 (train.export_hf gathers the "
-                          "whole model)")
     address = _get(cfg, "ray.address")
     if address is not None and not str(address).strip():
         raise ConfigError("bad value for config key 'ray.address': empty (use null for a "

@@ -6,16 +6,17 @@ optimizer steps -- the fp32 masters where kept, so a resumed run continues bit-i
 and the optimizer state, keyed by parameter name; every rank its part under zero1 / fsdp)
 plus AReaL's LR scheduler (FSDPEngine does not save it, so its schedule restarts on
 recovery). It is written through the project's one sharded-checkpoint implementation,
-``runtime/dcp.py`` (``save_sharded`` / ``load_sharded``: every rank, atomic, resumable at the
-same world size), into the folder AReaL names (``SaveLoadMeta.path``)::
+``runtime/dcp.py`` (``save_sharded`` / ``load_sharded``: every rank, atomic, resumable under
+any layout), into the folder AReaL names (``SaveLoadMeta.path``)::
 
     <path>/step-<version>/   DCP files + meta.json (runtime/dcp.py) + manifest.json
     <path>/latest            the newest one; older steps are removed after a save
 
 Trust (``runtime/checkpoints/checkpoint.py``): rank 0 writes ``manifest.json`` (size and
 SHA-256 of every file); a load verifies every file against it before DCP reads anything
-(DCP's ``.metadata`` is a pickle), and refuses a checkpoint without one, or one written under
-another sharding mode.
+(DCP's ``.metadata`` is a pickle), and refuses a checkpoint without one. The core's state is
+layout-free (``runtime.sharding.logical``): a checkpoint written under one
+``actor.dta.sharding`` and world size loads under another.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import os
 import shutil
 
 from runtime.checkpoints.checkpoint import verify_manifest, write_manifest
-from runtime.dcp import latest_sharded, load_sharded, read_meta, save_sharded, step_name
+from runtime.dcp import latest_sharded, load_sharded, save_sharded, step_name
 from runtime.engine import comm
 
 __all__ = ["save_state", "load_state"]
@@ -47,16 +48,12 @@ def save_state(path: str, state: dict, *, step: int = 0, sharding: str = "replic
 
 def load_state(path: str, state: dict, *, sharding: str = "replicate") -> dict:
     """The newest checkpoint under ``path`` into ``state`` in place (every rank), verified
-    against its manifest first; refuses one written under another ``sharding`` (its entries
-    would not match), naming both. Returns its meta."""
+    against its manifest first. The core's state is its logical view: written under any
+    ``actor.dta.sharding`` and world size, it loads under this engine's (``sharding``, kept
+    for the callers). Returns its meta."""
     final = latest_sharded(path)
     if final is None:
         raise FileNotFoundError(f"no DCP checkpoint under {path!r} (expected "
                                 f"step-*/meta.json written by save_state)")
     verify_manifest(final)
-    written = read_meta(final).get("sharding", "replicate")
-    if written != sharding:
-        raise ValueError(f"DCP checkpoint {final!r} was written under sharding={written}; "
-                         f"this engine runs sharding={sharding} (load it with the same "
-                         "actor.dta.sharding)")
     return load_sharded(final, state)

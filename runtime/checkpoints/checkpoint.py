@@ -249,10 +249,12 @@ def _manifest_run(path: str) -> str | None:
 
 # ------------------------------------------------------------------ save / load --
 def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | None = None, *,
-                    run_id: str | None = None, keep_last: int | None = None) -> str:
+                    run_id: str | None = None, keep_last: int | None = None,
+                    weights: dict | None = None) -> str:
     """Write checkpoint ``step`` atomically (with its manifest); returns its final path.
     ``run_id`` defaults to the folder's (``run.json``); ``keep_last`` deletes all but the
-    newest N checkpoints afterwards."""
+    newest N checkpoints afterwards; ``weights``: tensors that stand for the model's own in
+    ``model.pt`` (the fp32 masters a replica steps, by parameter name)."""
     refused = foreign_folder(directory)
     if refused:
         raise CheckpointError(refused)
@@ -276,7 +278,8 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
     tmp = tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=directory)
     try:
         os.chmod(tmp, 0o755)
-        save_tensors({k: v.detach().cpu() for k, v in trained_state(model).items()},
+        save_tensors({k: v.detach().cpu() for k, v in {**trained_state(model),
+                                                       **(weights or {})}.items()},
                      os.path.join(tmp, "model.pt"))
         save_tensors(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         save_tensors(rng_state(), os.path.join(tmp, "rng.pt"))
@@ -338,15 +341,19 @@ def read_meta(path: str) -> dict:
         raise CheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
 
 
-def load_checkpoint(path: str, model, optimizer=None, *, restore_rng: bool = True) -> dict:
-    """Verify ``path`` (manifest, run), read every file (tensors only), then load them into
-    ``model`` (and ``optimizer``); returns its meta. Nothing is applied unless all of it
-    verifies and reads."""
-    manifest = verify_manifest(path)
+def check_owner(path: str, manifest: dict) -> None:
+    """Refuse a checkpoint whose manifest names another run than its folder's run.json."""
     run = read_run(os.path.dirname(os.path.abspath(path)))
     if run is not None and manifest.get("run_id") not in (None, run.get("run_id")):
         raise CheckpointError(f"checkpoint {path!r} belongs to run {manifest['run_id']}, but its "
                               f"folder to run {run.get('run_id')}: two runs were mixed; refused")
+
+
+def load_checkpoint(path: str, model, optimizer=None, *, restore_rng: bool = True) -> dict:
+    """Verify ``path`` (manifest, run), read every file (tensors only), then load them into
+    ``model`` (and ``optimizer``); returns its meta. Nothing is applied unless all of it
+    verifies and reads."""
+    check_owner(path, verify_manifest(path))
     meta = read_meta(path)
     device = next(model.parameters()).device
     state = load_tensors(os.path.join(path, "model.pt"), map_location=device)

@@ -1,11 +1,15 @@
 """The engine core's checkpoints and Hugging Face export.
 
 - replicated state (``replicate``): one rank writes the model and the optimizer
-  (``runtime.checkpoints.checkpoint``: tensors only, a SHA-256 manifest, atomic);
-- sharded state (``zero1`` / ``fsdp``): every rank writes its shards with DCP
-  (``runtime.dcp.save_sharded``), loaded at any world size in the same mode, or re-sharded
-  into one replica, or a replicated checkpoint cut into this rank's shards
-  (``runtime.sharding.reshard``); anything else is refused before a parameter is touched;
+  (``runtime.checkpoints.checkpoint``: tensors only, a SHA-256 manifest, atomic; a replica
+  keeping fp32 masters writes the masters as its weights);
+- sharded state (``zero1`` / ``fsdp``): every rank writes its pieces of the one logical view
+  (``runtime.sharding.logical``: per parameter by name and whole shape, the stepped weights
+  and the optimizer state) with DCP (``runtime.dcp.save_sharded``);
+- either loads under any layout -- another world size, mode or context-parallel size --
+  every rank keeping its pieces (``runtime.sharding.reshard``); a checkpoint of another
+  model, LoRA <-> full or another optimizer is refused in one line before a parameter is
+  touched;
 - the model as a Hugging Face folder (``save_pretrained``, compute dtype; LoRA: the adapter
   in PEFT format or merged weights), gathered where sharded;
 - the whole weights in the compute dtype, tensor by tensor or as a state dict (what a
@@ -25,43 +29,31 @@ __all__ = ["save", "load", "export_hf", "named_full_tensors", "full_state_dict",
 def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = None,
          keep_last: int | None = None) -> str:
     """Replicated: call it on one rank (it writes the whole state). Sharded: every rank calls
-    it and writes its shards (rank 0 then applies ``keep_last``)."""
+    it and writes its pieces (rank 0 then applies ``keep_last``)."""
     if core.layout.sharded:
         from runtime.checkpoints.checkpoint import prune
         from runtime.dcp import save_sharded
 
         path = save_sharded(directory, step, core.mode.sharded_state(),
-                            meta={**meta, "sharding": core.layout.sharding, "run_id": run_id})
+                            meta={"layout": core.layout.record(), **meta,
+                                  "sharding": core.layout.sharding, "run_id": run_id})
         if keep_last and core.layout.rank == 0:
             prune(directory, keep_last, keep=path, run_id=run_id)
         return path
     from runtime.checkpoints.checkpoint import save_checkpoint
 
+    mode = core.mode
+    masters = getattr(mode, "masters", None)  # a replica's fp32 masters: what it steps
+    weights = None if masters is None else {n: m for n, m in zip(mode.names, masters)}
     return save_checkpoint(directory, step, core.model, core.optimizer, meta, run_id=run_id,
-                           keep_last=keep_last)
+                           keep_last=keep_last, weights=weights)
 
 
 def load(core, path: str) -> dict:
-    """Load ``path`` into the core (sharded: every rank calls it); returns its meta."""
-    from runtime.sharding.reshard import (
-        check_resumable,
-        load_into_replica,
-        load_replicated_into_sharded,
-    )
+    """Load ``path`` into the core under its layout (every rank calls it); returns its meta."""
+    from runtime.sharding.reshard import load as load_any
 
-    sharded = core.layout.sharded
-    saved = check_resumable(path, core.layout.world, core.layout.sharding)
-    if saved["format"] == "dcp" and not sharded:
-        return load_into_replica(path, core.model, core.optimizer)
-    if saved["format"] == "replicated" and sharded:
-        return load_replicated_into_sharded(path, core.mode)
-    if sharded:  # the same mode; DCP re-cuts for another world size
-        from runtime.dcp import load_sharded
-
-        return load_sharded(path, core.mode.sharded_state(), allow_reshard=True)
-    from runtime.checkpoints.checkpoint import load_checkpoint
-
-    return load_checkpoint(path, core.model, core.optimizer)
+    return load_any(core, path)
 
 
 def export_hf(core, path: str, *, merged: bool = False) -> str:

@@ -19,6 +19,11 @@ makes its folders 0777; :meth:`ClusterHandle.tighten` undoes that); the temp fol
 token are removed on every exit path (failed start included), and folders left by a run
 that was killed (``kill -9``) are removed by the next start (:func:`sweep_stale`).
 
+The instance dies with its driver, whatever kills it (:mod:`.reaper`): every process of it
+carries ``DTA_RAY_INSTANCE=<token>`` in its environment, and a watcher in its own session
+kills them all (and removes the private folders) once the driver is gone -- SIGKILL
+included; after a normal ``shutdown`` it kills what ``ray.shutdown()`` left.
+
 Joining: an address on loopback (``127.0.0.1:PORT``, ``localhost:PORT``) stays on loopback
 on the client too (without it Ray swaps in the machine's routable address and waits ~5
 minutes on a loopback-only head); the address is probed first, so nothing listening is an
@@ -167,6 +172,8 @@ class ClusterHandle:
     start_s: float = 0.0
     auth_dir: str | None = None  # the private token's directory (removed at shutdown)
     auth_restore: dict | None = None  # auth variables to restore at shutdown
+    token: str | None = None  # the local instance's DTA_RAY_INSTANCE marker (.reaper)
+    watcher: object = None  # the .reaper process that kills the instance with its driver
 
     def tighten(self) -> None:
         """No group/other access to the private temp folder; nothing in it writable by
@@ -185,6 +192,11 @@ class ClusterHandle:
             return
         if ray.is_initialized():
             ray.shutdown()
+        if self.watcher is not None:  # what ray.shutdown() left of the instance
+            from runtime.ray_runtime.reaper import stop_watcher
+
+            stop_watcher(self.watcher)
+            self.watcher = None
         if self.owned_temp_dir and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.owned_temp_dir = False
@@ -252,22 +264,30 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
         # Enough CPU slots for the workers even on a 2-core machine (they share cores).
         need = ray_cfg.num_workers * float(ray_cfg.cpus_per_worker)
         num_cpus = max(int(-(-need // 1)), psutil.cpu_count() or 1)
+    from runtime.ray_runtime.reaper import MARKER, start_watcher, stop_watcher
+
+    token = secrets.token_hex(8)  # every process of the instance carries it (.reaper)
+    watcher = start_watcher(token, [d for d in (temp_dir if owned else None, auth_dir) if d])
+    os.environ[MARKER] = token
     try:
         info = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                         object_store_memory=object_store, namespace=namespace,
                         _temp_dir=temp_dir, num_cpus=num_cpus, log_to_driver=log_to_driver,
                         configure_logging=True, logging_level="WARNING")
     except Exception:
+        stop_watcher(watcher)  # and what a failed start left
         if owned:
             shutil.rmtree(temp_dir, ignore_errors=True)
         if auth_dir:
             restore_auth(auth_restore)
             shutil.rmtree(auth_dir, ignore_errors=True)
         raise
+    finally:  # the instance's processes have it; what this process starts later does not
+        os.environ.pop(MARKER, None)
     handle = ClusterHandle(local=True, address=info.address_info.get("gcs_address"),
                            temp_dir=temp_dir, owned_temp_dir=owned,
                            start_s=time.perf_counter() - t0, auth_dir=auth_dir,
-                           auth_restore=auth_restore)
+                           auth_restore=auth_restore, token=token, watcher=watcher)
     try:
         handle.tighten()
         if verify_loopback:

@@ -92,6 +92,7 @@ class ShardingMode:
 
     matched_calls: ClassVar[bool] = False  # gathers inside decoder calls (fsdp)
     holds_experts: ClassVar[bool] = False  # handles expert slices (runtime.sharding.experts)
+    experts = None  # its runtime.sharding.experts.ExpertPart under expert parallelism
 
     def forward_steps(self, inner: dict) -> list:
         """The collectives of one decoder forward, in order (see the module doc): here the
@@ -127,5 +128,30 @@ class ShardingMode:
     def full_state(self) -> dict:
         raise NotImplementedError
 
-    def sharded_state(self) -> dict:
+    # ------------------------------------------------------------- checkpoints --
+    # One layout-independent view of the training state (runtime.sharding.logical): a mode
+    # declares what this rank holds of each trained parameter; saving, loading under any
+    # other layout and re-cutting are generic.
+    def held(self) -> list:
+        """This rank's pieces of the trained parameters (:class:`runtime.sharding.logical.
+        Held`: a box or a flat range of the whole parameter, and what the optimizer steps
+        for it)."""
         raise NotImplementedError
+
+    def logical_shapes(self) -> list[tuple[str, tuple]]:
+        """``(name, whole shape)`` of every trained parameter, in the model's order (a mode
+        whose model holds a parameter's slice, e.g. experts, gives the whole shape)."""
+        return [(n, self.experts.whole_shape(p) if self.experts is not None and
+                 self.experts.holds(p) else tuple(p.shape))
+                for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def logical_loaded(self) -> None:
+        """After a load wrote this rank's pieces: derive the rest (gather the compute
+        weights, cast the masters into the model)."""
+
+    def sharded_state(self) -> dict:
+        """DCP's view (``runtime.dcp.save_sharded`` / ``load_sharded``): the logical state,
+        loaded in place under any layout."""
+        from runtime.sharding.logical import KEY, LogicalState
+
+        return {KEY: LogicalState(self)}

@@ -74,6 +74,32 @@ class ExpertPart:
         e = float(sum(t.double().pow(2).sum() for t in experts)) if experts else 0.0
         return math.sqrt(d + self.group_sum(e, device))
 
+    # ------------------------------------------------ the logical view (checkpoints) --
+    def whole_shape(self, p) -> tuple:
+        """The whole ``[n, ...]`` shape of the slice ``p``."""
+        return (self.ep.slice_of(p)[2], *p.shape[1:])
+
+    def held_box(self, name: str, p, stepped):
+        """A replica's slice as its box of the whole tensor (rows ``first..stop`` of dim 0)."""
+        from runtime.sharding.logical import Held
+
+        first = self.ep.slice_of(p)[0]
+        return Held(name, self.whole_shape(p), stepped, offsets=(first,) + (0,) * (p.dim() - 1))
+
+    def held_flat(self, flat) -> list:
+        """The slices' flat shards (:meth:`flat`) as flat ranges of the whole tensors: a
+        slice is rows ``first..stop`` of dim 0, so its element k is the whole tensor's
+        ``first x row + k``."""
+        from runtime.sharding.logical import Held
+
+        out = []
+        for h in flat.held():
+            p = flat.params[flat.names.index(h.name)]
+            row = math.prod(p.shape[1:])
+            out.append(Held(h.name, self.whole_shape(p), h.stepped,
+                            start=self.ep.slice_of(p)[0] * row + h.start))
+        return out
+
     @torch.no_grad()
     def full_state(self, model) -> dict:
         """The model's state dict on CPU, expert slices gathered into whole tensors (a

@@ -176,46 +176,10 @@ class FlatShards:
         return {"compute_params": compute, "compute_grads": grads, "master": master,
                 "grad_shard": gshard}
 
-    def master_flat_state(self, optimizer) -> dict[str, torch.Tensor]:
-        """This rank's slice of the master weights and of each optimizer state, flat."""
-        out = {"master": self.master}
-        keys = set()
-        for mp in self.master_params:
-            keys |= {k for k, v in optimizer.state.get(mp, {}).items()
-                     if torch.is_tensor(v) and v.numel() == mp.numel() and v.dim() == 1}
-        for k in sorted(keys):
-            flat = torch.zeros_like(self.master)
-            for mp, pc in zip(self.master_params, self.pieces):
-                v = optimizer.state.get(mp, {}).get(k)
-                if v is not None:
-                    self._piece(flat, pc).copy_(v)
-            out[k] = flat
-        return out
+    def held(self) -> list:
+        """This rank's pieces for the logical view (:mod:`.logical`): per piece, the flat
+        range of its parameter and the master view the optimizer steps."""
+        from runtime.sharding.logical import Held
 
-    def param_steps(self, optimizer) -> torch.Tensor:
-        """Per parameter, the optimizer's step count (max over the ranks holding a piece)."""
-        steps = torch.zeros(len(self.params), dtype=torch.float64, device=self.device)
-        for mp, pc in zip(self.master_params, self.pieces):
-            s = optimizer.state.get(mp, {}).get("step")
-            if s is not None:
-                steps[pc.index] = float(s)
-        if self.world > 1:
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)
-        return steps
-
-    @torch.no_grad()
-    def load_flat_state(self, optimizer, flat: dict[str, torch.Tensor], steps: torch.Tensor,
-                        step_dtype=torch.float32) -> None:
-        """Inverse of :meth:`master_flat_state` (+ :meth:`param_steps`); then regather."""
-        self.master.copy_(flat["master"])
-        for mp, pc in zip(self.master_params, self.pieces):
-            s = float(steps[pc.index])
-            if s <= 0:
-                optimizer.state.pop(mp, None)
-                continue
-            st = {"step": torch.tensor(s, dtype=step_dtype)}
-            for k, v in flat.items():
-                if k != "master":
-                    st[k] = self._piece(v, pc).clone()
-            optimizer.state[mp] = st
-        self.gather_parameters()
+        return [Held(self.names[pc.index], tuple(self.params[pc.index].shape), mp,
+                     start=pc.start) for mp, pc in zip(self.master_params, self.pieces)]

@@ -188,18 +188,17 @@ class FSDP(ShardingMode):
         for flat in self.flats:
             flat.zero_master_grads()
 
-    def sharded_state(self) -> dict:
-        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
-        from runtime.sharding.state import DTensorParamsState, FlatShardsState
+    def held(self) -> list:
+        """The layers' DTensor shards (one box each) and the vocabulary's flat pieces."""
+        from runtime.sharding.logical import held_dtensor
 
-        if self.experts is not None:
-            raise NotImplementedError("checkpoints of expert slices (expert_parallel > 1) are "
-                                      "not implemented yet")
-        vocab_ids = {id(p) for p in self.vocab.params}
-        named = [(n, p) for n, p in self.model.named_parameters()
-                 if p.requires_grad and id(p) not in vocab_ids]
-        return {"fsdp": DTensorParamsState(named, self.optimizer),
-                "vocab": FlatShardsState(self.vocab, self.optimizer, self.mesh)}
+        return [held_dtensor(n, p) for n, p in self.model.named_parameters()
+                if p.requires_grad and hasattr(p, "to_local")] + self.vocab.held() + (
+            self.experts.held_flat(self.expert_shards) if self.expert_shards else [])
+
+    def logical_loaded(self) -> None:
+        for flat in self.flats:
+            flat.gather_parameters()
 
     # --------------------------------------------------------------- reporting --
     @torch.no_grad()

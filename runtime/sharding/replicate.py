@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.sharding.base import ShardingMode, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
@@ -54,36 +53,6 @@ def allreduce_gradients(params, bucket_elems: int = 1 << 24, group=None) -> None
     dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
     for p, g, n in zip(params, grads, present.tolist()):
         p.grad = g if n > 0 else None
-
-
-class ReplicaState(Stateful):
-    """DCP's view of a replica: what the optimizer steps (the masters where kept), keyed by
-    the model's parameter names, and the optimizer state keyed by them too; ``loaded()``
-    runs after a load (the masters' cast into the model)."""
-
-    def __init__(self, named, optimizer, loaded=None):
-        from runtime.dcp import param_holder
-
-        self.module, self.optimizer, self.loaded = param_holder(named), optimizer, loaded
-
-    def state_dict(self):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.module)}
-        model, optim = get_state_dict(self.module, self.optimizer)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state_dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if self.optimizer is None:
-            set_model_state_dict(self.module, model_state_dict=state_dict["model"])
-        else:
-            set_state_dict(self.module, self.optimizer, model_state_dict=state_dict["model"],
-                           optim_state_dict=state_dict["optim"])
-        if self.loaded is not None:
-            self.loaded()
 
 
 @register("replicate")
@@ -195,14 +164,21 @@ class Replicate(ShardingMode):
             return self.experts.norm(*self._split(self.stepped))
         return float(sum(p.double().pow(2).sum() for p in self.stepped) ** 0.5)
 
-    def sharded_state(self) -> dict:
-        """DCP's view (every rank holds all of it): the stepped weights by name (masters
-        where kept) and the optimizer state."""
-        if self.experts is not None:
-            raise NotImplementedError("checkpoints of expert slices (expert_parallel > 1) are "
-                                      "not implemented yet")
-        return {"replicate": ReplicaState(list(zip(self.names, self.stepped)), self.optimizer,
-                                          loaded=self._masters_to_model)}
+    def held(self) -> list:
+        """Every rank holds every trained parameter whole: what it steps (the masters where
+        kept) as one box at the origin; an expert slice is its box of the whole tensor."""
+        from runtime.sharding.logical import Held
+
+        out = []
+        for n, p, s in zip(self.names, self.params, self.stepped):
+            if self.experts is not None and self.experts.holds(p):
+                out.append(self.experts.held_box(n, p, s))
+            else:
+                out.append(Held(n, tuple(p.shape), s, offsets=(0,) * p.dim()))
+        return out
+
+    def logical_loaded(self) -> None:
+        self._masters_to_model()
 
     @torch.no_grad()
     def full_state(self) -> dict:

@@ -1,26 +1,23 @@
-"""Resuming a checkpoint at another world size: what can be re-sharded, and how.
+"""Resuming a checkpoint under any layout: every source through the one logical view.
 
-A sharded checkpoint (:mod:`runtime.dcp`) holds *logical* tensors: zero1's masters and
-optimizer states as one flat tensor of all N parameter elements (``Shard(0)``, the
-``torch.chunk`` cut), fsdp's layer parameters and their states as ``Shard(0)`` DTensors of
-the parameters' own shapes, its vocabulary weights flat like zero1's, and per-parameter step
-counts. Nothing in them depends on the world size but the cut, so:
+The training state is saved layout-free (:mod:`.logical`): per trained parameter, by its
+name and whole shape, the weights the optimizer steps and each optimizer state tensor, and
+its step count. So a checkpoint resumes under another world size, sharding mode
+(replicate / zero1 / fsdp) or context-parallel size (which changes only the walk, never the
+state): every rank loads the pieces it holds now. The sources (:func:`layout`):
 
-- **W ranks → 1 rank** (:func:`load_into_replica`): one process (a replica: ``dta train``
-  with ``ray.num_workers=1``) reads every logical tensor whole (DCP, no process group),
-  cuts zero1's / the vocabulary's flat tensors back into parameters by the model's
-  parameter order, and fills the model and an AdamW/SGD optimizer's per-parameter state.
-  Nothing is applied before every tensor is read and matches the model.
-- **a replicated checkpoint → W sharded ranks** (:func:`load_replicated_into_sharded`):
-  every rank reads the whole ``model.pt`` / ``optimizer.pt`` (tensors only, verified) and
-  keeps its own cut of each parameter and optimizer state (zero1 / the vocabulary: the flat
-  slice; fsdp's layers: ``distribute_tensor`` of the local data, no communication), then
-  regathers the compute parameters;
-- **W ranks → W' ranks, the same mode** (W' = W included): :func:`runtime.dcp.load_sharded`;
-  DCP re-cuts each logical tensor for the new ranks (``allow_reshard``);
-- anything else is refused by :func:`check_resumable`, one line naming the checkpoint's and
-  this run's world size and mode, before any parameter is touched: another sharded mode, a
-  sharded checkpoint into W > 1 replicas.
+- ``logical`` -- a DCP checkpoint of a sharded run (meta.json ``"logical": 1``): every rank
+  loads its pieces, DCP reading the overlapping parts of whatever the saving ranks wrote;
+- ``replicated`` -- ``model.pt`` + ``optimizer.pt`` (a replica's; tensors only, verified):
+  every rank reads the files whole and keeps its pieces; a replicated run also gets the
+  optimizer's hyperparameters (``param_groups``), the model's buffers and the RNG state back,
+  as a replica always did;
+- ``dcp-v1`` -- the sharded format before 2026-12-05 (zero1's flat tensors, fsdp's DTensors
+  and vocabulary): read whole on every rank (DCP without a process group) and cut into the
+  pieces, so it too resumes under any layout (each rank reads all of it once).
+
+Refused in one line, before a parameter is touched (:func:`.logical.check_fits`): a
+checkpoint of another model or size, LoRA <-> full, another optimizer's state.
 """
 from __future__ import annotations
 
@@ -29,214 +26,169 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from runtime.checkpoints.checkpoint import read_meta, verify_manifest
-from runtime.dcp import ShardedCheckpointError
+from runtime.checkpoints.checkpoint import check_owner, read_meta, verify_manifest
+from runtime.dcp import LOGICAL, ShardedCheckpointError
+from runtime.sharding.logical import STEP, load_whole
+
+__all__ = ["layout", "load"]
 
 
 def layout(path: str) -> dict:
-    """{"format": "dcp" | "replicated", "world": ranks that wrote it, "sharding": mode};
-    the manifest is verified first."""
-    verify_manifest(path)
+    """``{"format": "logical" | "replicated" | "dcp-v1", "world", "sharding", "meta"}`` of the
+    checkpoint ``path``; its manifest is verified (and its run) first."""
+    check_owner(path, verify_manifest(path))
     meta = read_meta(path)
     if meta.get("format") == "dcp":
-        return {"format": "dcp", "world": int(meta.get("world_size", -1)),
+        fmt = "logical" if meta.get("logical") == LOGICAL else "dcp-v1"
+        return {"format": fmt, "world": int(meta.get("world_size", -1)),
                 "sharding": str(meta.get("sharding")), "meta": meta}
     return {"format": "replicated", "world": int(meta.get("num_workers") or 1),
             "sharding": "replicate", "meta": meta}
 
 
-def check_resumable(path: str, world: int, mode: str) -> dict:
-    """The checkpoint's layout if this run (``world`` ranks, effective ``mode``) can load it;
-    else a one-line :class:`ShardedCheckpointError`."""
+def load(core, path: str) -> dict:
+    """The checkpoint ``path`` into the engine core's model and optimizer under its layout
+    (every rank of a sharded or replicated group calls this); returns its meta."""
+    from runtime.dcp import load_sharded
+
     saved = layout(path)
+    mode = core.mode
+    if saved["format"] == "logical":
+        return load_sharded(path, mode.sharded_state())
     if saved["format"] == "replicated":
-        return saved  # replicas load it whole; sharded ranks keep their cut of it
-    if mode == "replicate" and world == 1:
-        return saved  # re-sharded into one replica
-    elif mode == saved["sharding"]:
-        return saved  # DCP re-cuts the logical tensors for this world size
+        _load_replicated(core, path)
     else:
-        why = ("a sharded checkpoint resumes in its own mode (at any world size), or "
-               "re-sharded on 1 rank (ray.num_workers=1)")
-    raise ShardedCheckpointError(
-        f"checkpoint {path!r} was saved by {saved['world']} rank(s) with "
-        f"train.sharding={saved['sharding']}; this run has {world} rank(s) with "
-        f"train.sharding={mode}: {why}")
+        load_whole(mode, _previous_format(path, mode, saved["sharding"]), what=repr(path))
+    return saved["meta"]
 
 
-def _templates(path: str) -> dict[str, torch.Tensor]:
-    """Empty tensors of every saved tensor's logical shape and dtype (from DCP's metadata)."""
+# ------------------------------------------------------------------ replicated --
+def _load_replicated(core, path: str) -> None:
+    from runtime.checkpoints.checkpoint import load_tensors, set_rng_state
+
+    weights = load_tensors(os.path.join(path, "model.pt"))
+    opt = load_tensors(os.path.join(path, "optimizer.pt"))
+    rng = os.path.join(path, "rng.pt")
+    rng = load_tensors(rng) if os.path.exists(rng) else None
+    mode, model = core.mode, core.model
+    load_whole(mode, _replicated_whole(path, weights, opt, mode), what=repr(path))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in weights:
+                b.copy_(weights[name].to(device=b.device, dtype=b.dtype))
+    if not core.layout.sharded:  # as a replica always resumed: hyperparameters, RNG
+        groups = opt.get("param_groups") or []
+        if mode.optimizer is not None and len(groups) == len(mode.optimizer.param_groups):
+            for group, saved in zip(mode.optimizer.param_groups, groups):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        if rng is not None:
+            set_rng_state(rng)
+
+
+def _replicated_whole(path: str, weights: dict, opt: dict, mode) -> dict:
+    """The logical tensors of a replicated checkpoint, read as this run's model names them:
+    its optimizer's parameters in order are the model's trained ones (what a replica steps)."""
+    shapes = dict(mode.logical_shapes())
+    trained = set(shapes)
+    others = set(mode.model.state_dict()) - trained  # buffers, tied names, a frozen base
+    saved = [n for n in weights if n not in others]
+    whole = {f"model.{n}": weights[n] for n in saved}
+    ids = [i for g in opt.get("param_groups", []) for i in g["params"]]
+    if set(saved) == trained and mode.optimizer is not None and len(ids) != len(shapes):
+        raise ShardedCheckpointError(f"checkpoint {path!r}: its optimizer holds {len(ids)} "
+                                     f"parameters, the model trains {len(shapes)}")
+    if set(saved) != trained or mode.optimizer is None:
+        return whole  # check_fits names what differs; an engine without optimizer: weights
+    keys = mode_state_keys(mode)
+    for i, name in zip(ids, shapes):
+        st = {k: v for k, v in (opt["state"].get(i) or {}).items() if v is not None}
+        w = weights[name]
+        for k in (keys if not st else [k for k in st if k != STEP]):
+            whole[f"optim.{name}.{k}"] = st[k] if st else torch.zeros_like(w)
+        if STEP in st or (not st and _adam(mode)):
+            whole[f"optim.{name}.{STEP}"] = torch.as_tensor(float(st.get(STEP, 0)))
+    return whole
+
+
+def mode_state_keys(mode) -> tuple[str, ...]:
+    from runtime.sharding.state import state_keys
+
+    return state_keys(mode.optimizer)
+
+
+def _adam(mode) -> bool:
+    return type(mode.optimizer).__name__ in ("AdamW", "Adam")
+
+
+# ------------------------------------------------------- the previous sharded format --
+def _read_whole(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole, in this process (no process group)."""
+    import warnings
+
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = dcp.FileSystemReader(path).read_metadata()
+    md = dcp.FileSystemReader(path).read_metadata()  # a pickle: the manifest is verified
     out = {}
     for fqn, item in md.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             raise ShardedCheckpointError(f"checkpoint {path!r}: entry {fqn!r} is not a tensor")
         out[fqn] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-    return out
-
-
-def _flat(named, saved: dict, prefix: str, keys, path: str) -> dict[str, dict]:
-    """Per parameter name, its slices of the flat tensors ``prefix.master`` and
-    ``prefix.<state key>``, and its step count."""
-    total = sum(p.numel() for _, p in named)
-    master = saved.get(f"{prefix}.master")
-    if master is None or master.numel() != total:
-        raise ShardedCheckpointError(
-            f"checkpoint {path!r}: {prefix}.master holds "
-            f"{None if master is None else master.numel()} elements, the model {total}")
-    steps = saved[f"{prefix}.steps"]
-    out, a = {}, 0
-    for i, (name, p) in enumerate(named):
-        n = p.numel()
-        out[name] = {"param": master[a:a + n].view_as(p), "step": float(steps[i]),
-                     **{k: saved[f"{prefix}.{k}"][a:a + n].view_as(p) for k in keys}}
-        a += n
-    return out
-
-
-def logical_state(path: str, model, keys) -> dict[str, dict]:
-    """Per trainable parameter name: {"param", "step", <optimizer state keys>} as whole
-    tensors, read from the sharded checkpoint ``path`` (one process, no process group)."""
-    import warnings
-
-    from runtime.sharding.fsdp import _vocab_params
-
-    mode = layout(path)["sharding"]
-    saved = _templates(path)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(saved, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if mode == "zero1":
-        return _flat(named, saved, "zero1", keys, path)
-    if mode != "fsdp":
-        raise ShardedCheckpointError(f"checkpoint {path!r}: unknown sharding {mode!r}")
-    vocab = _vocab_params(model)
-    out = _flat(vocab, saved, "vocab", keys, path)
-    vocab_names = {n for n, _ in vocab}
-    for name, p in named:
-        if name in vocab_names:
-            continue
-        param = saved.get(f"fsdp.param.{name}")
-        if param is None or tuple(param.shape) != tuple(p.shape):
-            raise ShardedCheckpointError(f"checkpoint {path!r}: parameter {name!r} is missing "
-                                         "or of another shape")
-        step = saved.get(f"fsdp.optim.{name}.step")
-        out[name] = {"param": param, "step": 0.0 if step is None else float(step),
-                     **{k: saved[f"fsdp.optim.{name}.{k}"] for k in keys}}
+        dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return out
 
 
-@torch.no_grad()
-def load_into_replica(path: str, model, optimizer) -> dict:
-    """Load the sharded checkpoint ``path`` (any world size) into one replica's ``model``
-    and ``optimizer`` (AdamW/Adam/SGD over the model's trainable parameters, in order);
-    returns its meta. Raises before touching anything if the checkpoint does not fit."""
-    from torch.optim.optimizer import _get_scalar_dtype
+def _previous_format(path: str, mode, sharding: str) -> dict[str, torch.Tensor]:
+    """The logical tensors of a checkpoint in the sharded format before 2026-12-05: zero1's
+    masters and states flat over the trained parameters in the model's order (``zero1.*``),
+    fsdp's layers as ``fsdp.param.<name>`` / ``fsdp.optim.<name>.<key>`` and its
+    vocabulary weights flat (``vocab.*``), per-parameter step counts."""
+    from runtime.sharding.fsdp import _vocab_params
 
-    from runtime.sharding.state import state_keys
+    saved = _read_whole(path)
+    shapes = dict(mode.logical_shapes())
+    keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")
+            if any(f.endswith(f".{k}") for f in saved)]
+    whole: dict[str, torch.Tensor] = {}
 
-    meta = layout(path)["meta"]
-    keys = state_keys(optimizer)
-    state = logical_state(path, model, keys)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    missing = [n for n, _ in named if n not in state]
-    if missing:
-        raise ShardedCheckpointError(f"checkpoint {path!r} has no state for {missing[:5]}")
-    own = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if own != {id(p) for _, p in named}:
-        raise ShardedCheckpointError("load_into_replica: the optimizer must hold exactly the "
-                                     "model's trainable parameters")
-    with_step = type(optimizer).__name__ in ("AdamW", "Adam")
-    for name, p in named:
-        st = state[name]
-        p.copy_(st["param"])
-        optimizer.state.pop(p, None)
-        if st["step"] > 0:
-            new = {k: st[k].to(p.dtype).clone() for k in keys}
-            if with_step:
-                new["step"] = torch.tensor(st["step"], dtype=_get_scalar_dtype())
-            optimizer.state[p] = new
-    return meta
+    def flat(prefix: str, names: list[str]) -> None:
+        total = sum(_numel(shapes[n]) for n in names)
+        master = saved.get(f"{prefix}.master")
+        if master is None or master.numel() != total:
+            raise ShardedCheckpointError(
+                f"checkpoint {path!r} (train.sharding={sharding}, the format before "
+                f"2026-12-05) does not fit this run: {prefix}.master holds "
+                f"{None if master is None else master.numel()} elements, this model {total}")
+        steps, a = saved[f"{prefix}.steps"], 0
+        for i, n in enumerate(names):
+            k = _numel(shapes[n])
+            whole[f"model.{n}"] = master[a:a + k].view(shapes[n])
+            for key in keys:
+                whole[f"optim.{n}.{key}"] = saved[f"{prefix}.{key}"][a:a + k].view(shapes[n])
+            whole[f"optim.{n}.{STEP}"] = steps[i].to(torch.float64)
+            a += k
 
-
-# ------------------------------------------------------ replicated -> sharded --
-def replicated_logical_state(path: str, model, keys) -> dict[str, dict]:
-    """Per trainable parameter name {"param", "step", <state keys>}, from a replicated
-    checkpoint (``model.pt``, ``optimizer.pt`` over the trainable parameters in order)."""
-    from runtime.checkpoints.checkpoint import load_tensors
-
-    verify_manifest(path)
-    weights = load_tensors(os.path.join(path, "model.pt"))
-    opt = load_tensors(os.path.join(path, "optimizer.pt"))
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    ids = [i for g in opt.get("param_groups", []) for i in g["params"]]
-    if len(ids) != len(named):
-        raise ShardedCheckpointError(f"checkpoint {path!r}: its optimizer holds {len(ids)} "
-                                     f"parameters, the model {len(named)} trainable ones")
-    out = {}
-    for i, (name, p) in zip(ids, named):
-        w = weights.get(name)
-        if w is None or tuple(w.shape) != tuple(p.shape):
-            raise ShardedCheckpointError(f"checkpoint {path!r}: parameter {name!r} is missing "
-                                         "or of another shape")
-        st = opt["state"].get(i) or {}
-        if st and any(k not in st for k in keys):
-            raise ShardedCheckpointError(f"checkpoint {path!r}: optimizer state of {name!r} "
-                                         f"lacks one of {list(keys)}")
-        out[name] = {"param": w, "step": float(st.get("step", 1 if st else 0)),
-                     **{k: st[k] if st else torch.zeros_like(w) for k in keys}}
-    return out
+    if sharding == "zero1":
+        flat("zero1", list(shapes))
+    elif sharding == "fsdp":
+        vocab = [n for n, _ in _vocab_params(mode.model)]
+        flat("vocab", vocab)
+        for n in shapes:
+            if n in vocab:
+                continue
+            if f"fsdp.param.{n}" in saved:
+                whole[f"model.{n}"] = saved[f"fsdp.param.{n}"]
+            for key in (*keys, STEP):
+                if f"fsdp.optim.{n}.{key}" in saved:
+                    whole[f"optim.{n}.{key}"] = saved[f"fsdp.optim.{n}.{key}"]
+    else:
+        raise ShardedCheckpointError(f"checkpoint {path!r}: unknown sharding {sharding!r}")
+    return whole
 
 
-def _load_flat(shards, optimizer, state, keys) -> None:
-    """Give a FlatShards (and its optimizer pieces) this rank's slice of ``state``."""
-    from torch.optim.optimizer import _get_scalar_dtype
-
-    flat = {}
-    for k in ("param", *keys):
-        whole = torch.cat([state[n][k].reshape(-1).to(shards.master_dtype) for n in shards.names])
-        flat["master" if k == "param" else k] = whole[shards.lo:shards.hi].to(shards.device)
-    steps = torch.tensor([state[n]["step"] for n in shards.names], dtype=torch.float64)
-    shards.load_flat_state(optimizer, flat, steps, step_dtype=_get_scalar_dtype())
-
-
-@torch.no_grad()
-def load_replicated_into_sharded(path: str, strategy) -> dict:
-    """Load a replicated checkpoint into a zero1/fsdp strategy (every rank calls this: the
-    compute parameters are regathered); returns its meta."""
-    from torch.distributed.tensor import distribute_tensor
-    from torch.optim.optimizer import _get_scalar_dtype
-
-    from runtime.sharding.state import state_keys
-
-    meta = layout(path)["meta"]
-    optimizer = strategy.optimizer
-    keys = state_keys(optimizer)
-    state = replicated_logical_state(path, strategy.model, keys)  # all read before any copy
-    if strategy.name == "zero1":
-        _load_flat(strategy.shards, optimizer, state, keys)
-        return meta
-    if strategy.name != "fsdp":
-        raise ShardedCheckpointError(f"cannot load {path!r} into a {strategy.name} strategy")
-    vocab = {id(p) for p in strategy.vocab.params}
-    for name, p in strategy.model.named_parameters():
-        if not p.requires_grad or id(p) in vocab:
-            continue
-
-        def local(t, like=p):
-            return distribute_tensor(t.to(like.dtype), like.device_mesh, like.placements,
-                                     src_data_rank=None)
-
-        st = state[name]
-        p.copy_(local(st["param"]))
-        optimizer.state.pop(p, None)
-        if st["step"] > 0:
-            new = {k: local(st[k]) for k in keys}
-            if type(optimizer).__name__ in ("AdamW", "Adam"):
-                new["step"] = torch.tensor(st["step"], dtype=_get_scalar_dtype())
-            optimizer.state[p] = new
-    _load_flat(strategy.vocab, optimizer, state, keys)
-    return meta
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

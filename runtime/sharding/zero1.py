@@ -111,15 +111,10 @@ class Zero1(ShardingMode):
             return self.experts.full_state(self.model)
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
-    def sharded_state(self) -> dict:
-        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def held(self) -> list:
+        return self.shards.held() + (
+            self.experts.held_flat(self.expert_shards) if self.expert_shards else [])
 
-        if self.experts is not None:
-            raise NotImplementedError("checkpoints of expert slices (expert_parallel > 1) are "
-                                      "not implemented yet")
-
-        from runtime.sharding.state import FlatShardsState
-        if not hasattr(self, "_mesh"):
-            self._mesh = init_device_mesh(self.shards.device.type, (self.shards.world,))
-        return {"zero1": FlatShardsState(self.shards, self.optimizer, self._mesh)}
+    def logical_loaded(self) -> None:
+        for flat in self.flats:
+            flat.gather_parameters()
