@@ -51,8 +51,8 @@ def load(core, path: str) -> dict:
 
     sharded = core.layout.sharded
     saved = check_resumable(path, core.layout.world, core.layout.sharding)
-    if saved["format"] == "dcp" and not sharded:
-        return load_into_replica(path, core.model, core.optimizer)
+    if saved["format"] == "dcp" and not sharded:  # the model and what the optimizer steps
+        return load_into_replica(path, core.model, core.optimizer, stepped=core.mode.stepped)
     if saved["format"] == "replicated" and sharded:
         return load_replicated_into_sharded(path, core.mode)
     if sharded:  # the same mode; DCP re-cuts for another world size
@@ -61,7 +61,9 @@ def load(core, path: str) -> dict:
         return load_sharded(path, core.mode.sharded_state(), allow_reshard=True)
     from runtime.checkpoints.checkpoint import load_checkpoint
 
-    return load_checkpoint(path, core.model, core.optimizer)
+    meta = load_checkpoint(path, core.model, core.optimizer)
+    core.mode.load_masters({})  # the masters / host copies from the loaded weights
+    return meta
 
 
 def export_hf(core, path: str, *, merged: bool = False) -> str:
@@ -124,10 +126,11 @@ def full_state_dict(core, *, keep: bool = True) -> dict:
 
 @torch.no_grad()
 def load_full_state(core, state: dict, *, what: str) -> None:
-    """Whole tensors into the model (FSDP's shards: this rank's part), then the masters
-    from them: ``replicate``'s, zero1's flat slices, fsdp's vocabulary slices (its layers'
-    DTensors are their own masters). Every parameter must be in ``state``, and nothing else
-    but the model's state-dict keys (``what`` names the source in the error)."""
+    """Whole tensors into the model (FSDP's shards: this rank's part), then what the
+    optimizer steps from them (``ShardingMode.load_masters``: replicate's masters or host
+    copies, zero1's flat slices, fsdp's vocabulary slices and offloaded layer copies). Every
+    parameter must be in ``state``, and nothing else but the model's state-dict keys
+    (``what`` names the source in the error)."""
     model = core.model
     named = list(model.named_parameters())
     missing = [n for n, _ in named if n not in state]
@@ -151,12 +154,4 @@ def load_full_state(core, state: dict, *, what: str) -> None:
     for name, b in model.named_buffers():
         if name in state:
             b.copy_(state[name].to(device=b.device, dtype=b.dtype))
-    mode = core.mode
-    if hasattr(mode, "load_masters"):  # replicate's masters
-        mode.load_masters(state)
-    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None)):
-        if flat is not None:  # zero1's / fsdp's vocabulary flat shards: their master slices
-            for pc in flat.pieces:
-                src = state[flat.names[pc.index]].reshape(-1)[pc.start:pc.stop]
-                flat.master[pc.offset:pc.offset + pc.stop - pc.start].copy_(
-                    src.to(device=flat.master.device, dtype=flat.master.dtype))
+    core.mode.load_masters(state)  # what the optimizer steps: masters, slices, host copies

@@ -14,6 +14,15 @@ imported. The engine core (:mod:`runtime.engine`) is the only caller of the step
    (``scale_gradients(coef)``) and ``apply_update()``, or ``discard_gradients()`` on a
    non-finite norm.
 
+What the optimizer steps -- the *masters*: zero1's / fsdp's fp32 slices, replicate's masters
+where kept, or, offloaded, host copies of the trained weights -- is loaded two ways:
+``load_masters(state)`` from whole tensors (after the model's own weights were set), and
+``masters_loaded()`` after a checkpoint filled the masters in place (the model's weights are
+refreshed from them).
+
+Every mode takes the layout's HSDP shard size (:mod:`.hsdp`) and offload choice
+(:mod:`.offload`) from the ``layout`` and ``groups`` it is built with.
+
 ``walk_needs(policy)`` is what the mode asks of the walk (fsdp under retain: one LM-head
 flush per pack); it is part of the one resolution of the walk settings
 (``runtime.engine.resolve.walk_for_layout``), never patched in afterwards.
@@ -111,8 +120,20 @@ class ShardingMode:
     def discard_gradients(self) -> None:
         raise NotImplementedError
 
+    # ------------------------------------------------------------ the masters --
+    def load_masters(self, state: dict) -> None:
+        """Whole tensors (by parameter name; those absent: from the model's parameters) into
+        what the optimizer steps, after the model's weights were set from them."""
+        raise NotImplementedError
+
+    def masters_loaded(self) -> None:
+        """The masters were loaded in place (a checkpoint): the model's weights from them."""
+        raise NotImplementedError
+
     # --------------------------------------------------------------- reporting --
     def state_bytes(self) -> dict:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer`` on the device and
+        ``host`` (what offload keeps in host memory)."""
         raise NotImplementedError
 
     def param_norm(self) -> float:

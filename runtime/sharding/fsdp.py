@@ -23,6 +23,19 @@ The in-backward reduce-scatter sums over the whole world (every rank's gradient 
 a context-parallel rank's its part of its group's). The step: the global norm (sharded
 grads + vocab shards), the engine's clip, AdamW on the local shards, regather the vocab
 weights.
+
+HSDP (``train.shard_size`` = S < W, :mod:`.hsdp`): FSDP2 runs on the shard group's mesh (the
+"shard" dimension of HSDP's (replicate, shard) mesh): the per-call all-gathers and
+reduce-scatters stay inside the S ranks, and the sharded gradients (layers and vocabulary)
+are summed over the replica group **once per step**, in :meth:`FSDP.reduce_gradients`, not
+per backward as FSDP2's own HSDP would (the walk makes many backward calls per step). The
+ranks' calls are matched within the shard group (the world when a context-parallel group
+spans shard groups: :func:`runtime.sharding.hsdp.lockstep_group`).
+
+Offload (``train.offload=optimizer``, :mod:`.offload`): the layers' fp32 shards stay on the
+device (each call gathers from them; FSDP accumulates the per-call gradients in them); the
+optimizer steps host copies of them (DTensors with host local tensors, the same placements)
+and of the vocabulary slice, with its state on the host.
 """
 from __future__ import annotations
 
@@ -34,7 +47,9 @@ import torch.distributed as dist
 from runtime.sharding.base import ShardingMode, master_dtype_for, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
 from runtime.sharding.flat import FlatShards
+from runtime.sharding.hsdp import dense_part, lockstep_group, shard_mesh, sum_step_over_replicas
 from runtime.sharding.lockstep import Lockstep, LockstepDecoder
+from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
 
 
 def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -48,25 +63,29 @@ class FSDP(ShardingMode):
     holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None,
-                 policy: str = "recompute", **_):
-        from torch.distributed.device_mesh import init_device_mesh
+                 policy: str = "recompute", layout=None, groups=None, **_):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if policy not in ("retain", "recompute"):
             raise ValueError(f"fsdp: unknown walker policy {policy!r} (retain | recompute)")
-        self.model, self.group, self.policy = model, group, policy
-        self.world = dist.get_world_size(group)
+        self.model, self.policy = model, policy
         device = next(model.parameters()).device
         built = next(model.parameters()).dtype
         self.compute_dtype = compute_dtype or built
         if built != master_dtype_for(self.compute_dtype):
             raise ValueError(f"fsdp: build the model in {master_dtype_for(self.compute_dtype)} "
                              f"(got {built})")
-        self.mesh = init_device_mesh(device.type, (self.world,))
+        self.part = dense_part([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                               group=group, groups=groups)
+        self.group = self.part.shard  # the collectives of the sharded state stay inside it
+        self.world = dist.get_world_size(self.group)
+        self.mesh = shard_mesh(self.part, device.type)
+        self.offload = layout is not None and layout.offload == "optimizer"
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=built)
         decoder = model.get_decoder()
         vocab = _vocab_params(model)
-        self.vocab = FlatShards(vocab, group=group, compute_dtype=self.compute_dtype)
+        self.vocab = FlatShards(vocab, group=self.group, compute_dtype=self.compute_dtype,
+                                offload=self.offload)
         in_decoder = {id(p) for p in decoder.parameters()}
         self.units = []
         for layer in decoder.layers:
@@ -86,13 +105,20 @@ class FSDP(ShardingMode):
             unit.set_modules_to_backward_prefetch([unit])
         self.vocab.gather_parameters()
         vocab_ids = {id(p) for _, p in vocab}
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad
+                      and id(p) not in vocab_ids]
         self.sharded = [p for p in model.parameters() if p.requires_grad
                         and id(p) not in vocab_ids]
-        self.sync = Lockstep(decoder, group, kept_graphs=policy == "retain",
-                             units=[decoder, *decoder.layers])
+        # what the optimizer steps for each layer shard: the shard itself, or its host copy
+        self.stepped = [_host_master(p) for p in self.sharded] if self.offload else \
+            list(self.sharded)
+        self.host_grads = [host_empty(p.to_local().shape, p.dtype) for p in self.sharded] \
+            if self.offload else []
+        self.sync = Lockstep(decoder, lockstep_group(layout, groups, self.group),
+                             kept_graphs=policy == "retain", units=[decoder, *decoder.layers])
         wrapper = LockstepDecoder(decoder, self.sync)
         model.get_decoder = lambda: wrapper  # what the walker calls; the model is unchanged
-        self.optimizer = make_optimizer(self.sharded + self.vocab.master_params)
+        self.optimizer = make_optimizer(self.stepped + self.vocab.master_params)
         self._peak_unsharded = 0
         self._grad_bytes = 0
         for layer in decoder.layers:
@@ -115,22 +141,33 @@ class FSDP(ShardingMode):
     def state_bytes(self) -> dict:
         b = self.vocab.bytes()
         shards = sum(tensor_bytes(p) for p in self.sharded)
+        optimizer = optimizer_bytes(self.optimizer)
+        host = b["host"] + (optimizer + sum(tensor_bytes(h) for h in self.stepped) +
+                            sum(tensor_bytes(g) for g in self.host_grads) if self.offload else 0)
         return {"params": shards + b["compute_params"] + b["master"] + self._peak_unsharded,
-                "grads": self._grad_bytes, "optimizer": optimizer_bytes(self.optimizer)}
+                "grads": self._grad_bytes, "optimizer": 0 if self.offload else optimizer,
+                "host": host}
 
     # -------------------------------------------------------------------- step --
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.discard_gradients()
         for p in self.vocab.params:
             p.grad = None
-        self.vocab.zero_master_grads()
         self._peak_unsharded = 0
         self.sync.begin()
 
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
         self.sync.end()  # follow the peers' remaining calls; FSDP's reduce-scatters are done
         vb = self.vocab.bytes()["compute_grads"]
         self.vocab.reduce_gradients()
+        if self.part.replicas is not None:  # HSDP: the step's one sum across the replicas
+            local = [None if p.grad is None else p.grad.to_local() for p in self.sharded]
+            summed = sum_step_over_replicas(self.part.replicas, [self.vocab], local,
+                                            [p.to_local() for p in self.sharded])
+            for p, had, g in zip(self.sharded, local, summed):
+                if had is None and g is not None:  # only the other replicas had one
+                    p.grad = _like(p, g)
         sharded_grads = sum(tensor_bytes(p.grad) for p in self.sharded)
         self._grad_bytes = sharded_grads + vb
 
@@ -148,32 +185,63 @@ class FSDP(ShardingMode):
                 p.grad.mul_(coef)
         self.vocab.scale_gradients(coef)
 
+    @torch.no_grad()
     def apply_update(self) -> None:
+        if self.offload:  # the layer shards' gradients to their host copies
+            for p, buf in zip(self.sharded, self.host_grads):
+                if p.grad is not None:
+                    to_host(buf, p.grad.to_local())
+            synchronize(self.device)
+            for p, h, buf in zip(self.sharded, self.stepped, self.host_grads):
+                h.grad = None if p.grad is None else _like(h, buf)
+        self.vocab.step_gradients()
         self.optimizer.step()
         self.discard_gradients()
-        self.vocab.gather_parameters()
+        self.masters_loaded()
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.sharded:
+            p.grad = None
         self.vocab.zero_master_grads()
+
+    @torch.no_grad()
+    def load_masters(self, state: dict) -> None:
+        """The vocabulary's master slice from ``state``; offloaded, the host copies from the
+        layer shards (which were set from ``state``)."""
+        self.vocab.load_masters(state)
+        for p, h in zip(self.sharded, self.stepped):
+            if h is not p:
+                h.to_local().copy_(p.to_local())
+
+    @torch.no_grad()
+    def masters_loaded(self) -> None:
+        """The layer shards from their host copies (offloaded), the vocabulary regathered."""
+        for p, h in zip(self.sharded, self.stepped):
+            if h is not p:
+                to_device(p.to_local(), h.to_local())
+        self.vocab.gather_parameters()
 
     def sharded_state(self) -> dict:
         """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
         from runtime.sharding.state import DTensorParamsState, FlatShardsState
 
-        vocab_ids = {id(p) for p in self.vocab.params}
-        named = [(n, p) for n, p in self.model.named_parameters()
-                 if p.requires_grad and id(p) not in vocab_ids]
-        return {"fsdp": DTensorParamsState(named, self.optimizer),
+        loaded = self.masters_loaded if self.offload else None
+        return {"fsdp": DTensorParamsState(list(zip(self.names, self.stepped)), self.optimizer,
+                                           loaded=loaded),
                 "vocab": FlatShardsState(self.vocab, self.optimizer, self.mesh)}
+
+    def stepped_param(self, p):
+        """What the optimizer steps for the layer shard ``p`` (itself, or its host copy)."""
+        return self.stepped[next(i for i, q in enumerate(self.sharded) if q is p)]
 
     # --------------------------------------------------------------- reporting --
     @torch.no_grad()
     def param_norm(self) -> float:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.sharded:
-            local += p.to_local().double().pow(2).sum()
-        local += self.vocab.master.double().pow(2).sum()
+        for h in self.stepped:
+            local += h.to_local().double().pow(2).sum().to(self.device)
+        local += self.vocab.master.double().pow(2).sum().to(self.device)
         dist.all_reduce(local, group=self.group)
         return math.sqrt(float(local))
 
@@ -187,3 +255,16 @@ class FSDP(ShardingMode):
         for name, b in self.model.named_buffers():
             out[name] = b.detach().cpu().clone()
         return {k: out[k] for k in self.model.state_dict() if k in out}
+
+
+def _like(p, local: torch.Tensor):
+    """A DTensor of ``p``'s mesh, placements and shape with ``local`` as this rank's part."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _host_master(p) -> torch.nn.Parameter:
+    """A host copy of the layer shard ``p`` (a DTensor of the same mesh and placements)."""
+    return torch.nn.Parameter(_like(p, host_copy(p.to_local())))

@@ -7,6 +7,11 @@ bf16 compute, AReaL's ``optimizer_dtype``) keeps those weights as masters: the m
 their cast, the gradients are reduced, clipped and stepped in the masters' dtype, and after
 the step the model's ``.grad`` holds the clipped gradients cast back (as FSDP2's parameters
 hold theirs). Without ``masters`` the model is built in the compute dtype and stepped as it is.
+
+Offload (``train.offload=optimizer``, :mod:`.offload`): the masters -- or, without masters,
+host copies of the trained weights in the compute dtype -- and the optimizer state live in
+host memory; the gradients are reduced, their norm taken and clipped on the device, copied to
+the host, stepped there, and the updated weights copied back into the model.
 """
 from __future__ import annotations
 
@@ -16,14 +21,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.sharding.base import ShardingMode, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
+from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
 
 
-def allreduce_gradients(params, bucket_elems: int = 1 << 24, group=None) -> None:
-    """Sum ``.grad`` over the group; a grad that is None on every rank stays None."""
-    device = params[0].device
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
-                           device=device)
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+def allreduce_gradients(grads: list, like: list, bucket_elems: int = 1 << 24,
+                        group=None) -> list:
+    """Sum ``grads`` (tensors, None where this rank has none; ``like``: the parameters) over
+    the group, in place in flat buckets of one dtype; returns them, None where no rank had
+    one."""
+    device = like[0].device
+    present = torch.tensor([g is not None for g in grads], dtype=torch.float32, device=device)
+    grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, like)]
     bucket: list[torch.Tensor] = []
     size = 0
 
@@ -46,8 +54,7 @@ def allreduce_gradients(params, bucket_elems: int = 1 << 24, group=None) -> None
         size += g.numel()
     flush()
     dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
-    for p, g, n in zip(params, grads, present.tolist()):
-        p.grad = g if n > 0 else None
+    return [g if n > 0 else None for g, n in zip(grads, present.tolist())]
 
 
 class ReplicaState(Stateful):
@@ -89,44 +96,66 @@ class Replicate(ShardingMode):
         """The compute dtype, or the masters' dtype where masters are asked for."""
         return compute if masters is None else masters
 
-    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, **_):
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, layout=None,
+                 **_):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.offload = layout is not None and layout.offload == "optimizer"
         built = next(model.parameters()).dtype
         self.masters = None  # fp32 (the built dtype) copies of the trained parameters
         if compute_dtype is not None and built != compute_dtype:
-            self.masters = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+            self.masters = [torch.nn.Parameter(host_copy(p) if self.offload else
+                                               p.detach().clone()) for p in self.params]
         if compute_dtype is not None:
             self.model.to(compute_dtype)  # the parameter objects stay (the masters map on them)
+        self.host = None  # offloaded without masters: host copies in the compute dtype
+        if self.offload and self.masters is None:
+            self.host = [torch.nn.Parameter(host_copy(p)) for p in self.params]
+        self.host_grads = [host_empty(s.shape, s.dtype) for s in self.stepped] \
+            if self.offload else []
         self.optimizer = make_optimizer(self.stepped)
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self._reduced: list | None = None  # the reduced gradients, on the device
         self._grad_bytes = 0
 
     @property
     def stepped(self) -> list:
-        """What the optimizer steps: the masters where kept, else the trained parameters."""
-        return self.masters if self.masters is not None else self.params
+        """What the optimizer steps: the masters where kept, host copies when offloaded,
+        else the trained parameters."""
+        if self.masters is not None:
+            return self.masters
+        return self.host if self.host is not None else self.params
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
-        if self.masters is not None:
-            for m in self.masters:
-                m.grad = None
+        for s in self.stepped:
+            s.grad = None
+        self._reduced = None
 
     def reduce_gradients(self) -> None:
+        grads = [p.grad for p in self.params]
         if self.masters is not None:  # reduced in the masters' dtype (fp32 under bf16)
-            for m, p in zip(self.masters, self.params):
-                m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
+            grads = [None if g is None else g.detach().to(m.dtype)
+                     for g, m in zip(grads, self.masters)]
+            for p in self.params:
                 p.grad = None
-        self._grad_bytes = sum(tensor_bytes(p.grad) for p in self.stepped)
+        self._grad_bytes = sum(tensor_bytes(g) for g in grads)
         if self.world > 1:
-            allreduce_gradients(self.stepped, group=self.group)
+            grads = allreduce_gradients(grads, self.params, group=self.group)
+        self._reduced = grads
+        if self.masters is None:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        elif not self.offload:
+            for m, g in zip(self.masters, grads):
+                m.grad = g
 
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.stepped if p.grad is not None]
+        return [g for g in self._reduced or [] if g is not None]
 
     def grad_norm(self) -> float:
         grads = self._grads()  # as torch.nn.utils.clip_grad_norm_ computes it
@@ -138,34 +167,50 @@ class Replicate(ShardingMode):
 
     @torch.no_grad()
     def apply_update(self) -> None:
+        if self.offload:  # the reduced gradients to the host copies' (one synchronization)
+            for g, buf in zip(self._reduced, self.host_grads):
+                if g is not None:
+                    to_host(buf, g)
+            synchronize(self.device)
+            for s, g, buf in zip(self.stepped, self._reduced, self.host_grads):
+                s.grad = None if g is None else buf
         self.optimizer.step()  # the gradients stay (readable after the step)
+        self.masters_loaded()
         if self.masters is not None:  # the model holds the masters' cast, and their grads
-            self._masters_to_model()
-            for m, p in zip(self.masters, self.params):
-                p.grad = None if m.grad is None else m.grad.to(p.dtype)
+            for g, p in zip(self._reduced, self.params):
+                p.grad = None if g is None else g.to(p.dtype)
 
     @torch.no_grad()
-    def _masters_to_model(self) -> None:
-        for m, p in zip(self.masters or [], self.params):
-            p.copy_(m)
+    def masters_loaded(self) -> None:
+        """The model's weights from what the optimizer steps (the masters, the host copies)."""
+        if self.stepped is self.params:
+            return
+        for s, p in zip(self.stepped, self.params):
+            to_device(p, s)
 
     def discard_gradients(self) -> None:
         self.zero_grad()
 
     @torch.no_grad()
     def load_masters(self, state: dict) -> None:
-        """The masters from whole tensors (``state`` by parameter name; those absent: from
-        the model's parameters), after the model's weights were replaced."""
-        if self.masters is None:
+        """The masters (or host copies) from whole tensors (``state`` by parameter name;
+        those absent: from the model's parameters), after the model's weights were set."""
+        if self.stepped is self.params:
             return
-        for m, name, p in zip(self.masters, self.names, self.params):
-            m.copy_(state[name] if name in state else p)
+        for s, name, p in zip(self.stepped, self.names, self.params):
+            s.copy_(state[name] if name in state else p)
 
     def state_bytes(self) -> dict:
         # every weight held (a LoRA model's frozen base too); grads/optimizer: trained only
-        masters = sum(tensor_bytes(m) for m in self.masters or [])
-        return {"params": sum(tensor_bytes(p) for p in self.model.parameters()) + masters,
-                "grads": self._grad_bytes, "optimizer": optimizer_bytes(self.optimizer)}
+        model = sum(tensor_bytes(p) for p in self.model.parameters())
+        kept = sum(tensor_bytes(s) for s in self.stepped) if self.stepped is not self.params \
+            else 0
+        optimizer = optimizer_bytes(self.optimizer)
+        if self.offload:
+            host = kept + optimizer + sum(tensor_bytes(g) for g in self.host_grads)
+            return {"params": model, "grads": self._grad_bytes, "optimizer": 0, "host": host}
+        return {"params": model + kept, "grads": self._grad_bytes, "optimizer": optimizer,
+                "host": 0}
 
     @torch.no_grad()
     def param_norm(self) -> float:
@@ -173,9 +218,9 @@ class Replicate(ShardingMode):
 
     def sharded_state(self) -> dict:
         """DCP's view (every rank holds all of it): the stepped weights by name (masters
-        where kept) and the optimizer state."""
+        where kept, host copies when offloaded) and the optimizer state."""
         return {"replicate": ReplicaState(list(zip(self.names, self.stepped)), self.optimizer,
-                                          loaded=self._masters_to_model)}
+                                          loaded=self.masters_loaded)}
 
     @torch.no_grad()
     def full_state(self) -> dict:

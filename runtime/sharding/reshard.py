@@ -130,10 +130,12 @@ def logical_state(path: str, model, keys) -> dict[str, dict]:
 
 
 @torch.no_grad()
-def load_into_replica(path: str, model, optimizer) -> dict:
+def load_into_replica(path: str, model, optimizer, stepped=None) -> dict:
     """Load the sharded checkpoint ``path`` (any world size) into one replica's ``model``
-    and ``optimizer`` (AdamW/Adam/SGD over the model's trainable parameters, in order);
-    returns its meta. Raises before touching anything if the checkpoint does not fit."""
+    and ``optimizer`` (AdamW/Adam/SGD over the model's trainable parameters, in order, or
+    over ``stepped``: what it steps in their place -- masters, host copies -- one per
+    trainable parameter, filled too); returns its meta. Raises before touching anything if
+    the checkpoint does not fit."""
     from torch.optim.optimizer import _get_scalar_dtype
 
     from runtime.sharding.state import state_keys
@@ -145,20 +147,23 @@ def load_into_replica(path: str, model, optimizer) -> dict:
     missing = [n for n, _ in named if n not in state]
     if missing:
         raise ShardedCheckpointError(f"checkpoint {path!r} has no state for {missing[:5]}")
+    targets = [p for _, p in named] if stepped is None else list(stepped)
     own = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if own != {id(p) for _, p in named}:
+    if own != {id(p) for p in targets} or len(targets) != len(named):
         raise ShardedCheckpointError("load_into_replica: the optimizer must hold exactly the "
-                                     "model's trainable parameters")
+                                     "model's trainable parameters (or what it steps for them)")
     with_step = type(optimizer).__name__ in ("AdamW", "Adam")
-    for name, p in named:
+    for (name, p), t in zip(named, targets):
         st = state[name]
         p.copy_(st["param"])
-        optimizer.state.pop(p, None)
+        if t is not p:
+            t.copy_(st["param"])
+        optimizer.state.pop(t, None)
         if st["step"] > 0:
-            new = {k: st[k].to(p.dtype).clone() for k in keys}
+            new = {k: st[k].to(device=t.device, dtype=t.dtype).clone() for k in keys}
             if with_step:
                 new["step"] = torch.tensor(st["step"], dtype=_get_scalar_dtype())
-            optimizer.state[p] = new
+            optimizer.state[t] = new
     return meta
 
 
@@ -226,17 +231,22 @@ def load_replicated_into_sharded(path: str, strategy) -> dict:
         if not p.requires_grad or id(p) in vocab:
             continue
 
-        def local(t, like=p):
-            return distribute_tensor(t.to(like.dtype), like.device_mesh, like.placements,
-                                     src_data_rank=None)
+        stepped = strategy.stepped_param(p)  # the shard, or its host copy (offload)
+
+        def local(t, like=stepped):
+            out = distribute_tensor(t.to(like.dtype), like.device_mesh, like.placements,
+                                    src_data_rank=None)
+            return out.to(like.to_local().device)
 
         st = state[name]
-        p.copy_(local(st["param"]))
-        optimizer.state.pop(p, None)
+        p.copy_(local(st["param"], p))
+        if stepped is not p:
+            stepped.copy_(local(st["param"]))
+        optimizer.state.pop(stepped, None)
         if st["step"] > 0:
             new = {k: local(st[k]) for k in keys}
             if type(optimizer).__name__ in ("AdamW", "Adam"):
                 new["step"] = torch.tensor(st["step"], dtype=_get_scalar_dtype())
-            optimizer.state[p] = new
+            optimizer.state[stepped] = new
     _load_flat(strategy.vocab, optimizer, state, keys)
     return meta

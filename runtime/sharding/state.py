@@ -66,10 +66,12 @@ class FlatShardsState(Stateful):
 
 
 class DTensorParamsState(Stateful):
-    """DCP view of FSDP2's sharded parameters and their optimizer states."""
+    """DCP view of FSDP2's sharded parameters and their optimizer states (offloaded: the
+    host copies the optimizer steps, keyed by the same names; ``loaded()`` runs after a load:
+    the device shards from them)."""
 
-    def __init__(self, named_params, optimizer):
-        self.named, self.optimizer = list(named_params), optimizer
+    def __init__(self, named_params, optimizer, loaded=None):
+        self.named, self.optimizer, self.loaded = list(named_params), optimizer, loaded
 
     def state_dict(self) -> dict:
         ensure_state(self.optimizer, [p for _, p in self.named])
@@ -91,3 +93,5 @@ class DTensorParamsState(Stateful):
                     v = sd[f"optim.{name}.{k}"]
                     if v is not st[k]:
                         st[k].copy_(v)
+        if self.loaded is not None:
+            self.loaded()

@@ -7,6 +7,12 @@ master dtype, fp32 for 16-bit compute), the global norm from the shards, and Ada
 rank's slice of fp32 master weights (optimizer state sharded too); then one all-gather of the
 updated slices into the compute parameters. The collectives per step do not depend on the
 batch's tree (see :mod:`runtime.sharding.flat`).
+
+HSDP (``train.shard_size`` = S < W, :mod:`.hsdp`): the slices are cut over the S ranks of the
+shard group (reduce-scatter, norm and all-gather inside it) and the reduced slices summed
+over the replica group once per step. Offload (``train.offload=optimizer``,
+:mod:`.offload`): the master slice and the optimizer state live in host memory and AdamW
+steps there.
 """
 from __future__ import annotations
 
@@ -17,11 +23,13 @@ import torch
 from runtime.sharding.base import ShardingMode, register
 from runtime.sharding.common import optimizer_bytes
 from runtime.sharding.flat import FlatShards
+from runtime.sharding.hsdp import dense_part, shard_mesh, sum_step_over_replicas
 
 
 @register("zero1")
 class Zero1(ShardingMode):
-    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, **_):
+    def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, layout=None,
+                 groups=None, **_):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # frozen weights (a LoRA model's base): no master, no shard, held in the compute dtype
@@ -30,46 +38,82 @@ class Zero1(ShardingMode):
             for p in self.frozen:
                 if compute_dtype is not None and p.is_floating_point():
                     p.data = p.data.to(compute_dtype)
+        offload = layout is not None and layout.offload == "optimizer"
+        # the parts (hsdp.Part): the dense parameters over the shard group
+        self.parts = [dense_part(named, group=group, groups=groups)]
         # masters from the parameters as built (fp32), then the compute copy is cast
-        self.shards = FlatShards(named, group=group, compute_dtype=compute_dtype)
-        self.shards.gather_parameters()  # the compute copy (cast) from the masters
-        self.optimizer = make_optimizer(self.shards.master_params)
+        self.flats = [FlatShards(list(part.named), group=part.shard,
+                                 compute_dtype=compute_dtype, offload=offload)
+                      for part in self.parts]
+        for flat in self.flats:
+            flat.gather_parameters()  # the compute copy (cast) from the masters
+        self.optimizer = make_optimizer([mp for f in self.flats for mp in f.master_params])
         self._grad_bytes = 0
 
+    @property
+    def shards(self) -> FlatShards:
+        """The dense part's flat shards (its checkpoint view is ``zero1``)."""
+        return self.flats[0]
+
     def zero_grad(self) -> None:
-        for p in self.shards.params:
-            p.grad = None
-        self.shards.zero_master_grads()
+        for flat in self.flats:
+            for p in flat.params:
+                p.grad = None
+            flat.zero_master_grads()
 
     def reduce_gradients(self) -> None:
-        self._grad_bytes = self.shards.bytes()["compute_grads"]
-        self.shards.reduce_gradients()
-        self._grad_bytes = max(self._grad_bytes, self.shards.bytes()["grad_shard"])
+        held = sum(f.bytes()["compute_grads"] for f in self.flats)
+        for flat in self.flats:  # within each part's shard group
+            flat.reduce_gradients()
+        for part, flat in zip(self.parts, self.flats):  # HSDP: once per step, across
+            if part.replicas is not None:
+                sum_step_over_replicas(part.replicas, [flat])
+        self._grad_bytes = max(held, sum(f.bytes()["grad_shard"] for f in self.flats))
 
     def grad_norm(self) -> float:
-        return math.sqrt(self.shards.grad_norm_squared())
+        return math.sqrt(sum(f.grad_norm_squared() for f in self.flats))
 
     def scale_gradients(self, coef: float) -> None:
-        self.shards.scale_gradients(coef)
+        for flat in self.flats:
+            flat.scale_gradients(coef)
 
     def apply_update(self) -> None:
+        for flat in self.flats:
+            flat.step_gradients()
         self.optimizer.step()
-        self.shards.zero_master_grads()
-        self.shards.gather_parameters()
+        for flat in self.flats:
+            flat.zero_master_grads()
+            flat.gather_parameters()
 
     def discard_gradients(self) -> None:
-        self.shards.zero_master_grads()
+        for flat in self.flats:
+            flat.zero_master_grads()
+
+    @torch.no_grad()
+    def load_masters(self, state: dict) -> None:
+        for flat in self.flats:
+            flat.load_masters(state)
+
+    def masters_loaded(self) -> None:
+        for flat in self.flats:
+            flat.gather_parameters()
 
     def state_bytes(self) -> dict:
-        b = self.shards.bytes()
+        bs = [f.bytes() for f in self.flats]
         frozen = sum(p.numel() * p.element_size() for p in self.frozen)
-        return {"params": b["compute_params"] + b["master"] + frozen, "grads": self._grad_bytes,
-                "optimizer": optimizer_bytes(self.optimizer)}
+        optimizer = optimizer_bytes(self.optimizer)
+        offload = self.shards.offload
+        return {"params": sum(b["compute_params"] + b["master"] for b in bs) + frozen,
+                "grads": self._grad_bytes, "optimizer": 0 if offload else optimizer,
+                "host": sum(b["host"] for b in bs) + (optimizer if offload else 0)}
 
     @torch.no_grad()
     def param_norm(self) -> float:
-        local = self.shards.master.double().pow(2).sum()
-        return math.sqrt(float(self.shards._all_reduce(local)))
+        total = 0.0
+        for flat in self.flats:  # over each shard group (the replicas hold the same)
+            local = flat.master.double().pow(2).sum().to(flat.device)
+            total += float(flat._all_reduce(local))
+        return math.sqrt(total)
 
     @torch.no_grad()
     def full_state(self) -> dict:
@@ -77,10 +121,11 @@ class Zero1(ShardingMode):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def sharded_state(self) -> dict:
-        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
+        """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place): the
+        dense part's flat view, ``zero1`` (under HSDP the same logical tensors; DCP writes
+        the replicas' identical shards once)."""
         from runtime.sharding.state import FlatShardsState
+
         if not hasattr(self, "_mesh"):
-            self._mesh = init_device_mesh(self.shards.device.type, (self.shards.world,))
+            self._mesh = shard_mesh(self.parts[0], self.shards.device.type)
         return {"zero1": FlatShardsState(self.shards, self.optimizer, self._mesh)}
