@@ -243,3 +243,47 @@ def test_hsdp_checkpoint_resumes_bit_identically(tmp_path, mode):
     assert logical <= written <= 1.1 * logical, (written, logical)
     print(f"{mode}: HSDP 2x2 checkpoint {written:,} bytes in .distcp files for {logical:,} "
           "logical bytes")
+
+
+# ------------------------------------------- a shard group that trains nothing --
+def one_group_trains(rank, world):
+    """fsdp 2 x 2 (or one process): per step every rank walks batch 0 forward (log-probs, in
+    the step's session), then only the second shard group trains it (its two ranks a half
+    each); the first group's last call was a forward without gradient -- FSDP2 kept its root
+    gathered -- while the replica sum hands it the gradient and the update changes its
+    shards."""
+    from dta.losses import batch_totals
+    from dta.planning.workers import assign_workers
+    from dta.tree import PrefixTree
+    from dta_cli.batches import BatchSource
+    from runtime.ray_runtime.worker import make_training_loss
+    from tests.test_sharding import _worker
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, overrides("fsdp", "recompute", 2 if world > 1 else None))
+    w = _worker(cfg, rank, world)
+    core, loss = w.core, make_training_loss(cfg)
+    batch = BatchSource(cfg, 512).batch(0)
+    totals = batch_totals(batch)
+    parts = assign_workers(PrefixTree(batch.input_ids), 2).workers
+    logprobs = []
+    for _ in range(2):
+        core.zero_grad()
+        logprobs.append(_logprobs(w, batch))
+        if world == 1:
+            core.accumulate(batch, loss, totals=totals)
+        elif rank >= 2 and parts[rank - 2]:
+            core.accumulate(batch.subset(parts[rank - 2]), loss, totals=totals)
+        norm, updated = core.optimizer_step(cfg.optimizer.max_grad_norm)
+        assert updated
+    return {"state": w.state()["model"], "logprobs": logprobs, "norm": w.param_norm()}
+
+
+def test_a_shard_group_that_trained_nothing_takes_the_update():
+    ref = one_group_trains(0, 1)
+    for rank, got in enumerate(run_ranks(one_group_trains, 4)):
+        err = rel_state(got["state"], ref["state"])
+        assert err <= TOL, f"rank {rank}: params {err:.3g}"
+        for a, b in zip(got["logprobs"], ref["logprobs"]):
+            assert rel(a, b) <= TOL, f"rank {rank}: log-probs {rel(a, b):.3g}"
+        assert got["norm"] == pytest.approx(ref["norm"], rel=TOL)

@@ -188,3 +188,27 @@ def test_offloaded_checkpoint_resumes_either_way(tmp_path, mode):
         assert_identical(got["optimizer"], got["straight"], f"{mode} offloaded, rank {rank}")
         assert_identical(got["none"], got["straight"], f"{mode} not offloaded, rank {rank}")
         assert rel_state(got["none"], got["straight"]) == 0.0
+
+
+def test_front_door_keys_are_translated_or_refused():
+    """AReaL: ``actor.dta.shard_size`` / ``actor.dta.offload`` reach the layout (errors name
+    them); ``fsdp.offload_params`` (FSDP2's parameter offload) is refused naming it. (verl's
+    ``fsdp_size`` / ``optimizer_offload`` / ``param_offload`` / ``offload_policy``:
+    tests/test_verl_layouts.py.)"""
+    pytest.importorskip("areal")
+    from areal.api.cli_args import FSDPEngineConfig, OptimizerConfig, TrainEngineConfig
+
+    from runtime.areal import DTATrainEngine
+    from runtime.areal.parallel import layout_of
+
+    layout = layout_of("zero1", world=4, rank=1, shard_size=2, offload="optimizer")
+    assert (layout.shard_size, layout.replicas, layout.offload) == (2, 2, "optimizer")
+    with pytest.raises(ValueError, match="bad value for actor.dta.shard_size: 3"):
+        layout_of("fsdp", world=4, shard_size=3)
+    with pytest.raises(ValueError, match="bad value for actor.dta.offload: 'disk'"):
+        layout_of("fsdp", world=4, offload="disk")
+    config = TrainEngineConfig(experiment_name="x", trial_name="y", path="/nonexistent",
+                               optimizer=OptimizerConfig(),
+                               fsdp=FSDPEngineConfig(offload_params=True))
+    with pytest.raises(NotImplementedError, match="fsdp.offload_params=True"):
+        DTATrainEngine(config)

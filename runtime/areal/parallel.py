@@ -31,7 +31,8 @@ _REFUSED = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_s
 # ParallelLayout field -> how AReaL spells it
 SPELLING = {"world": "the processes running (AReaL's allocation)",
             "context_parallel": "the allocation's context-parallel size (fsdp:dNcM: M)",
-            "sharding": "actor.dta.sharding"}
+            "sharding": "actor.dta.sharding", "shard_size": "actor.dta.shard_size",
+            "offload": "actor.dta.offload"}
 
 
 def strategy_of(backend, parallel_strategy=None):
@@ -54,11 +55,13 @@ def strategy_of(backend, parallel_strategy=None):
 
 
 def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank: int = 0,
-              trains: bool = True) -> ParallelLayout:
+              trains: bool = True, shard_size: int | None = None,
+              offload: str = "none") -> ParallelLayout:
     """The engine core's layout of an AReaL engine: ``actor.dta.sharding`` (``option``) as
     given, or unset what AReaL's ``fsdp:dN`` means -- ``fsdp`` over more than one
     data-parallel rank, else ``replicate`` (one data-parallel rank, or an engine without an
-    optimizer: a reference model is held whole). Errors name AReaL's keys."""
+    optimizer: a reference model is held whole); ``actor.dta.shard_size`` (HSDP) and
+    ``actor.dta.offload`` as given. Errors name AReaL's keys."""
     if option is None:
         data_parallel = world // context_parallel if world % context_parallel == 0 else world
         option = "fsdp" if trains and data_parallel > 1 else "replicate"
@@ -67,7 +70,8 @@ def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank
         given = True
     try:
         layout = ParallelLayout.make(world=world, context_parallel=context_parallel,
-                                     sharding=option, rank=rank, spelling=SPELLING)
+                                     sharding=option, rank=rank, shard_size=shard_size,
+                                     offload=offload, spelling=SPELLING)
     except LayoutError as exc:
         raise ValueError(str(exc)) from None
     if given and layout.sharded and not trains:
@@ -125,7 +129,8 @@ class GroupsMixin:
             raise ValueError(f"data-parallel size {dp} (from {where!r}) differs from the "
                              f"{world} process(es) running / context-parallel size {C}")
         self.layout = layout_of(self.dta.sharding, world=world, context_parallel=C, rank=rank,
-                                trains=self.optimizer_config is not None)
+                                trains=self.optimizer_config is not None,
+                                shard_size=self.dta.shard_size, offload=self.dta.offload)
         self.groups = build_groups(self.layout)
 
     def _ensure_groups(self) -> None:

@@ -177,7 +177,12 @@ class Lockstep:
                 **{name: n for name, n in zip(("B", "F", "X", "DONE"), self.by_kind)}}
 
     def end(self) -> int:
-        """After this rank's walk: follow the peers' remaining calls; returns the rounds."""
+        """After this rank's walk: follow the peers' remaining calls, then reshard every
+        unit; returns the rounds. FSDP2 keeps the root unit gathered after a forward until a
+        backward ends: after a walk whose last call was a forward without gradient (a
+        forward-only walk; under HSDP, a shard group that trained nothing while the other
+        replicas did), the update or a load would change the shards under a stale gathered
+        copy that the next forward would use."""
         self._check_backward_done()
         while True:
             kind, _ = self._decide(DONE)
@@ -185,6 +190,8 @@ class Lockstep:
                 break
             self._follow(kind)
         self.active = False
+        for unit in self.units:
+            unit.reshard()
         return self.rounds
 
 
