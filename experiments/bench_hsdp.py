@@ -101,8 +101,9 @@ def one_rank(rank, world, layouts, args):
                 by[name]["bytes"] += nbytes
                 by[name]["sent"] += _sent(op, len(ranks), nbytes)
             steps.append({"comm": by, "state_bytes": stats["state_bytes"]})
+        state = w.state()["model"]  # gathered: every rank takes part
         out.append({"layout": [mode, layout.shard_size, offload], "steps": steps,
-                    "state": w.state()["model"] if rank == 0 else None})
+                    "state": state if rank == 0 else None})
     return out
 
 

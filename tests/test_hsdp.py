@@ -177,16 +177,16 @@ def replica_all_reduces(got: dict, step: int) -> tuple[int, int]:
 
 def check_hsdp_traffic(results: list, what: str) -> None:
     """The replica groups see one all-reduce per step (the model is under one bucket), the
-    shard groups carry the rest; nothing spans the world but the tiny presence/loss sums."""
+    shard groups carry every other collective; nothing spans the world."""
     for rank, got in enumerate(results):
         assert got["layout"].shard_size == 2 and got["layout"].replicas == 2
+        groups = {got["groups"]["shard"], got["groups"]["replicas"]}
         for k in range(len(got["steps"])):
             n, others = replica_all_reduces(got, k)
             assert (n, others) == (1, 0), f"{what} rank {rank} step {k}: {n} all-reduces " \
                                           f"and {others} other collectives across replicas"
-            shard = got["groups"]["shard"]
-            sizes = {len(r) for op, r, _ in got["steps"][k]["comm"] if op != "all_reduce"}
-            assert sizes <= {len(shard)}, (what, rank, k, sizes)
+            spans = {r for _, r, _ in got["steps"][k]["comm"]}
+            assert spans <= groups, (what, rank, k, spans)
 
 
 @pytest.mark.parametrize("cases", [pytest.param(FAST, id="fast"),
@@ -228,7 +228,7 @@ def resume_hsdp(rank, world, mode, directory):
     return out
 
 
-@pytest.mark.parametrize("mode", ["zero1", "fsdp"])
+@pytest.mark.parametrize("mode", [pytest.param("zero1", marks=pytest.mark.slow), "fsdp"])
 def test_hsdp_checkpoint_resumes_bit_identically(tmp_path, mode):
     from tests.test_runtime import assert_identical
 
@@ -237,6 +237,7 @@ def test_hsdp_checkpoint_resumes_bit_identically(tmp_path, mode):
         assert_identical(got["hsdp"], got["straight"], f"{mode} HSDP resumed, rank {rank}")
         err = rel_state(got["plain"], got["straight"])  # another cut: the same logical state
         assert err <= 1e-12, f"{mode}: HSDP checkpoint resumed unsharded-HSDP {err:.3g}"
+        print(f"{mode} rank {rank}: HSDP checkpoint resumed under plain sharding: {err:.2g}")
     # the replica groups hold the same shards: DCP writes each once (the weights and two
     # AdamW states, float64), not once per replica group
     written, logical = sum(results[0]["files"].values()), 3 * 8 * results[0]["elements"]

@@ -89,8 +89,9 @@ def test_offload_on_two_ranks_equals_one_process(cases):
     _check(cases, 2, run_ranks(offloaded_cases, 2, cases, timeout=900.0))
 
 
-@pytest.mark.parametrize("cases", [pytest.param(FOUR, id="fast"),
-                                   pytest.param(FOUR_SLOW, id="slow", marks=pytest.mark.slow)])
+@pytest.mark.slow  # HSDP + offload through the front doors: tests/test_engine_front_doors.py
+@pytest.mark.parametrize("cases", [pytest.param(FOUR, id="retain"),
+                                   pytest.param(FOUR_SLOW, id="recompute")])
 def test_hsdp_with_offload_equals_one_process(cases):
     _check(cases, 4, run_ranks(offloaded_cases, 4, cases, timeout=900.0))
 
@@ -180,7 +181,7 @@ def resume_offloaded(rank, world, mode, directory):
     return out
 
 
-@pytest.mark.parametrize("mode", ["zero1", "fsdp"])
+@pytest.mark.parametrize("mode", [pytest.param("zero1", marks=pytest.mark.slow), "fsdp"])
 def test_offloaded_checkpoint_resumes_either_way(tmp_path, mode):
     from tests.test_runtime import assert_identical
 
