@@ -64,7 +64,8 @@ def print_summary(summary: dict, file=None) -> None:
     peaks = ", ".join(_gib(p) for p in summary["peak_memory_bytes"])
     console.print(f"peak memory per worker ({summary.get('peak_memory_kind')}): {peaks}")
     if summary.get("sharding"):
-        held = ", ".join("?" if b is None else _size(sum(b.values()))
+        held = ", ".join("?" if b is None else _size(b["params"] + b["grads"] + b["optimizer"])
+                         + (f" (+ {_size(b['host'])} host)" if b.get("host") else "")
                          for b in summary.get("state_bytes") or [])
         console.print(f"sharding {summary['sharding']}: params + grads + optimizer per worker "
                       f"{held}; parameter norm {summary.get('param_norm', float('nan')):.6f}")

@@ -66,7 +66,10 @@ def make_engine(world, mode, cp, cfg, ep=1):
                                   beta2=float(oc.betas[1]), eps=float(oc.eps),
                                   gradient_clipping=float(oc.max_grad_norm),
                                   lr_scheduler_type="constant", warmup_steps_proportion=0.0))
-    options = DTAOptions.of(walk_options(cfg), dtype=str(cfg.model.dtype), sharding=mode)
+    shard = cfg.train.shard_size
+    options = DTAOptions.of(walk_options(cfg), dtype=str(cfg.model.dtype), sharding=mode,
+                            shard_size=None if shard is None else int(shard),
+                            offload=str(cfg.train.offload))
     load = models.load_model
 
     def truly_float64(*args, **kwargs):  # as the Ray door's truly_float64, before sharding

@@ -3,7 +3,10 @@ steps through a front door on every layout -- replicate, zero1, fsdp; context pa
 and 2; expert parallel E = 2 on an MoE model (qwen3_moe) -- on 2 local gloo ranks end at the
 parameters the same front door reaches in one process (float64 <= 1e-10 relative L2, and the
 parameter norm), with C = 2's path attention and E = 2's routed rows really exchanged between
-the ranks.
+the ranks; and on 4 ranks HSDP 2 x 2 (fsdp), HSDP + optimizer offload (zero1) and offload
+(replicate), each front door spelling them its way (``train.shard_size`` / ``train.offload``;
+verl's ``fsdp_size`` / ``optimizer_offload``; AReaL's ``actor.dta.shard_size`` /
+``actor.dta.offload``).
 
 A front door is an entry of ``FRONT_DOORS``: ``train(rank, world, mode, C, E, moe)`` runs 2
 steps through it on this rank and returns ``{"state", "param_norm", "layout", "sent",
@@ -40,24 +43,27 @@ def _rel_l2(a, b):
 
 
 # ------------------------------------------------------------------ front doors --
-def run_config(world, mode, cp, ep=1, moe=False):
+def run_config(world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
     """What every front door trains: ``dta train``'s run config (blocks of 16 tokens: the
-    paths span several packs, so C = 2 spreads their K/V); ``moe``: the tiny Qwen3-MoE."""
+    paths span several packs, so C = 2 spreads their K/V); ``moe``: the tiny Qwen3-MoE;
+    ``shard``: HSDP's shard size (``train.shard_size``), ``offload``: ``train.offload``."""
     return load_config(None, ["workload.scale=tiny", "model.dtype=float64",
                               "walker.policy=recompute", "walker.block_tokens=16",
                               "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
                               f"train.sharding={mode}", f"ray.num_workers={world}",
                               f"train.context_parallel={cp}", f"train.expert_parallel={ep}",
-                              *(["model.family=qwen3_moe"] if moe else [])])
+                              f"train.offload={offload}",
+                              *(["model.family=qwen3_moe"] if moe else []),
+                              *([f"train.shard_size={shard}"] if shard is not None else [])])
 
 
-def ray_worker(rank, world, mode, cp, ep=1, moe=False):
+def ray_worker(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
     """``dta train``'s worker: the run config, the driver's resolved settings, 2 steps of
     the driver's batches (the trees balanced over the data-parallel groups)."""
     from tests.test_sharding import _step
     from tests.workers import local_worker
 
-    cfg = run_config(world, mode, cp, ep, moe)
+    cfg = run_config(world, mode, cp, ep, moe, shard, offload)
     w = local_worker(cfg, rank, world, truly_float64=True)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     assert all(s["updated"] for s in stats)
@@ -66,22 +72,25 @@ def ray_worker(rank, world, mode, cp, ep=1, moe=False):
             "expert_sent": sum(s["expert_parallel_sent_bytes"] for s in stats)}
 
 
-def verl_engine(rank, world, mode, cp, ep=1, moe=False):
+def verl_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
     """verl's ``DTAEngine`` (``strategy: dta``; ``dta_sharding``,
-    ``ulysses_sequence_parallel_size``): the run config's model, batches, loss and optimizer
-    as verl writes them, 2 ``train_batch`` steps (tests/test_verl_layouts.py: front_door)."""
+    ``ulysses_sequence_parallel_size``, ``fsdp_size``, ``optimizer_offload``): the run config's
+    model, batches, loss and optimizer as verl writes them, 2 ``train_batch`` steps
+    (tests/test_verl_layouts.py: front_door)."""
     from tests.test_verl_layouts import front_door
 
-    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe), ep)
+    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe, shard, offload),
+                      ep)
 
 
-def areal_engine(rank, world, mode, cp, ep=1, moe=False):
-    """AReaL's ``DTATrainEngine`` (``fsdp:d{W/C}c{C}`` + ``actor.dta.sharding``): the run
-    config's model, batches, loss and optimizer as AReaL writes them, 2 ``train_batch`` steps
-    (tests/areal_front_door.py)."""
+def areal_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
+    """AReaL's ``DTATrainEngine`` (``fsdp:d{W/C}c{C}`` + ``actor.dta.sharding`` /
+    ``shard_size`` / ``offload``): the run config's model, batches, loss and optimizer as
+    AReaL writes them, 2 ``train_batch`` steps (tests/areal_front_door.py)."""
     from tests.areal_front_door import front_door
 
-    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe), ep)
+    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe, shard, offload),
+                      ep)
 
 
 FRONT_DOORS = {"ray_worker": ray_worker, "verl": verl_engine, "areal": areal_engine}
@@ -152,6 +161,41 @@ def test_expert_parallel_layouts_equal_one_process(door):
         print(f"{door} {mode} E={ep}: relative L2 vs one process "
               f"{max(_rel_l2(r[i]['state'], ref['state']) for r in results):.2g}, routed rows "
               f"sent {[r[i]['expert_sent'] for r in results]} bytes")
+
+
+# HSDP and offload on 4 ranks: (mode, shard size, offload) at C = 1
+HSDP_OFFLOAD = [("fsdp", 2, "none"), ("zero1", 2, "optimizer"), ("replicate", None, "optimizer")]
+
+
+def _on_four(rank, world, door, layouts):
+    torch.set_num_threads(1)
+    return [FRONT_DOORS[door](rank, world, mode, 1, shard=shard, offload=offload)
+            for mode, shard, offload in layouts]
+
+
+def _four_rank_doors():
+    """The Ray worker by default; verl's and AReaL's (~50 s each on 4 ranks) under -m slow."""
+    return [d if d.values[0] == "ray_worker" else
+            pytest.param(*d.values, marks=(*d.marks, pytest.mark.slow)) for d in _doors()]
+
+
+@pytest.mark.parametrize("door", _four_rank_doors())
+def test_hsdp_and_offload_equal_one_process(door):
+    """HSDP 2 x 2 (fsdp), HSDP + offload (zero1) and offload (replicate) through the front
+    door on 4 ranks end where the same door ends in one process."""
+    ref = _reference(door)
+    results = run_ranks(_on_four, 4, door, HSDP_OFFLOAD, timeout=900.0)
+    for i, (mode, shard, offload) in enumerate(HSDP_OFFLOAD):
+        for rank in range(4):
+            got = results[rank][i]
+            layout = got["layout"]
+            assert (layout.sharding, layout.shard_size, layout.offload, layout.rank) == \
+                (mode, shard or 4, offload, rank)
+            err = _rel_l2(got["state"], ref["state"])
+            assert err <= TOL, f"{door} {mode} S={shard} {offload} rank {rank}: {err:.3g}"
+            assert got["param_norm"] == pytest.approx(ref["param_norm"], rel=TOL)
+        print(f"{door} {mode} shard_size={shard or 4} offload={offload} on 4 ranks: relative "
+              f"L2 vs one process {max(_rel_l2(r[i]['state'], ref['state']) for r in results):.2g}")
 
 
 @pytest.mark.parametrize("door", _doors("ray_worker"))

@@ -95,7 +95,7 @@ def test_dta_plan_prices_fsdp_under_retain_with_the_whole_path(capsys):
 def test_blocks_bound_recompute_activations_not_retain():
     from dta.planning.memory import activation_split
     shape = ModelShape.of(SHAPES["qwen3-14b"])
-    kw = dict(path_tokens=16000, call_tokens=6000, compute_bytes=2)
+    kw = dict(path_tokens=16000, call_tokens=6000, compute_bytes=2, logits_chunk=1024)
     whole = activation_split(shape, policy="recompute", **kw)
     block = activation_split(shape, policy="recompute", block_tokens=1024, **kw)
     assert block["graphs"] * 5 < whole["graphs"]  # one block's graph, not a 6,000-token node
@@ -180,7 +180,8 @@ def test_hybrid_shape_prices_gdn_states_instead_of_their_kv():
     dense = ModelShape.of({k: v for k, v in cfg.items() if k != "layer_types"})
     assert hybrid.gdn_layers == cfg["layer_types"].count("linear_attention") > 0
     assert hybrid.attention_layers == dense.layers - hybrid.gdn_layers and hybrid.gdn_state > 0
-    kw = dict(path_tokens=4000, call_tokens=1000, policy="recompute", compute_bytes=2)
+    kw = dict(path_tokens=4000, call_tokens=1000, policy="recompute", compute_bytes=2,
+              logits_chunk=1024)
     h, d = activation_split(hybrid, **kw), activation_split(dense, **kw)
     assert h["graphs"] == d["graphs"] and h["path_kv"] != d["path_kv"]
     more = activation_split(hybrid, **{**kw, "block_tokens": 100})  # more pieces, more states

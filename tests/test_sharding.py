@@ -224,7 +224,7 @@ def test_ray_zero1_matches_one_process_and_resumes_bit_identically(tmp_path):
     assert norms[0] == norms[1] == pytest.approx(one_norm, rel=1e-6)
     for w in stats.workers:  # what `dta train --json` reports per worker
         assert w["sharding"] == "zero1" and set(w["state_bytes"]) == {"params", "grads",
-                                                                       "optimizer"}
+                                                                       "optimizer", "host"}
     full = 2 * sum(v.numel() * v.element_size() for v in one.values())
     assert stats.workers[0]["state_bytes"]["optimizer"] <= 0.55 * full
 

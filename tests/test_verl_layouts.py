@@ -182,8 +182,10 @@ def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64
 
 
 def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
-    """One rank: C=2 does not divide the world; an unknown mode; dta_sharding beside a
-    non-default fsdp_size; hybrid sharding (LoRA under fsdp: on the ranks above)."""
+    """One rank: C=2 does not divide the world; an unknown mode; ``fsdp_size`` as HSDP's
+    shard size (one that does not divide the world, or beside replicate, refused naming it);
+    ``optimizer_offload`` as offload, ``param_offload`` / ``offload_policy`` refused (LoRA
+    under fsdp: on the ranks above)."""
     from runtime.verl import DTAEngineConfig
     from runtime.verl.config import layout_of, settings_of
 
@@ -191,11 +193,26 @@ def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
         layout_engine(model_dir, None, 2)
     with pytest.raises(ValueError, match="engine_config.dta_sharding: 'zero3'"):
         layout_of(DTAEngineConfig(dta_sharding="zero3"), world=2, rank=0)
-    with pytest.raises(ValueError, match="dta_sharding='zero1' with engine_config.fsdp_size=1"):
-        layout_of(DTAEngineConfig(dta_sharding="zero1", fsdp_size=1), world=2, rank=0)
-    with pytest.raises(ValueError, match="engine_config.fsdp_size=2 of 4 ranks"):
-        layout_of(DTAEngineConfig(fsdp_size=2), world=4, rank=0)
+    # fsdp_size: HSDP's shard size, as verl's (W / S, S) mesh; beside replicate -1 or W
+    hsdp = layout_of(DTAEngineConfig(fsdp_size=2), world=4, rank=3)
+    assert (hsdp.sharding, hsdp.shard_size, hsdp.replicas) == ("fsdp", 2, 2)
+    hsdp = layout_of(DTAEngineConfig(dta_sharding="zero1", fsdp_size=2), world=4, rank=0)
+    assert (hsdp.sharding, hsdp.shard_size) == ("zero1", 2)
+    with pytest.raises(ValueError, match="bad value for engine_config.fsdp_size: 3"):
+        layout_of(DTAEngineConfig(fsdp_size=3), world=4, rank=0)
+    with pytest.raises(ValueError, match="bad value for engine_config.fsdp_size: 2"):
+        layout_of(DTAEngineConfig(dta_sharding="replicate", fsdp_size=2), world=4, rank=0)
     assert layout_of(DTAEngineConfig(fsdp_size=1), world=4, rank=0).sharding == "replicate"
+    with pytest.raises(ValueError, match="bad value for engine_config.fsdp_size: 1"):
+        layout_of(DTAEngineConfig(dta_sharding="replicate", fsdp_size=1), world=4, rank=0)
+    assert layout_of(DTAEngineConfig(dta_sharding="replicate"), world=4, rank=0).shard_size == 4
+    # optimizer_offload: the optimizer state in host memory; the other offloads refused
+    assert layout_of(DTAEngineConfig(optimizer_offload=True), world=2, rank=0).offload == \
+        "optimizer"
+    from runtime.verl.config import check_engine_config
+    for key in ("param_offload", "offload_policy"):
+        with pytest.raises(NotImplementedError, match=f"engine_config.{key}=True"):
+            check_engine_config(DTAEngineConfig(**{key: True}))
     assert layout_of(DTAEngineConfig(), world=4, rank=3).sharding == "fsdp"
     assert layout_of(DTAEngineConfig(dta_sharding="fsdp"), world=1, rank=0).sharding == \
         "replicate"  # one rank holds everything
@@ -242,7 +259,9 @@ def front_door(rank: int, world: int, mode: str, cp: int, cfg, ep: int = 1) -> d
         raise ValueError("the verl front door translates the default ppo loss, AdamW (betas "
                          "0.9/0.999, eps 1e-8) and temperature 1 only")
     path = _door_model(cfg)
-    engine = make_engine("dta", path, "fp64", fsdp_size=-1, dta_sharding=mode,
+    shard = cfg.train.shard_size  # HSDP: verl's fsdp_size; offload: optimizer_offload
+    engine = make_engine("dta", path, "fp64", fsdp_size=-1 if shard is None else int(shard),
+                         dta_sharding=mode, optimizer_offload=cfg.train.offload == "optimizer",
                          ulysses_sequence_parallel_size=cp, expert_parallel_size=ep,
                          lr=float(o.lr),
                          clip_grad=float(o.max_grad_norm), weight_decay=float(o.weight_decay),

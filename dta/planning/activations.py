@@ -30,7 +30,7 @@ def check_context_parallel(size) -> int:
 
 
 def activation_split(shape: ModelShape, *, path_tokens: int, call_tokens: int, policy: str,
-                     compute_bytes: int, logits_chunk: int = 1024,
+                     compute_bytes: int, logits_chunk: int,
                      block_tokens: int | None = None, context_parallel: int = 1,
                      cp_scheme: str = CP_SCHEME, expert_parallel: int = 1) -> dict:
     """Activation bytes by part (``dta.planning.memory``'s module doc): ``path_kv``,

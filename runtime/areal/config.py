@@ -88,7 +88,10 @@ def actor_config_from_dta(cfg, *, experiment_name: str = "dta", trial_name: str 
         mask_no_eos_with_zero=bool(actor.mask_no_eos_with_zero),
         discount=float(actor.discount), gae_lambda=float(actor.gae_lambda), adv_norm=adv_norm,
         kl_ctl=float(actor.kl_ctl), kl_estimator=str(actor.kl_estimator))
+    shard = cfg.train.shard_size
     options = DTAOptions.of(walk_options(cfg), dtype=None if dtype in _AREAL_DTYPES else dtype,
                             sharding=None if cfg.train.sharding == "auto" else
-                            str(cfg.train.sharding))
+                            str(cfg.train.sharding),
+                            shard_size=None if shard is None else int(shard),
+                            offload=str(cfg.train.offload))
     return config, options

@@ -87,6 +87,11 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         if getattr(config, "is_critic", False):
             raise NotImplementedError("DTATrainEngine trains actors / language models; critics "
                                       "(is_critic=True) are not supported")
+        fsdp = getattr(config, "fsdp", None)
+        if fsdp is not None and bool(getattr(fsdp, "offload_params", False)):
+            raise NotImplementedError("fsdp.offload_params=True: DTATrainEngine keeps the "
+                                      "parameters on the device (actor.dta.offload=optimizer "
+                                      "keeps the optimizer state in host memory)")
         self.use_lora = bool(getattr(config, "use_lora", False))
         if self.use_lora and getattr(config, "peft_type", "lora") != "lora":
             raise NotImplementedError(f"DTATrainEngine trains LoRA adapters only "

@@ -36,7 +36,10 @@ class OffloadMixin:
     def _place(self, device: torch.device) -> None:
         pin = device.type == "cpu" and torch.cuda.is_available()
         params = list(self.model.parameters())
-        if self.optimizer is not None:  # what it steps: the fp32 masters where kept
+        # what it steps (the fp32 masters where kept), unless actor.dta.offload keeps it, and
+        # its state, in host memory for good
+        steps_on_host = self.core.layout.offload == "optimizer"
+        if self.optimizer is not None and not steps_on_host:
             held = {id(p) for p in params}
             params += [p for g in self.optimizer.param_groups for p in g["params"]
                        if id(p) not in held]
@@ -50,7 +53,7 @@ class OffloadMixin:
                 for name, buf in module._buffers.items():
                     if buf is not None:
                         module._buffers[name] = _move(buf, device, pin)
-            if self.optimizer is not None:
+            if self.optimizer is not None and not steps_on_host:
                 for state in self.optimizer.state.values():
                     for key, value in state.items():
                         if torch.is_tensor(value) and value.dim() > 0:

@@ -41,6 +41,13 @@ class DTAOptions:
         AReaL's FSDPEngine). Unset (default): ``fsdp:dN`` with N > 1 shards as AReaL's does,
         ``fsdp`` (:func:`runtime.areal.parallel.layout_of`). One rank has nothing to
         shard. The names are ``dta.planning.memory.MODES``, the one list.
+    shard_size: HSDP (zero1 / fsdp): the state sharded within groups of this many ranks
+        (a node) and replicated across them; the gradients are summed across the groups
+        once per step. Unset: the whole world (AReaL's ``fsdp:dN`` shards over all N).
+    offload: ``optimizer`` keeps the optimizer state (and the fp32 masters) in host memory
+        and steps it there, on every mode (``dta.planning.memory.OFFLOADS``; default
+        ``none``). AReaL's ``fsdp.offload_params`` (FSDP2's parameter offload) is refused.
+    Both are validated by the engine core's layout (errors name ``actor.dta.<field>``).
     """
 
     policy: str | None = None
@@ -49,6 +56,8 @@ class DTAOptions:
     block_tokens: int | None = _WALK.block_tokens
     dtype: str | None = None
     sharding: str | None = None
+    shard_size: int | None = None
+    offload: str = "none"
 
     def __post_init__(self):
         if self.sharding is not None and self.sharding not in MODES:

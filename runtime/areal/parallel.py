@@ -34,7 +34,8 @@ _REFUSED = ("tensor_parallel_size", "pipeline_parallel_size")
 # ParallelLayout field -> how AReaL spells it
 SPELLING = {"world": "the processes running (AReaL's allocation)",
             "context_parallel": "the allocation's context-parallel size (fsdp:dNcM: M)",
-            "sharding": "actor.dta.sharding",
+            "sharding": "actor.dta.sharding", "shard_size": "actor.dta.shard_size",
+            "offload": "actor.dta.offload",
             "expert_parallel": "the allocation's expert-parallel size (e)"}
 
 
@@ -59,11 +60,13 @@ def strategy_of(backend, parallel_strategy=None):
 
 
 def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank: int = 0,
-              trains: bool = True, expert_parallel: int = 1) -> ParallelLayout:
+              trains: bool = True, expert_parallel: int = 1, shard_size: int | None = None,
+              offload: str = "none") -> ParallelLayout:
     """The engine core's layout of an AReaL engine: ``actor.dta.sharding`` (``option``) as
     given, or unset what AReaL's ``fsdp:dN`` means -- ``fsdp`` over more than one
     data-parallel rank, else ``replicate`` (one data-parallel rank, or an engine without an
-    optimizer: a reference model is held whole). Errors name AReaL's keys."""
+    optimizer: a reference model is held whole); ``actor.dta.shard_size`` (HSDP) and
+    ``actor.dta.offload`` as given. Errors name AReaL's keys."""
     if option is None:
         data_parallel = world // context_parallel if world % context_parallel == 0 else world
         option = "fsdp" if trains and data_parallel > 1 else "replicate"
@@ -73,7 +76,8 @@ def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank
     try:
         layout = ParallelLayout.make(world=world, context_parallel=context_parallel,
                                      sharding=option, rank=rank,
-                                     expert_parallel=expert_parallel, spelling=SPELLING)
+                                     expert_parallel=expert_parallel, shard_size=shard_size,
+                                     offload=offload, spelling=SPELLING)
     except LayoutError as exc:
         raise ValueError(str(exc)) from None
     if given and layout.sharded and not trains:
@@ -133,7 +137,8 @@ class GroupsMixin:
         self.layout = layout_of(self.dta.sharding, world=world, context_parallel=C, rank=rank,
                                 trains=self.optimizer_config is not None,
                                 expert_parallel=int(getattr(strategy, "expert_parallel_size", 1)
-                                                    or 1))
+                                                    or 1),
+                                shard_size=self.dta.shard_size, offload=self.dta.offload)
         self.groups = build_groups(self.layout)
 
     def _ensure_groups(self) -> None:

@@ -126,10 +126,11 @@ def full_state_dict(core, *, keep: bool = True) -> dict:
 
 @torch.no_grad()
 def load_full_state(core, state: dict, *, what: str) -> None:
-    """Whole tensors into the model (FSDP's shards: this rank's part), then the masters
-    from them: ``replicate``'s, zero1's flat slices, fsdp's vocabulary slices (its layers'
-    DTensors are their own masters). Every parameter must be in ``state``, and nothing else
-    but the model's state-dict keys (``what`` names the source in the error)."""
+    """Whole tensors into the model (FSDP's shards: this rank's part), then what the
+    optimizer steps from them (``ShardingMode.load_masters``: replicate's masters or host
+    copies, zero1's flat slices, fsdp's vocabulary slices and offloaded layer copies). Every
+    parameter must be in ``state``, and nothing else but the model's state-dict keys
+    (``what`` names the source in the error)."""
     model = core.model
     named = list(model.named_parameters())
     missing = [n for n, _ in named if n not in state]
@@ -165,14 +166,5 @@ def load_full_state(core, state: dict, *, what: str) -> None:
     for name, b in model.named_buffers():
         if name in state:
             b.copy_(state[name].to(device=b.device, dtype=b.dtype))
-    mode = core.mode
-    if hasattr(mode, "load_masters"):  # replicate's masters
-        mode.load_masters({n: piece(n, p) for n, p in named})
-    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None),
-                 getattr(mode, "expert_shards", None)):
-        if flat is not None:  # zero1's / fsdp's vocabulary / expert flat shards: their masters
-            for pc in flat.pieces:
-                name = flat.names[pc.index]
-                src = piece(name, flat.params[pc.index]).reshape(-1)[pc.start:pc.stop]
-                flat.master[pc.offset:pc.offset + pc.stop - pc.start].copy_(
-                    src.to(device=flat.master.device, dtype=flat.master.dtype))
+    # what the optimizer steps: masters, flat slices, host copies (an expert slice: its rows)
+    core.mode.load_masters({n: piece(n, p) for n, p in named})

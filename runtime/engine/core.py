@@ -150,8 +150,10 @@ class EngineCore:
         decoder = self.model.get_decoder()
         ep = expert_parallel_of(self.model)
         steps = self.mode.forward_steps(ep.forward_exchanges() if ep is not None else {})
-        self.sync = Lockstep(decoder, self.groups.world, kept_graphs=self.walk.policy == "retain",
-                             forward_steps=steps, what=self.layout.matched_reason())
+        group = self.groups.shard if self.layout.lockstep_in_shard else self.groups.world
+        self.sync = Lockstep(decoder, group, kept_graphs=self.walk.policy == "retain",
+                             forward_steps=steps, on_end=self.mode.release_gathered,
+                             what=self.layout.matched_reason())
         wrapper = LockstepDecoder(decoder, self.sync)
         self.model.get_decoder = lambda: wrapper  # what the walker calls; the model unchanged
 

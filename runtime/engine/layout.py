@@ -170,6 +170,14 @@ class ParallelLayout:
 
         return mode_class(self.sharding).matched_calls or self.experts_span_data
 
+    @property
+    def lockstep_in_shard(self) -> bool:
+        """Whether matched calls need matching only within HSDP's shard groups: S < W and
+        every context- and expert-parallel group lies inside one (S a multiple of C and of
+        E); the replicas then walk independently (their one sum is at the step)."""
+        return (self.shard_size < self.world and self.shard_size % self.context_parallel == 0
+                and self.shard_size % self.expert_parallel == 0)
+
     def walk_needs(self, policy: str) -> dict:
         """WalkOptions fields this layout needs under the memory ``policy``: with matched
         calls under retain, one backward per decoder call (the LM head flushed per pack,

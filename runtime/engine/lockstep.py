@@ -87,8 +87,9 @@ class Lockstep:
     walker's retain policy (forwards with grad keep their graph; backwards are B events)."""
 
     def __init__(self, decoder, group=None, *, kept_graphs: bool = False, forward_steps=(),
-                 what: str = "matched calls"):
+                 on_end=None, what: str = "matched calls"):
         self.decoder, self.group = decoder, group
+        self.on_end = on_end  # after the walk (the mode's: fsdp reshards every unit)
         self.kept_graphs = kept_graphs
         self.forward_steps = list(forward_steps)  # a forward's collectives, in its order
         self.what = what  # the layout's reason, for errors (e.g. "fsdp")
@@ -188,7 +189,8 @@ class Lockstep:
                 **{name: n for name, n in zip(("B", "F", "X", "DONE"), self.by_kind)}}
 
     def end(self) -> int:
-        """After this rank's walk: follow the peers' remaining calls; returns the rounds."""
+        """After this rank's walk: follow the peers' remaining calls, then ``on_end`` (the
+        mode's ``release_gathered``); returns the rounds."""
         self._check_backward_done()
         while True:
             kind, _ = self._decide(DONE)
@@ -196,6 +198,8 @@ class Lockstep:
                 break
             self._follow(kind)
         self.active = False
+        if self.on_end is not None:
+            self.on_end()
         return self.rounds
 
 

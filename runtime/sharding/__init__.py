@@ -8,6 +8,10 @@ the model and the optimizer before the walk and does all the communication aroun
   accumulated locally, one reduce-scatter per step, fp32 masters and optimizer state sharded;
 - ``fsdp`` (:mod:`.fsdp`): FSDP2 ``fully_shard`` (parameters sharded, gathered per call).
 
+zero1 and fsdp shard within groups of ``train.shard_size`` ranks and replicate across them
+(HSDP, :mod:`.hsdp`); every mode can keep the optimizer's state in host memory
+(``train.offload=optimizer``, :mod:`.offload`).
+
 A mode is a registered class behind one interface (:mod:`.base`: ``ShardingMode``,
 ``register``; the names are the memory model's, ``dta.planning.memory.MODES``). Which mode a
 run uses -- ``auto`` included -- is decided once, by the engine's layout
@@ -37,14 +41,9 @@ def make_mode(name: str, model, make_optimizer, *, group=None,
     :class:`~runtime.engine.layout.ParallelLayout` and its process groups (expert parallel,
     HSDP's shard and replica groups, the offload choice)."""
     cls = mode_class(name)
-    if layout is not None:
-        if layout.expert_parallel != 1 and not cls.holds_experts:
-            raise NotImplementedError(f"sharding={name}: expert_parallel="
-                                      f"{layout.expert_parallel} is not implemented yet")
-        for field, off in (("shard_size", layout.world), ("offload", "none")):
-            if getattr(layout, field) != off:
-                raise NotImplementedError(f"sharding={name}: {field}={getattr(layout, field)!r}"
-                                          " is not implemented yet")
+    if layout is not None and layout.expert_parallel != 1 and not cls.holds_experts:
+        raise NotImplementedError(f"sharding={name}: expert_parallel="
+                                  f"{layout.expert_parallel} is not implemented yet")
     compute_dtype = compute_dtype or next(model.parameters()).dtype
     if cls.sharded:
         # The walker's self-check (dta.selfcheck, cached per model) probes the model with its

@@ -20,6 +20,15 @@ asks of the walk is the layout's: ``ParallelLayout.walk_needs``). ``forward_step
 the collectives one decoder forward makes, in order, as calls that make them without a
 forward -- the mode's own (fsdp's unshard / reshard per unit) around ``inner`` (per decoder
 layer index, the model's own: expert parallelism's exchanges).
+
+What the optimizer steps -- the *masters*: zero1's / fsdp's fp32 slices, replicate's masters
+where kept, or, offloaded, host copies of the trained weights -- is loaded two ways:
+``load_masters(state)`` from whole tensors (after the model's own weights were set), and
+``masters_loaded()`` after a checkpoint filled the masters in place (the model's weights are
+refreshed from them).
+
+Every mode takes the layout's HSDP shard size (:mod:`.hsdp`) and offload choice
+(:mod:`.offload`) from the ``layout`` and ``groups`` it is built with.
 """
 from __future__ import annotations
 
@@ -100,6 +109,9 @@ class ShardingMode:
         return [step for i in sorted(inner) for step in inner[i]]
 
     # ------------------------------------------------------------------ the step --
+    def release_gathered(self) -> None:
+        """After a walk with matched calls: free what the mode keeps gathered (fsdp's units)."""
+
     def zero_grad(self) -> None:
         raise NotImplementedError
 
@@ -118,8 +130,20 @@ class ShardingMode:
     def discard_gradients(self) -> None:
         raise NotImplementedError
 
+    # ------------------------------------------------------------ the masters --
+    def load_masters(self, state: dict) -> None:
+        """Whole tensors (by parameter name; those absent: from the model's parameters) into
+        what the optimizer steps, after the model's weights were set from them."""
+        raise NotImplementedError
+
+    def masters_loaded(self) -> None:
+        """The masters were loaded in place (a checkpoint): the model's weights from them."""
+        raise NotImplementedError
+
     # --------------------------------------------------------------- reporting --
     def state_bytes(self) -> dict:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer`` on the device and
+        ``host`` (what offload keeps in host memory)."""
         raise NotImplementedError
 
     def param_norm(self) -> float:

@@ -46,19 +46,21 @@ class ExpertPart:
         return ([(n, p) for n, p in named if not self.holds(p)],
                 [(n, p) for n, p in named if self.holds(p)])
 
-    def flat(self, named: list, compute_dtype):
-        """The slices as flat shards over the expert replicas (None: no trained slice)."""
-        from runtime.sharding.flat import FlatShards
+    def part(self, named: list):
+        """The slices as a sharded part (:class:`runtime.sharding.hsdp.Part`): their state
+        split over the expert replicas (zero1's / fsdp's flat shards; HSDP's shard groups
+        do not cut it further)."""
+        from runtime.sharding.hsdp import Part
 
-        return FlatShards(named, group=self.replicas, compute_dtype=compute_dtype) \
-            if named else None
+        return Part(tuple(named), self.replicas, None)
 
-    def reduce(self, params: list) -> None:
-        """Sum the slices' ``.grad`` over the expert replicas."""
-        from runtime.sharding.replicate import allreduce_gradients
+    def reduce(self, grads: list, like: list) -> list:
+        """The slices' gradients (``like``: the slices) summed over the expert replicas."""
+        from runtime.sharding.common import allreduce_gradients
 
         if self.replica_count > 1:
-            allreduce_gradients(params, group=self.replicas)
+            return allreduce_gradients(grads, like, group=self.replicas)
+        return grads
 
     def group_sum(self, value: float, device) -> float:
         """``value`` summed over the expert-parallel group (one collective)."""
@@ -67,9 +69,9 @@ class ExpertPart:
         return float(t[0])
 
     @torch.no_grad()
-    def norm(self, dense: list, experts: list) -> float:
-        """√(Σ dense² + Σ over the group of its slices' Σ²): every expert counted once."""
-        device = (dense or experts)[0].device if (dense or experts) else torch.device("cpu")
+    def norm(self, dense: list, experts: list, *, device) -> float:
+        """√(Σ dense² + Σ over the group of its slices' Σ²): every expert counted once (the
+        sum over the group on ``device``: the tensors may be host copies, offloaded)."""
         d = float(sum(t.double().pow(2).sum() for t in dense)) if dense else 0.0
         e = float(sum(t.double().pow(2).sum() for t in experts)) if experts else 0.0
         return math.sqrt(d + self.group_sum(e, device))

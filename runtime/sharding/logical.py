@@ -14,7 +14,7 @@ slice; a replica's whole tensor: ``offsets`` of its origin) or a *flat range* (z
 fsdp's vocabulary flat shards: elements ``[start, start + n)`` of the row-major parameter,
 held 1-D). Everything else is generic: the optimizer state is the optimizer's own
 (``optimizer.state[held.stepped]``), DCP re-cuts the logical tensors for the loading ranks
-(:mod:`.pieces`), and after a load the mode derives the rest (:meth:`ShardingMode.
+(:mod:`runtime.dcp.pieces`), and after a load the mode derives the rest (:meth:`ShardingMode.
 logical_loaded`: the compute weights regathered, the masters cast into the model).
 
 How a new layout plugs in: declare its pieces. Expert parallelism -- rank r holds experts
@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.sharding.pieces import LogicalTensor
+from runtime.dcp import CheckedState, ShardedCheckpointError
+from runtime.dcp.pieces import LogicalTensor
 
 __all__ = ["Held", "held_dtensor", "LogicalState", "View", "load_whole", "check_fits", "KEY",
            "STEP"]
@@ -161,7 +161,7 @@ class View:
         self.mode.logical_loaded()
 
 
-class LogicalState(Stateful):
+class LogicalState(CheckedState):
     """DCP's view of a mode (``ShardingMode.sharded_state()``): the logical tensors on a
     save, loaded in place then finished (:meth:`View.finish`) on a load."""
 
@@ -217,8 +217,6 @@ def check_fits(what: str, saved: dict[str, tuple], wanted: dict[str, tuple], *,
     """One line (:class:`runtime.dcp.ShardedCheckpointError`) when the checkpoint ``what``
     (its logical tensors' shapes, ``saved``) is not this run's state (``wanted``). Without
     an ``optimizer`` the checkpoint's optimizer state is not read (only its weights)."""
-    from runtime.dcp import ShardedCheckpointError
-
     have, need = _names(saved, "model."), _names(wanted, "model.")
     if have != need:
         extra, lacking = sorted(have - need), sorted(need - have)

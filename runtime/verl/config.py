@@ -19,8 +19,15 @@ The layout (:func:`layout_of`, validated once by ``runtime.engine.ParallelLayout
   attention (docs/context-parallel.md), as verl's Ulysses groups divide a micro-batch;
 - ``dta_sharding`` (``replicate`` | ``zero1`` | ``fsdp``) is how the training state is held;
   unset, it is what verl's FSDP engine does with ``fsdp_size``: ``-1`` (verl's default: shard
-  over the whole world) is ``fsdp``, ``1`` (a DDP mesh) is ``replicate``; one rank holds
-  everything (``replicate``);
+  over the whole world) is ``fsdp``, ``1`` (a DDP mesh) is ``replicate``, ``1 < S < W`` is
+  HSDP (``fsdp`` sharded within groups of S ranks, replicated across them, as verl's
+  ``(W / S, S)`` "ddp" x "fsdp" mesh); one rank holds everything (``replicate``);
+- ``fsdp_size`` = S beside ``dta_sharding`` is the shard size S (HSDP; zero1 / fsdp);
+  ``-1`` (or the world) shards over the world (under ``replicate``: ``-1`` or the world);
+- ``optimizer_offload: true`` keeps the optimizer state (and the masters) in host memory and
+  steps it there (``train.offload=optimizer``: runtime/sharding/offload.py), on every mode;
+  ``param_offload`` (parameters moved off the device between phases) and ``offload_policy``
+  (FSDP2's ``CPUOffloadPolicy``: parameters gathered from host memory per call) are refused.
 - ``expert_parallel_size`` (verl's spelling in its FSDP-family engine configs, VeOmni's and
   torchtitan's; Megatron's is ``expert_model_parallel_size``) is the expert-parallel size E:
   groups of E consecutive ranks hold each MoE layer's experts once, 1/E each
@@ -41,7 +48,7 @@ from dta.options import WalkOptions
 from runtime.engine import LoraSpec, ModelSpec, ParallelLayout, RunSettings, policy_of, settle
 
 __all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "dtypes", "check_engine_config",
-           "sharding_of", "layout_of", "model_spec", "settings_of", "sharding_keys"]
+           "sharding_of", "shard_size_of", "layout_of", "model_spec", "settings_of", "sharding_keys"]
 
 # verl's dtype spellings (verl.utils.torch_dtypes) and the one it lacks, for verification
 _DTYPES = {"fp32": "float32", "32": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -51,7 +58,9 @@ _DTYPES = {"fp32": "float32", "32": "float32", "bf16": "bfloat16", "fp16": "floa
 SPELLING = {"world": "the world size of verl's process group",
             "context_parallel": "engine_config.ulysses_sequence_parallel_size",
             "sharding": "engine_config.dta_sharding",
-            "expert_parallel": "engine_config.expert_parallel_size"}
+            "expert_parallel": "engine_config.expert_parallel_size",
+            "shard_size": "engine_config.fsdp_size",
+            "offload": "engine_config.optimizer_offload"}
 
 
 @dataclass
@@ -118,9 +127,12 @@ def check_engine_config(engine_config) -> None:
 
     if engine_config.strategy != "dta":
         refuse("strategy", "the dta engine is selected by strategy=dta")
-    if engine_config.param_offload or engine_config.optimizer_offload:
-        refuse("param_offload" if engine_config.param_offload else "optimizer_offload",
-               "the dta engine keeps its model and optimizer on the device (no offload)")
+    if engine_config.param_offload:
+        refuse("param_offload", "the dta engine keeps its model on the device "
+               "(optimizer_offload=True keeps the optimizer state in host memory)")
+    if engine_config.offload_policy:
+        refuse("offload_policy", "the dta engine does not gather parameters from host memory "
+               "per call (optimizer_offload=True keeps the optimizer state in host memory)")
     mp = engine_config.mixed_precision
     if mp is None or mp.get("param_dtype") is None:  # verl's FSDP engine would autocast: say so
         warnings.warn(f"engine_config.mixed_precision.param_dtype is unset: verl's FSDP engine "
@@ -141,36 +153,41 @@ def check_engine_config(engine_config) -> None:
 # ------------------------------------------------------------------ the layout --
 def sharding_of(engine_config, world: int) -> str:
     """The sharding mode: ``dta_sharding``, or unset what verl's FSDP engine does with
-    ``fsdp_size`` (see the module doc); the two keys must not disagree."""
+    ``fsdp_size`` (see the module doc)."""
     given = getattr(engine_config, "dta_sharding", None)
-    size = int(engine_config.fsdp_size)
     if given is not None:
-        if size != -1:
-            raise ValueError(f"engine_config.dta_sharding={given!r} with engine_config."
-                             f"fsdp_size={size}: the dta engine's sharding is dta_sharding; "
-                             "leave fsdp_size at -1")
         return str(given)
-    if size < 0 or size >= world:
-        return "fsdp"  # verl: one FSDP mesh over the world
-    if size == 1:
-        return "replicate"  # verl: a DDP mesh, full replicas
-    raise ValueError(f"engine_config.fsdp_size={size} of {world} ranks: hybrid sharding is not "
-                     "a dta sharding mode; set engine_config.dta_sharding to replicate, zero1 "
-                     "or fsdp")
+    size = int(engine_config.fsdp_size)
+    return "replicate" if size == 1 and world > 1 else "fsdp"
+
+
+def shard_size_of(engine_config, world: int) -> int | None:
+    """The HSDP shard size: ``fsdp_size`` where it is one (1 < S < W, or 1 beside
+    ``dta_sharding``), else None: the world (``-1``, the world or more; ``fsdp_size`` 1 alone
+    is verl's DDP mesh, replicate). The layout validates it, naming ``fsdp_size``."""
+    size = int(engine_config.fsdp_size)
+    alone = getattr(engine_config, "dta_sharding", None) is None
+    if size < 0 or size >= world or (size == 1 and alone):
+        return None
+    return size
 
 
 def layout_of(engine_config, *, world: int, rank: int) -> ParallelLayout:
     """This rank's layout: world, ``ulysses_sequence_parallel_size`` as the context-parallel
-    size, the sharding mode (:func:`sharding_of`), ``expert_parallel_size`` as the
+    size, the sharding mode (:func:`sharding_of`), ``fsdp_size`` as the shard size
+    (:func:`shard_size_of`), ``optimizer_offload``, ``expert_parallel_size`` as the
     expert-parallel size; an error names the verl key."""
     spelling = dict(SPELLING)
     if getattr(engine_config, "dta_sharding", None) is None:
         spelling["sharding"] = f"engine_config.fsdp_size={engine_config.fsdp_size}'s sharding"
+    sharding = sharding_of(engine_config, world)
     return ParallelLayout.make(world=int(world),
                                context_parallel=engine_config.ulysses_sequence_parallel_size,
-                               sharding=sharding_of(engine_config, world), rank=int(rank),
+                               sharding=sharding, rank=int(rank),
                                expert_parallel=getattr(engine_config, "expert_parallel_size", 1),
-                               spelling=spelling)
+                               shard_size=shard_size_of(engine_config, world),
+                               offload="optimizer" if engine_config.optimizer_offload
+                               else "none", spelling=spelling)
 
 
 def model_spec(model_config) -> ModelSpec:

@@ -82,7 +82,9 @@ class DTAEngine(BaseEngine):
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return False
+        """``optimizer_offload``: the optimizer state lives in host memory and steps there
+        (it never moves: :meth:`to` leaves it)."""
+        return self.core is not None and self.core.layout.offload == "optimizer"
 
     def initialize(self):
         """The run's settings (layout + walk) from verl's configs, then the engine core:
@@ -149,8 +151,11 @@ class DTAEngine(BaseEngine):
         return _ModeCtx(self, "eval", **kwargs)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """The model stays on the engine's device; the optimizer state where it lives (the
+        device, or host memory under ``optimizer_offload``: a move of it alone is a no-op)."""
         super().to(device, model=model, optimizer=optimizer, grad=grad)
-        if torch.device(device).type != self.device.type:
+        offloaded = optimizer and not model and self.is_optimizer_offload_enabled
+        if torch.device(device).type != self.device.type and not offloaded:
             raise NotImplementedError(f"the dta engine keeps its state on {self.device} "
                                       f"(no offload to {device})")
 

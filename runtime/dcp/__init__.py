@@ -15,7 +15,7 @@ saved once, DTensors as their shards) or to objects with ``state_dict()`` /
 ``load_state_dict()`` -- above all a sharding mode's logical view
 (``ShardingMode.sharded_state()``, :mod:`runtime.sharding.logical`: every parameter and its
 optimizer state by name at its whole shape, each rank its pieces), which DCP re-cuts on
-load for any world size and mode (the planners of :mod:`runtime.sharding.pieces`).
+load for any world size and mode (the planners of :mod:`runtime.dcp.pieces`).
 ``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json.
 meta.json records ``"logical": 1`` for a checkpoint holding the logical view; one written
 by the previous sharded format (per-mode entries, before 2026-12-05) is refused by
@@ -54,6 +54,7 @@ from runtime.checkpoints.checkpoint import (
     write_manifest,
 )
 from runtime.checkpoints.files import _fsync_dir
+from runtime.dcp.pieces import LoadPlanner, SavePlanner
 
 LATEST = "latest"
 META = "meta.json"
@@ -99,10 +100,17 @@ def _one_process_quiet():
         yield
 
 
-def _logical(state: dict) -> bool:
-    from runtime.sharding.logical import LogicalState
+class CheckedState(Stateful):
+    """A state entry checked against the checkpoint before it is loaded: the training
+    state's logical view (``runtime.sharding.logical.LogicalState``), which loads at any
+    world size and mode. ``check`` refuses (one line) a checkpoint that is not this run's."""
 
-    return any(isinstance(v, LogicalState) for v in state.values())
+    def check(self, path: str, metadata, key: str) -> None:
+        raise NotImplementedError
+
+
+def _logical(state: dict) -> bool:
+    return any(isinstance(v, CheckedState) for v in state.values())
 
 
 def _dcp_state(state: dict) -> dict:
@@ -128,8 +136,6 @@ def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = 
         os.makedirs(tmp, exist_ok=True)
     _barrier(group)
     try:
-        from runtime.sharding.pieces import SavePlanner
-
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         with _one_process_quiet():
             dcp.save(_dcp_state(state), storage_writer=writer, planner=SavePlanner(),
@@ -188,8 +194,6 @@ def load_sharded(path: str, state: dict, *, group=None) -> dict:
     The manifest is verified first: nothing is read from an unverified folder. A logical
     view loads at any world size and mode; anything else only at the world size that wrote
     it."""
-    from runtime.sharding.pieces import LoadPlanner
-
     verify_manifest(path)
     meta = read_meta(path)
     if meta.get("format") != "dcp":
@@ -201,11 +205,9 @@ def load_sharded(path: str, state: dict, *, group=None) -> dict:
             "ranks), not the logical view this DTA loads here; resume it through the engine "
             "core (dta train / verl), or with the DTA that wrote it")
     if _logical(state):  # its parameters and optimizer state are this run's (one line)
-        from runtime.sharding.logical import LogicalState
-
         metadata = dcp.FileSystemReader(path).read_metadata()  # a pickle: verified above
         for k, v in state.items():
-            if isinstance(v, LogicalState):
+            if isinstance(v, CheckedState):
                 v.check(path, metadata, k)
     elif int(meta.get("world_size", -1)) != _world():
         raise ShardedCheckpointError(
