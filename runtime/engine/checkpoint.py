@@ -1,11 +1,16 @@
 """The engine core's checkpoints and Hugging Face export.
 
 - replicated state (``replicate``): one rank writes the model and the optimizer
-  (``runtime.checkpoints.checkpoint``: tensors only, a SHA-256 manifest, atomic);
+  (``runtime.checkpoints.checkpoint``: tensors only, a SHA-256 manifest, atomic), or -- asked
+  (``dcp=True``, AReaL's recover format) -- every rank its DCP view, as a sharded mode;
 - sharded state (``zero1`` / ``fsdp``): every rank writes its shards with DCP
   (``runtime.dcp.save_sharded``), loaded at any world size in the same mode, or re-sharded
   into one replica, or a replicated checkpoint cut into this rank's shards
   (``runtime.sharding.reshard``); anything else is refused before a parameter is touched;
+- a front door's own state beside the core's (``extra_state``: name -> an object with
+  ``state_dict()`` / ``load_state_dict()``, e.g. its LR scheduler), in the checkpoint's
+  ``meta.json`` (JSON, checked to read back equal; checksummed with the rest), restored after
+  the core's state -- one scheme for every front door;
 - the model as a Hugging Face folder (``save_pretrained``, compute dtype; LoRA: the adapter
   in PEFT format or merged weights), gathered where sharded;
 - the whole weights in the compute dtype, tensor by tensor or as a state dict (what a
@@ -19,14 +24,17 @@ import os
 import torch
 
 __all__ = ["save", "load", "export_hf", "named_full_tensors", "full_state_dict",
-           "load_full_state"]
+           "load_full_state", "is_checkpoint", "find", "extra_meta", "check_extra",
+           "restore_extra"]
+
+EXTRA = "extra_state"  # meta.json's key of a front door's own state
 
 
 def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = None,
-         keep_last: int | None = None) -> str:
-    """Replicated: call it on one rank (it writes the whole state). Sharded: every rank calls
-    it and writes its shards (rank 0 then applies ``keep_last``)."""
-    if core.layout.sharded:
+         keep_last: int | None = None, dcp: bool = False) -> str:
+    """Replicated: call it on one rank (it writes the whole state). Sharded (or ``dcp``):
+    every rank calls it and writes its shards (rank 0 then applies ``keep_last``)."""
+    if core.layout.sharded or dcp:
         from runtime.checkpoints.checkpoint import prune
         from runtime.dcp import save_sharded
 
@@ -51,6 +59,10 @@ def load(core, path: str) -> dict:
 
     sharded = core.layout.sharded
     saved = check_resumable(path, core.layout.world, core.layout.sharding)
+    if saved["format"] == "dcp" and not sharded and saved["sharding"] == core.layout.sharding:
+        from runtime.dcp import load_sharded  # replicated state written as DCP (``dcp=True``)
+
+        return load_sharded(path, core.mode.sharded_state(), allow_reshard=True)
     if saved["format"] == "dcp" and not sharded:
         return load_into_replica(path, core.model, core.optimizer)
     if saved["format"] == "replicated" and sharded:
@@ -62,6 +74,67 @@ def load(core, path: str) -> dict:
     from runtime.checkpoints.checkpoint import load_checkpoint
 
     return load_checkpoint(path, core.model, core.optimizer)
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a checkpoint's own folder (not a run's folder holding some)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("meta.json", "manifest.json"))
+
+
+def find(path: str) -> tuple[str, dict]:
+    """The checkpoint at ``path`` (a checkpoint folder, or the newest complete one under a
+    run's folder) and its meta, read before anything is loaded (a front door's checks)."""
+    from runtime.checkpoints.checkpoint import latest_checkpoint, read_meta
+
+    final = path if is_checkpoint(path) else latest_checkpoint(path)
+    if final is None:
+        raise FileNotFoundError(f"no checkpoint under {path!r} (expected step-*/meta.json "
+                                "with its manifest)")
+    return final, read_meta(final)
+
+
+def extra_meta(extra_state: dict | None) -> dict:
+    """``{EXTRA: {name: state dict}}`` for meta.json; a state that JSON would not give back
+    equal (tensors, tuples, ...) is refused naming it, before anything is written."""
+    import json
+
+    if not extra_state:
+        return {}
+    out = {}
+    for name, obj in extra_state.items():
+        state = obj.state_dict()
+        try:
+            same = json.loads(json.dumps(state)) == state
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            raise TypeError(f"extra_state {name!r} ({type(obj).__name__}): its state_dict() "
+                            "is not plain JSON (numbers, strings, lists, dicts), which the "
+                            "checkpoint's meta.json holds")
+        out[name] = state
+    return {EXTRA: out}
+
+
+def check_extra(path: str, meta: dict, extra_state: dict | None) -> None:
+    """Refuse a checkpoint without one of the ``extra_state`` entries (before a load)."""
+    saved = meta.get(EXTRA) or {}
+    missing = sorted(set(extra_state or {}) - set(saved))
+    if missing:
+        raise ValueError(f"checkpoint {path!r} holds no {missing} (its extra_state has "
+                         f"{sorted(saved)})")
+
+
+def restore_extra(core, path: str, meta: dict, extra_state: dict | None) -> None:
+    """Every ``extra_state`` entry from the checkpoint's meta (each must be there); an LR
+    scheduler of the core's optimizer also sets the optimizer's learning rates to its last
+    ones (a sharded optimizer state holds no param_groups)."""
+    check_extra(path, meta, extra_state)
+    for name, obj in (extra_state or {}).items():
+        obj.load_state_dict(meta[EXTRA][name])
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and \
+                obj.optimizer is core.optimizer:
+            for group, lr in zip(core.optimizer.param_groups, obj.get_last_lr()):
+                group["lr"] = lr
 
 
 def export_hf(core, path: str, *, merged: bool = False) -> str:
@@ -151,12 +224,4 @@ def load_full_state(core, state: dict, *, what: str) -> None:
     for name, b in model.named_buffers():
         if name in state:
             b.copy_(state[name].to(device=b.device, dtype=b.dtype))
-    mode = core.mode
-    if hasattr(mode, "load_masters"):  # replicate's masters
-        mode.load_masters(state)
-    for flat in (getattr(mode, "shards", None), getattr(mode, "vocab", None)):
-        if flat is not None:  # zero1's / fsdp's vocabulary flat shards: their master slices
-            for pc in flat.pieces:
-                src = state[flat.names[pc.index]].reshape(-1)[pc.start:pc.stop]
-                flat.master[pc.offset:pc.offset + pc.stop - pc.start].copy_(
-                    src.to(device=flat.master.device, dtype=flat.master.dtype))
+    core.mode.load_masters(state)

@@ -14,12 +14,19 @@ imported. The engine core (:mod:`runtime.engine`) is the only caller of the step
    (``scale_gradients(coef)``) and ``apply_update()``, or ``discard_gradients()`` on a
    non-finite norm.
 
+What else the core asks of a mode is declared here too, never probed: ``sync`` (the
+matched-call session of a mode whose ranks' decoder calls must match -- fsdp's
+:class:`~runtime.sharding.lockstep.Lockstep` --, else None), hence ``matched_calls`` and
+``session()`` (around walks outside a step); ``load_masters(state)`` (the master weights
+from whole tensors, after the model's were replaced).
+
 ``walk_needs(policy)`` is what the mode asks of the walk (fsdp under retain: one LM-head
 flush per pack); it is part of the one resolution of the walk settings
 (``runtime.engine.resolve.walk_for_layout``), never patched in afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 import torch
@@ -74,6 +81,9 @@ class ShardingMode:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    # the matched-call session (runtime.sharding.lockstep.Lockstep) when the ranks' decoder
+    # calls must match one for one (fsdp); None: a rank's calls run alone
+    sync = None
 
     @classmethod
     def storage_dtype(cls, compute: torch.dtype, masters: torch.dtype | None = None
@@ -91,6 +101,30 @@ class ShardingMode:
     def walk_needs(cls, policy: str) -> dict:
         """WalkOptions fields this mode needs under the memory ``policy``."""
         return {}
+
+    # ------------------------------------------------------------- model calls --
+    @property
+    def matched_calls(self) -> bool:
+        """Whether the ranks' decoder calls are kept matched: a model call outside the
+        core's walks would unmatch them."""
+        return self.sync is not None
+
+    @contextlib.contextmanager
+    def session(self):
+        """Around walks outside a step (forward / eval): the ranks' decoder calls matched
+        for its duration where the mode matches them (inside a step: already open);
+        otherwise nothing."""
+        sync = self.sync
+        if sync is None or sync.active:
+            yield
+            return
+        sync.begin()
+        try:
+            yield
+        except BaseException:
+            sync.active = False
+            raise
+        sync.end()
 
     # ------------------------------------------------------------------ the step --
     def zero_grad(self) -> None:
@@ -122,4 +156,9 @@ class ShardingMode:
         raise NotImplementedError
 
     def sharded_state(self) -> dict:
+        raise NotImplementedError
+
+    def load_masters(self, state: dict) -> None:
+        """The master weights (where the mode keeps any) from whole tensors by parameter
+        name, after the model's own weights were replaced by them."""
         raise NotImplementedError

@@ -204,6 +204,14 @@ class FlatShards:
         return steps
 
     @torch.no_grad()
+    def load_masters(self, state: dict[str, torch.Tensor]) -> None:
+        """This rank's master slice from whole tensors by parameter name."""
+        for pc in self.pieces:
+            src = state[self.names[pc.index]].reshape(-1)[pc.start:pc.stop]
+            self.master[pc.offset:pc.offset + pc.stop - pc.start].copy_(
+                src.to(device=self.master.device, dtype=self.master.dtype))
+
+    @torch.no_grad()
     def load_flat_state(self, optimizer, flat: dict[str, torch.Tensor], steps: torch.Tensor,
                         step_dtype=torch.float32) -> None:
         """Inverse of :meth:`master_flat_state` (+ :meth:`param_steps`); then regather."""

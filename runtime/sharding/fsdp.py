@@ -157,6 +157,11 @@ class FSDP(ShardingMode):
         self.optimizer.zero_grad(set_to_none=True)
         self.vocab.zero_master_grads()
 
+    def load_masters(self, state: dict) -> None:
+        """The vocabulary's flat master slice from whole tensors (the layers' DTensor
+        shards are their own masters)."""
+        self.vocab.load_masters(state)
+
     def sharded_state(self) -> dict:
         """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
         from runtime.sharding.state import DTensorParamsState, FlatShardsState

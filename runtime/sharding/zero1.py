@@ -76,6 +76,10 @@ class Zero1(ShardingMode):
         """The model's state dict (compute dtype; the masters gathered into it)."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
+    def load_masters(self, state: dict) -> None:
+        """The flat master slice from whole tensors."""
+        self.shards.load_masters(state)
+
     def sharded_state(self) -> dict:
         """What :func:`runtime.dcp.save_sharded` writes (and loads into, in place)."""
         from torch.distributed.device_mesh import init_device_mesh
