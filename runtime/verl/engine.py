@@ -192,10 +192,6 @@ class DTAEngine(BaseEngine):
             raise NotImplementedError("the dta engine trains the LoRA adapters: training inside "
                                       "disable_adapter() is refused (verl uses it for the "
                                       "reference policy's log-probs)")
-        for key in ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only"):
-            if tu.get_non_tensor_data(data, key, False):
-                raise NotImplementedError(f"the batch asks for {key}=True: the dta engine "
-                                          "returns log-probs and entropy only")
         rows = vb.sequences(data)
         group, dp = core.groups.data, core.layout.data_parallel
         if "loss_mask" in data.keys():
