@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
+from experiments.local_ranks import run_ranks
 from runtime.sharding import MODES
-from runtime.sharding.local import run_ranks
+from tests.workers import state
 
 WORLD = 2
 LAYOUTS = [(mode, cp) for cp in (1, 2) for mode in MODES]
@@ -56,7 +57,7 @@ def ray_worker(rank, world, mode, cp):
     w = local_worker(cfg, rank, world, truly_float64=True)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     assert all(s["updated"] for s in stats)
-    return {"state": w.state()["model"], "param_norm": w.param_norm(),
+    return {"state": state(w)["model"], "param_norm": w.param_norm(),
             "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats)}
 
 

@@ -10,8 +10,9 @@ import os
 import pytest
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_sharding import _step, _worker, overrides, rel_l2
+from tests.workers import state
 
 MODES = ("zero1", "fsdp")
 
@@ -27,18 +28,18 @@ def save_at_two(rank, world, directory):
         w = _worker(cfg, rank, world)
         _step(w, cfg, 0, rank, world)
         path = w.save_checkpoint(os.path.join(directory, mode), 1, {"note": "test"})
-        saved = w.state()["model"]
+        saved = state(w)["model"]
         _step(w, cfg, 1, rank, world)
-        out[mode] = {"path": path, "saved": saved, "after": w.state()["model"]}
+        out[mode] = {"path": path, "saved": saved, "after": state(w)["model"]}
     cfg = load_config(None, overrides("fsdp", "float64", "retain"))
     w = _worker(cfg, rank, world)
-    before = w.state()["model"]
+    before = state(w)["model"]
     try:
         w.load_checkpoint(out["zero1"]["path"])
         out["refused"] = None
     except ShardedCheckpointError as exc:
         out["refused"] = str(exc)
-    out["untouched"] = all((before[k] == v).all() for k, v in w.state()["model"].items())
+    out["untouched"] = all((before[k] == v).all() for k, v in state(w)["model"].items())
     return out
 
 
@@ -53,13 +54,13 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_mismatches_are_refused(tmp_
         assert one.core.layout.sharding == "replicate"
         meta = one.load_checkpoint(two[mode]["path"])
         assert meta["world_size"] == 2 and meta["sharding"] == mode and meta["step"] == 1
-        loaded = one.state()
+        loaded = state(one)
         for name, t in two[mode]["saved"].items():  # exactly the saved parameters
             assert (loaded["model"][name] == t).all(), f"{mode} {name}"
         moments = [st for st in one.optimizer.state.values() if st]
         assert moments and all(float(st["step"]) == 1 for st in moments)
         _step(one, cfg, 1, 0, 1)
-        err = rel_l2(one.state()["model"], two[mode]["after"])
+        err = rel_l2(state(one)["model"], two[mode]["after"])
         assert err <= 1e-12, f"{mode}: resumed on 1 rank vs 2 ranks, relative L2 {err:.3g}"
         print(f"{mode}: W=2 -> W=1 resume, step 2 vs the 2-rank run {err:.2g}")
     message = two["refused"]
@@ -95,9 +96,9 @@ def resume_at_three(rank, world, paths):
         cfg = load_config(None, overrides(mode, "float64", "retain"))
         w = _worker(cfg, rank, world)
         meta = w.load_checkpoint(paths[mode])
-        loaded = w.state()["model"]
+        loaded = state(w)["model"]
         _step(w, cfg, 1, rank, world)
-        out[mode] = {"meta": meta, "loaded": loaded, "after": w.state()["model"]}
+        out[mode] = {"meta": meta, "loaded": loaded, "after": state(w)["model"]}
     return out
 
 
@@ -108,9 +109,9 @@ def resume_at_two(rank, world, path):
         cfg = load_config(None, overrides(mode, "float64", "retain"))
         w = _worker(cfg, rank, world)
         meta = w.load_checkpoint(path)
-        loaded = w.state()["model"]
+        loaded = state(w)["model"]
         _step(w, cfg, 1, rank, world)
-        out[mode] = {"meta": meta, "loaded": loaded, "after": w.state()["model"]}
+        out[mode] = {"meta": meta, "loaded": loaded, "after": state(w)["model"]}
     return out
 
 
@@ -119,9 +120,9 @@ def test_a_one_rank_checkpoint_resumes_on_two_sharded_ranks(tmp_path):
     one = _worker(cfg, 0, 1)  # a replica: its checkpoint is model.pt + optimizer.pt
     _step(one, cfg, 0, 0, 1)
     path = one.save_checkpoint(str(tmp_path / "one"), 1, {"num_workers": 1})
-    saved = one.state()["model"]
+    saved = state(one)["model"]
     _step(one, cfg, 1, 0, 1)
-    after = one.state()["model"]
+    after = state(one)["model"]
     results = run_ranks(resume_at_two, 2, path)
     for mode in MODES:
         for rank in (0, 1):
