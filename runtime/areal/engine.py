@@ -53,10 +53,10 @@ from runtime.areal.optimizer import build_lr_scheduler
 from runtime.areal.options import DTAOptions
 from runtime.areal.parallel import GroupsMixin
 from runtime.areal.rollout import RolloutMixin
-from runtime.areal.translate import make_core, requested_walk, settings_of
+from runtime.areal.translate import make_core, requested_walk
 from runtime.areal.walks import WalksMixin
 from runtime.areal.workers import WorkerMixin
-from runtime.engine import comm
+from runtime.engine import comm, settle
 
 __all__ = ["DTAOptions", "DTATrainEngine"]
 
@@ -126,7 +126,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         walk settled for it (what the sharding mode needs of the walk, put in once)."""
         super().create_process_group(parallel_strategy)
         if self.settings is None or self.settings.layout is not self.layout:
-            self.settings = settings_of(self.walk, self.layout)
+            self.settings = settle(self.walk, self.layout)
             self.walk = self.settings.walk
 
     def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None,
