@@ -1,7 +1,7 @@
 """Run a function on ``C`` local gloo ranks (CPU) that form one group.
 
 The harness of ``dta verify --context-parallel C``, its tests and the CP benchmark (and,
-through ``runtime.sharding.local.run_ranks``, of the sharding modes' tests): each rank
+through ``experiments.local_ranks.run_ranks``, of the sharding modes' tests): each rank
 is a spawned process (``torch.multiprocessing``, a fresh interpreter) that joins a gloo
 process group through a file store in a temporary directory, calls ``fn(group, *args)`` and
 sends back its result; an exception on any rank is raised here with that rank's traceback.

@@ -212,18 +212,46 @@ class Linear(TokenLoss):
         return out + fields["dentropy"] * entropy if self.uses_entropy else out
 
 
+def _sequence_fields(batch: Batch, loss: SequenceLoss, i: int, like: torch.Tensor,
+                     outputs: dict | None) -> dict:
+    """Sequence i's fields as tensors, and the walk's per-sequence ``outputs`` beside them."""
+    fields = {k: torch.as_tensor(batch.fields[k][i], dtype=like.dtype, device=like.device)
+              for k in loss.fields}
+    for k, per_sequence in (outputs or {}).items():
+        fields[k] = per_sequence[i]
+    return fields
+
+
+def evaluate(batch: Batch, loss: TokenLoss | SequenceLoss, reduction: str, logprobs,
+             entropies, totals: Totals | None = None, *, outputs: dict | None = None) -> float:
+    """The loss's value at the given per-sequence log-probs (no gradient): an opaque loss
+    once per sequence (``outputs``: as :func:`linearize`), a token loss term by term."""
+    coef = sequence_weights(batch, reduction, totals)
+    if not isinstance(loss, SequenceLoss):
+        objective = Objective(batch, loss, reduction, totals)
+        return float(sum(float(objective.sequence_loss(i, logprobs[i], entropies[i]))
+                         for i in range(len(batch))))
+    total = 0.0
+    for i in range(len(batch)):
+        fields = _sequence_fields(batch, loss, i, logprobs[i], outputs)
+        total += float(loss.fn(logprobs[i], entropies[i], fields) * float(coef[i]))
+    return total
+
+
 def linearize(batch: Batch, loss: SequenceLoss, reduction: str, logprobs, entropies,
-              totals: Totals | None = None) -> tuple[Objective, float]:
+              totals: Totals | None = None, *, outputs: dict | None = None
+              ) -> tuple[Objective, float]:
     """Evaluate the opaque per-sequence losses at the given log-probs and return a token
     objective with the same gradient (chain rule: dL/dθ = Σ_j dL/dlogp_j · dlogp_j/dθ),
-    plus the loss value. Exact, at the price of one extra forward-only walk."""
+    plus the loss value. Exact, at the price of one extra forward-only walk. ``outputs``:
+    more of the walk's per-sequence results (name -> one tensor per sequence, e.g. the
+    logits' ``vocab_min`` / ``vocab_max``), handed to the loss among its fields."""
     coef = sequence_weights(batch, reduction, totals)
     g_all, h_all, total = [], [], 0.0
     for i in range(len(batch)):
         lp = logprobs[i].detach().clone().requires_grad_()
         en = entropies[i].detach().clone().requires_grad_()
-        fields = {k: torch.as_tensor(batch.fields[k][i], dtype=lp.dtype, device=lp.device)
-                  for k in loss.fields}
+        fields = _sequence_fields(batch, loss, i, lp, outputs)
         value = loss.fn(lp, en, fields) * float(coef[i])
         if coef[i] != 0 and value.requires_grad:
             g, h = torch.autograd.grad(value, [lp, en], allow_unused=True)

@@ -1,7 +1,12 @@
 """One training step by DFS: validate, build the tree, walk, clip, step.
 
-``accumulate_gradients`` is the piece a distributed runtime needs (it all-reduces ``.grad``
-between it and the optimizer step); ``DFSTrainer`` is the single-process loop.
+:func:`walk_batch` is the heart every step shares: one prefix tree per batch, the forward
+walk where the loss needs it (an opaque per-sequence loss, or no training), the loss, its
+linearization and the training walk, and what they report (per-sequence log-probs, the
+loss, the tree's stats, the tokens forwarded, the context-parallel bytes sent).
+``accumulate_gradients`` is the piece a distributed runtime needs (it reduces ``.grad``
+between it and the optimizer step); ``DFSTrainer`` is the single-process loop; an engine
+core walks a host framework's loss (AReaL's, verl's) through :func:`walk_batch` too.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 from dta.batch import Batch
 from dta.losses import SequenceLoss, TokenLoss, Totals
 from dta.model.routing import MoERouters, check_routing
-from dta.objective import Objective, linearize
+from dta.objective import Objective, evaluate, linearize
 from dta.options import WalkOptions
 from dta.selfcheck import ensure_self_check
 from dta.tree import PrefixTree, TreeStats
@@ -28,10 +33,18 @@ class NoTrainedTokenWarning(UserWarning):
 @dataclass
 class StepResult:
     loss: float
-    walk: WalkResult | None  # None when nothing was walked (no trained token)
+    walk: WalkResult | None  # the training walk, or the forward-only one; None: nothing walked
     tree: TreeStats
     grad_norm: float | None = None
     updated: bool | None = None
+    # per sequence, token-aligned (index j: the prediction of token j; 0 at j = 0): what the
+    # forward walk recorded (None where no forward walk ran: a token loss trained directly)
+    logprobs: list | None = None
+    entropy: list | None = None
+    vocab_min: list | None = None  # the logits' min / max over the vocabulary (``minmax``)
+    vocab_max: list | None = None
+    forwarded_tokens: int = 0  # every walk's tokens: forward, training, recomputed at pops
+    sent_bytes: int = 0  # what the context-parallel exchange sent (0 without one)
 
 
 def validate_for_model(batch: Batch, model, loss=None, *, aux_loss: bool = False) -> None:
@@ -66,17 +79,62 @@ def accumulate_gradients(model, batch: Batch, loss: TokenLoss | SequenceLoss, *,
 def _accumulate(model, batch, loss, reduction, totals, options, record, progress,
                 self_check) -> StepResult:
     """:func:`accumulate_gradients` on a batch already validated for the model."""
-    tree = PrefixTree(batch.input_ids, min_shared=options.min_shared)
-    walker = checked_walker(model, options, self_check)
-    if isinstance(loss, SequenceLoss):
-        fwd = walker.forward(tree, batch)
-        objective, value = linearize(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals)
-        res = walker.train(tree, objective, record=record, progress=progress)
-        res.loss = value + res.aux_loss  # the opaque loss, and the router aux loss (docs/moe.md)
-    else:
+    return walk_batch(checked_walker(model, options, self_check), batch, loss, train=True,
+                      reduction=reduction, totals=totals, record=record, progress=progress)
+
+
+def walk_batch(walker: Walker, batch: Batch, loss: TokenLoss | SequenceLoss | None = None, *,
+               train: bool, reduction: str = "token_mean", totals: Totals | None = None,
+               minmax: bool = False, record: bool = False, progress=None,
+               counted: list[int] | None = None) -> StepResult:
+    """One batch, one prefix tree, every walk it needs: the one step of every front door.
+
+    - ``train`` with a token loss: the training walk (``record``: its log-probs too);
+    - ``train`` with a :class:`~dta.losses.SequenceLoss` (an opaque per-sequence loss, e.g. a
+      host framework's): a forward-only walk, the loss once per sequence on its log-probs,
+      linearized (``dta.objective.linearize``: the same gradient), then the training walk;
+    - not ``train``: the forward-only walk (no graph), and the loss's value if one is given.
+
+    ``loss`` None: log-probs only. ``minmax``: the forward walk also records each position's
+    logit min / max over the vocabulary, handed to a sequence loss beside its fields
+    (``vocab_min`` / ``vocab_max``). The batch must be validated for the model (the caller's
+    :func:`validate_for_model`). ``counted``: per sequence, how many leading tokens the tree
+    stats count (default all: a host's wrap label appended for the walk is not its token).
+    The gradient is accumulated into ``.grad`` (not cleared first)."""
+    from dta.model.context_parallel import context_parallel_of
+
+    if train and loss is None:
+        raise ValueError("walk_batch(train=True) needs a loss")
+    cp = context_parallel_of(walker.model)
+    sent = cp.sent_bytes if cp is not None else 0
+    tree = PrefixTree(batch.input_ids, min_shared=walker.options.min_shared)
+    out = StepResult(0.0, None, tree.stats(counted))
+    if train and not isinstance(loss, SequenceLoss):
         res = walker.train(tree, Objective(batch, loss, reduction, totals), record=record,
                            progress=progress)
-    return StepResult(res.loss, res, tree.stats())
+        out.loss, out.logprobs, out.entropy = res.loss, res.logprobs, res.entropy
+    else:
+        res = fwd = walker.forward(tree, batch, minmax=minmax,
+                                   progress=None if train else progress)
+        out.logprobs, out.entropy = fwd.logprobs, fwd.entropy
+        out.vocab_min, out.vocab_max = fwd.vocab_min, fwd.vocab_max
+        out.forwarded_tokens += fwd.tokens
+        outputs = {"vocab_min": fwd.vocab_min, "vocab_max": fwd.vocab_max} if minmax else None
+        if train:
+            with torch.enable_grad():
+                objective, value = linearize(batch, loss, reduction, fwd.logprobs,
+                                             fwd.entropy, totals, outputs=outputs)
+                res = walker.train(tree, objective, record=record, progress=progress)
+            out.loss = value + res.aux_loss  # the opaque loss and the router aux (docs/moe.md)
+        elif loss is not None:
+            with torch.no_grad():
+                out.loss = evaluate(batch, loss, reduction, fwd.logprobs, fwd.entropy, totals,
+                                    outputs=outputs)
+    out.walk = res
+    if train:
+        out.forwarded_tokens += res.tokens + res.recomputed_tokens
+    out.sent_bytes = cp.sent_bytes - sent if cp is not None else 0
+    return out
 
 
 def forward_logprobs(model, batch: Batch, *, minmax: bool = False, self_check: bool = True,
@@ -85,8 +143,8 @@ def forward_logprobs(model, batch: Batch, *, minmax: bool = False, self_check: b
     longer than ``block_tokens``). options / settings: as :func:`accumulate_gradients`'s."""
     options = WalkOptions.given(options, settings)
     validate_for_model(batch, model)
-    tree = PrefixTree(batch.input_ids, min_shared=options.min_shared)
-    return checked_walker(model, options, self_check).forward(tree, batch, minmax=minmax)
+    return walk_batch(checked_walker(model, options, self_check), batch, train=False,
+                      minmax=minmax).walk
 
 
 def checked_walker(model, options: WalkOptions | None = None, self_check: bool = True,

@@ -18,6 +18,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from dta.batch import unpad  # noqa: F401 (where PrefixTree.from_padded finds it)
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -280,24 +282,33 @@ class PrefixTree:
             d[u] = d[self.parent[u]] + 1
         return int(d.max())
 
-    def stats(self) -> TreeStats:
-        total = int(self.lengths.sum())
-        unique = int((self.end - self.start).sum())
-        return TreeStats(len(self.sequences), len(self) - 1, total, unique,
-                         total / unique, self.depth(), int(self.lengths.max()))
+    def stats(self, lengths: Sequence[int] | None = None) -> TreeStats:
+        """The tree's figures; ``lengths``: those of each sequence's first ``lengths[i]``
+        tokens as this tree holds them (a front door that appends a token to each sequence
+        for the walk counts its own tokens: totals and unique tokens exact; nodes and depth
+        count the nodes holding any of them)."""
+        if lengths is None:
+            total = int(self.lengths.sum())
+            unique = int((self.end - self.start).sum())
+            return TreeStats(len(self.sequences), len(self) - 1, total, unique,
+                             total / unique, self.depth(), int(self.lengths.max()))
+        counted = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if len(counted) != len(self.sequences) or np.any(counted < 1) or np.any(
+                counted > self.lengths):
+            raise ValueError(f"PrefixTree.stats: lengths must give 1..len(sequence) tokens for "
+                             f"each of the {len(self.sequences)} sequences")
+        reach = np.zeros(len(self), dtype=np.int64)  # per node: the furthest counted position
+        for u, ends in enumerate(self.ending):
+            if len(ends):
+                reach[u] = counted[ends].max()
+        for u in range(len(self) - 1, 0, -1):  # children before parents
+            reach[self.parent[u]] = max(reach[self.parent[u]], reach[u])
+        held = np.clip(np.minimum(self.end, reach) - self.start, 0, None)
+        held[0] = 0
+        depth = np.zeros(len(self), dtype=np.int64)
+        for u in range(1, len(self)):  # pre-order: parents before children
+            depth[u] = depth[self.parent[u]] + (held[u] > 0)
+        total, unique = int(counted.sum()), int(held.sum())
+        return TreeStats(len(self.sequences), int((held > 0).sum()), total, unique,
+                         total / unique, int(depth.max()), int(counted.max()))
 
-
-def unpad(input_ids, attention_mask) -> list[np.ndarray]:
-    """Right-padded ``[B, S]`` ids + 0/1 mask -> list of 1-D arrays; rejects left padding
-    or holes in the mask, naming the row."""
-    ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids)
-    mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
-    if ids.ndim != 2 or ids.shape != mask.shape:
-        raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, S]")
-    out = []
-    for i, (row, m) in enumerate(zip(ids, mask)):
-        n = int(m.sum())
-        if not np.all(m[:n] == 1) or np.any(m[n:] != 0):
-            raise ValueError(f"sequence {i}: attention_mask is not right-padded 1...1 0...0")
-        out.append(row[:n].astype(np.int64))
-    return out

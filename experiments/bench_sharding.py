@@ -1,7 +1,7 @@
 """Per-rank memory of the sharding modes at W = 2, measured beside the memory model.
 
 A ~100M-parameter Qwen3-shaped model (hidden 768, 15 layers, vocabulary 4096, float32)
-trains one DFS step on 2 local gloo ranks (``runtime.sharding.local.run_ranks``, the Ray
+trains one DFS step on 2 local gloo ranks (``experiments.local_ranks.run_ranks``, the Ray
 worker's code without Ray) in each mode. Measured per rank: the bytes of parameters,
 gradients and optimizer state the mode holds at its peak (``state_bytes``: tensors actually
 allocated — for fsdp including the layer parameters gathered during a call, sampled at each
@@ -72,7 +72,7 @@ def one_rank(rank, world, mode):
 
 def run() -> dict:
     from dta.planning.memory import ModelShape, batch_extent, estimate
-    from runtime.sharding.local import run_ranks
+    from experiments.local_ranks import run_ranks
 
     rows = []
     for mode in MODES:

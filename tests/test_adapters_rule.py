@@ -12,7 +12,11 @@
 - a sharding-mode choice: anything of ``runtime.sharding`` (modes are reached through the
   core), a sharding mode made or looked up (``make_mode``, ``mode_class``, ``fully_shard``,
   ``FlatShards``), the mode names written out as a list again, or a branch on a mode's name
-  (a mode's behaviour is a fact of the mode, in the core).
+  (a mode's behaviour is a fact of the mode, in the core);
+- a walk of its own (issue 47): an import of ``dta.objective``, ``dta.tree``, ``dta.train``
+  or ``dta.model.context_parallel`` (the prefix tree, the walks, the linearization and the
+  context-parallel exchange are the core's ``EngineCore.walk_sequences``; a front door only
+  translates its batch and its loss).
 
 The scan reads the source (Python's ``ast``) and lists every offender per file and line.
 """
@@ -37,6 +41,12 @@ COLLECTIVES = {"all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_i
 LORA = {"get_peft_model", "apply_lora", "LoraConfig", "inject_adapter_in_model"}
 SHARDING = {"make_mode", "mode_class", "fully_shard", "FlatShards", "ShardedLayout"}
 CLIPS = {"clip_grad_norm_", "clip_and_step"}
+WALKS = ("dta.objective", "dta.tree", "dta.train", "dta.model.context_parallel")
+
+
+def _walk_module(name: str) -> str | None:
+    """The walk module ``name`` is (or is inside), else None."""
+    return next((m for m in WALKS if name == m or name.startswith(m + ".")), None)
 
 
 def _text(node) -> str:
@@ -52,6 +62,9 @@ def offenders(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
+                if _walk_module(a.name):
+                    out.append(f"line {node.lineno}: imports {a.name} (the walks are the "
+                               "core's: EngineCore.walk_sequences)")
                 if a.name == "torch.distributed" and a.asname:
                     dist_names.add(a.asname)
                 if a.name.startswith("runtime.sharding"):
@@ -60,6 +73,10 @@ def offenders(source: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
             for a in node.names:
+                walk = _walk_module(mod) or _walk_module(f"{mod}.{a.name}")
+                if walk and node.level == 0:
+                    out.append(f"line {node.lineno}: imports {a.name} from {mod} (the walks "
+                               "are the core's: EngineCore.walk_sequences)")
                 local = a.asname or a.name
                 if mod == "torch" and a.name == "distributed":
                     dist_names.add(local)
@@ -154,6 +171,10 @@ torch.nn.utils.clip_grad_norm_(ps, 1.0)
 MODES = ("replicate", "zero1", "fsdp")
 if self.sharding == "fsdp":
     pass
+from dta.objective import linearize
+import dta.tree
+from dta.model.context_parallel import context_parallel_of as cp
+from dta import train
 ''')
     kinds = [b.split(": ", 1)[1] for b in bad]
     assert kinds == ["imports from runtime.sharding (a sharding mode is the core's)",
@@ -170,7 +191,14 @@ if self.sharding == "fsdp":
                      "gradient clip torch.nn.utils.clip_grad_norm_()",
                      "the sharding modes written out ('replicate', 'zero1', 'fsdp') (the one "
                      "list: dta.planning.memory.MODES)",
-                     "branches on a sharding mode self.sharding == 'fsdp'"], bad
+                     "branches on a sharding mode self.sharding == 'fsdp'",
+                     "imports linearize from dta.objective (the walks are the core's: "
+                     "EngineCore.walk_sequences)",
+                     "imports dta.tree (the walks are the core's: EngineCore.walk_sequences)",
+                     "imports context_parallel_of from dta.model.context_parallel (the walks "
+                     "are the core's: EngineCore.walk_sequences)",
+                     "imports train from dta (the walks are the core's: "
+                     "EngineCore.walk_sequences)"], bad
     assert offenders('''
 import torch.distributed as dist
 from runtime.engine import comm
@@ -183,4 +211,8 @@ self.core.optimizer_step(1.0)
 mode = "fsdp" if trains else "replicate"
 if alloc.backend != "fsdp":  # AReaL's allocation backend, not a sharding mode
     pass
+from dta.losses import SequenceLoss
+from dta.batch import Batch, unpad
+from dta.model.lora import merged_weights
+import dta.treelike
 ''') == []

@@ -201,7 +201,7 @@ def test_sharded_engine_replays_areal_routing(moe_dir, mode):
     differ from the step without replay. Rank 0's half holds a strict prefix whose wrap label
     is a leaf node of its own (nothing to backpropagate: the walk keeps no graph for it; under
     fsdp + recompute it used to fail the lockstep, replay or not)."""
-    from runtime.sharding.local import run_ranks
+    from experiments.local_ranks import run_ranks
     from tests.test_areal_sharding import rel_l2
 
     two = run_ranks(_sharded_step, 2, moe_dir, mode, True)

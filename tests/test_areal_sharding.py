@@ -27,9 +27,9 @@ pytestmark = pytest.mark.areal
 from areal.api.cli_args import OptimizerConfig  # noqa: E402
 from areal.api.io_struct import SaveLoadMeta  # noqa: E402
 
+from experiments.local_ranks import run_ranks  # noqa: E402
 from runtime.areal import DTAOptions, DTATrainEngine  # noqa: E402
 from runtime.areal.parallel import layout_of  # noqa: E402
-from runtime.sharding.local import run_ranks  # noqa: E402
 from tests.test_areal import (  # noqa: E402
     FT_SPEC,
     VOCAB,

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("areal")
 pytestmark = pytest.mark.areal
 
-from runtime.sharding.local import run_ranks  # noqa: E402
+from experiments.local_ranks import run_ranks  # noqa: E402
 from tests.test_areal import (  # noqa: E402
     FT_SPEC,
     VOCAB,

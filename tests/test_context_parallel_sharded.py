@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_sharding import _step, rel_l2
+from tests.workers import state
 
 C, WORLD = 2, 4
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -42,7 +43,7 @@ def train_cases(rank, world, cases):
         cfg = load_config(None, overrides(*case))
         w = _worker(cfg, rank, world)
         stats = [_step(w, cfg, k, rank, world) for k in range(2)]
-        out.append({"state": w.state()["model"], "param_norm": w.param_norm(),
+        out.append({"state": state(w)["model"], "param_norm": w.param_norm(),
                     "state_bytes": stats[-1]["state_bytes"], "sharding": stats[-1]["sharding"],
                     "cp_rank": stats[-1]["context_parallel_rank"],
                     "sent": sum(s["context_parallel_sent_bytes"] for s in stats)})
@@ -57,7 +58,7 @@ def _one_process(case):
         w = _worker(cfg, 0, 1)
         for k in range(2):
             _step(w, cfg, k, 0, 1)
-        return w.state()["model"], w.param_norm()
+        return state(w)["model"], w.param_norm()
     finally:
         torch.set_num_threads(threads)
 

@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
+from experiments.local_ranks import run_ranks
 from runtime.sharding import MODES
-from runtime.sharding.local import run_ranks
+from tests.workers import state
 
 WORLD = 2
 LAYOUTS = [(mode, cp) for cp in (1, 2) for mode in MODES]

@@ -15,6 +15,7 @@ peft = pytest.importorskip("peft", reason="the optional lora extra: pip install 
 from dta.config.keys import check_dta_train  # noqa: E402
 from dta.config.schema import ConfigError, load_config  # noqa: E402
 from dta.reference import sequence_logprobs  # noqa: E402
+from tests.workers import state
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
 
@@ -153,7 +154,7 @@ def _zero1_ranks(rank, world, extra):
     cfg = _cfg(*extra)
     w = local_worker(cfg, rank, world)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
-    return {"state": w.state()["model"], "state_bytes": stats[-1]["state_bytes"],
+    return {"state": state(w)["model"], "state_bytes": stats[-1]["state_bytes"],
             "sharding": stats[-1]["sharding"]}
 
 
@@ -161,7 +162,7 @@ def _zero1_ranks(rank, world, extra):
 def test_zero1_lora_equals_one_process():
     """zero1 on 2 gloo ranks shards the adapters' masters and AdamW state; after 2 steps the
     model equals one process's (float32 <= 1e-6), the base untouched."""
-    from runtime.sharding.local import run_ranks
+    from experiments.local_ranks import run_ranks
     from tests.test_sharding import rel_l2
 
     extra = ("train.sharding=zero1", "optimizer.max_grad_norm=0.5")

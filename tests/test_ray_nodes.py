@@ -20,6 +20,7 @@ import pytest
 from dta.config.schema import ConfigError, load_config
 from runtime.errors import TrainingError
 from runtime.ray_runtime.placement import bundle_for, check_fits, fits_on
+from tests.workers import trainer_digests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["workload.scale=tiny", "ray.object_store_memory=104857600", "optimizer.lr=1e-3"]
@@ -90,7 +91,7 @@ def test_spread_group_meets_over_tcp_on_loopback(ray_local, monkeypatch):
             assert any(x.port == port and x.ip == "127.0.0.1" for x in listeners)
         stats = trainer.step(BatchSource(cfg, 512).batch(0), 0)
         assert all(w["sequences"] > 0 for w in stats.workers)
-        digests = trainer.digests()
+        digests = trainer_digests(trainer)
         assert digests[0] == digests[1]  # the all-reduce went through the TCP-formed group
         summary = summarize(trainer.history, trainer)
         pg = group.placement.group

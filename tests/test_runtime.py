@@ -39,6 +39,7 @@ from runtime.ray_runtime import (
 )
 from runtime.ray_runtime.cluster import ClusterError
 from runtime.ray_runtime.stream import END
+from tests.workers import gradients, state, trainer_digests, trainer_gradients, trainer_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["workload.scale=tiny", "ray.num_workers=2", "ray.object_store_memory=104857600"]
@@ -210,9 +211,9 @@ def test_two_workers_match_one_worker_and_unpacked(ray_local):
 
     with Trainer(cfg) as trainer:
         stats = trainer.step(batch, 0)
-        two = trainer.worker_state(0)
-        other = trainer.worker_state(1)
-        grads_two = trainer.worker_gradients(0)
+        two = trainer_state(trainer, 0)
+        other = trainer_state(trainer, 1)
+        grads_two = trainer_gradients(trainer, 0)
     assert len(stats.workers) == 2 and all(w["sequences"] > 0 for w in stats.workers)
     assert all(0 < w["max_call_tokens"] <= 5 for w in stats.workers)  # blocks reached them
     assert sum(w["sequences"] for w in stats.workers) == len(batch)
@@ -224,7 +225,7 @@ def test_two_workers_match_one_worker_and_unpacked(ray_local):
         one.step(0, batch, None)
     finally:
         torch.set_num_threads(threads)  # the worker sets its own thread count
-    grads_one, state_one = one.gradients(), one.state()["model"]
+    grads_one, state_one = gradients(one), state(one)["model"]
 
     model = build_replica(cfg)
     opt = make_optimizer(model, cfg.optimizer)
@@ -255,20 +256,20 @@ def test_worker_death_changes_nothing_and_resume_matches(ray_local, tmp_path):
     with Trainer(cfg) as uninterrupted:
         uninterrupted.step(b0, 0)
         uninterrupted.step(b1, 1)
-        reference = uninterrupted.worker_state(0)
+        reference = trainer_state(uninterrupted, 0)
 
     with Trainer(cfg, fault={"rank": 1, "step": 1}) as trainer:
         trainer.step(b0, 0)
         path = trainer.save()
         assert os.path.basename(path) == "step-000001"
-        before = trainer.worker_state(0)
+        before = trainer_state(trainer, 0)
         with pytest.raises(StepFailed) as info:
             trainer.step(b1, 1)
         message = str(info.value)
         assert "step 1" in message and "worker 1" in message and "died" in message
         assert "no worker applied the update" in message
         assert info.value.applied == [] and info.value.step == 1
-        after = trainer.worker_state(0)  # the survivor
+        after = trainer_state(trainer, 0)  # the survivor
         assert_identical(before, after, "state")  # parameters and optimizer: bit-identical
         with pytest.raises(Exception, match="recover"):
             trainer.step(b1, 1)  # refuses to go on with a broken group
@@ -277,8 +278,8 @@ def test_worker_death_changes_nothing_and_resume_matches(ray_local, tmp_path):
         meta = trainer.recover()  # new workers from the last checkpoint
         assert meta["step"] == 1 and trainer.completed_steps == 1
         trainer.step(b1, 1)
-        resumed = trainer.worker_state(0)
-        assert len(set(trainer.digests())) == 1
+        resumed = trainer_state(trainer, 0)
+        assert len(set(trainer_digests(trainer))) == 1
     assert_identical(resumed, reference, "resumed vs uninterrupted")
     with pytest.raises(AssertionError):
         assert_identical(before, reference)  # the comparison can fail: the step changed things

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dta.config.schema import ConfigError, load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
+from tests.workers import state, trainer_state
 
 CASES = [("zero1", "float64", "retain"), ("zero1", "float32", "recompute"),
          ("zero1", "float64", "recompute"), ("zero1", "float32", "retain"),
@@ -59,7 +60,7 @@ def train_cases(rank, world, cases):
         cfg = load_config(None, overrides(*case))
         w = _worker(cfg, rank, world)
         stats = [_step(w, cfg, k, rank, world) for k in range(2)]
-        out.append({"state": w.state()["model"], "param_norm": w.param_norm(),
+        out.append({"state": state(w)["model"], "param_norm": w.param_norm(),
                     "state_bytes": stats[-1]["state_bytes"], "sharding": stats[-1]["sharding"]})
     return out
 
@@ -115,11 +116,11 @@ def resume_cases(rank, world, cases, directory):
         _step(w, cfg, 0, rank, world)
         path = w.save_checkpoint(os.path.join(directory, case[0]), 1, {"note": "test"})
         _step(w, cfg, 1, rank, world)
-        straight = w.state()
+        straight = state(w)
         fresh = _worker(cfg, rank, world)  # the replacement workers
         meta = fresh.load_checkpoint(path)
         _step(fresh, cfg, 1, rank, world)
-        out.append({"straight": straight, "resumed": fresh.state(), "meta": meta,
+        out.append({"straight": straight, "resumed": state(fresh), "meta": meta,
                     "files": sorted(os.listdir(path))})
     return out
 
@@ -135,7 +136,7 @@ def _one_process(case, export=None, make_overrides=None):
             _step(w, cfg, k, 0, 1)
         if export:
             w.export_hf(export)
-        return w.state()["model"], w.param_norm()
+        return state(w)["model"], w.param_norm()
     finally:
         torch.set_num_threads(threads)
 
@@ -202,7 +203,7 @@ def test_ray_zero1_matches_one_process_and_resumes_bit_identically(tmp_path):
         with Trainer(cfg) as straight:
             straight.step(b0, 0)
             stats = straight.step(b1, 1)
-            reference = straight.worker_state(0)
+            reference = trainer_state(straight, 0)
             norms = straight.param_norms()
         with Trainer(cfg, fault={"rank": 1, "step": 1}) as trainer:
             trainer.step(b0, 0)
@@ -214,7 +215,7 @@ def test_ray_zero1_matches_one_process_and_resumes_bit_identically(tmp_path):
             meta = trainer.recover()  # fresh workers, DCP checkpoint of step 1
             assert meta["step"] == 1 and meta["sharding"] == "zero1"
             trainer.step(b1, 1)
-            resumed = trainer.worker_state(0)
+            resumed = trainer_state(trainer, 0)
     finally:
         handle.shutdown()
     assert_identical(resumed["model"], reference["model"], "resumed vs uninterrupted")

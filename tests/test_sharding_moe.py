@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_sharding import TOL, _step, _worker, rel_l2
+from tests.workers import state
 
 CASES = [("fsdp", "float64", "recompute"), ("fsdp", "float64", "retain")]
 
@@ -65,7 +66,7 @@ def train_cases(rank, world, cases):
         cfg = load_config(None, overrides(*case))
         w = _worker(cfg, rank, world)
         stats = [step(w, cfg, k, rank, world) for k in range(2)]
-        out.append({"state": w.state()["model"], "param_norm": w.param_norm(),
+        out.append({"state": state(w)["model"], "param_norm": w.param_norm(),
                     "sharding": stats[-1]["sharding"]})
     return out
 
@@ -78,7 +79,7 @@ def one_process(case, coef: float = 0.01):
         w = _worker(cfg, 0, 1)
         for k in range(2):
             step(w, cfg, k, 0, 1)
-        return w.state()["model"], w.param_norm()
+        return state(w)["model"], w.param_norm()
     finally:
         torch.set_num_threads(threads)
 

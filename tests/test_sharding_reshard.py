@@ -12,8 +12,9 @@ import os
 import pytest
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_sharding import _step, _worker, overrides, rel_l2
+from tests.workers import state
 
 MODES = ("zero1", "fsdp")
 
@@ -27,7 +28,7 @@ def save_at_two(rank, world, directory):
         w = _worker(cfg, rank, world)
         _step(w, cfg, 0, rank, world)
         path = w.save_checkpoint(os.path.join(directory, mode), 1, {"note": "test"})
-        saved = w.state()["model"]
+        saved = state(w)["model"]
         _step(w, cfg, 1, rank, world)
         out[mode] = {"path": path, "saved": saved, "after": w.state()["model"]}
     for mode, other in zip(MODES, reversed(MODES)):  # zero1's checkpoint into fsdp, and back
@@ -107,9 +108,9 @@ def resume_at_three(rank, world, paths):
         cfg = load_config(None, overrides(mode, "float64", "retain"))
         w = _worker(cfg, rank, world)
         meta = w.load_checkpoint(paths[mode])
-        loaded = w.state()["model"]
+        loaded = state(w)["model"]
         _step(w, cfg, 1, rank, world)
-        out[mode] = {"meta": meta, "loaded": loaded, "after": w.state()["model"]}
+        out[mode] = {"meta": meta, "loaded": loaded, "after": state(w)["model"]}
     return out
 
 
@@ -120,9 +121,9 @@ def resume_at_two(rank, world, path):
         cfg = load_config(None, overrides(mode, "float64", "retain"))
         w = _worker(cfg, rank, world)
         meta = w.load_checkpoint(path)
-        loaded = w.state()["model"]
+        loaded = state(w)["model"]
         _step(w, cfg, 1, rank, world)
-        out[mode] = {"meta": meta, "loaded": loaded, "after": w.state()["model"]}
+        out[mode] = {"meta": meta, "loaded": loaded, "after": state(w)["model"]}
     return out
 
 
@@ -131,9 +132,9 @@ def test_a_one_rank_checkpoint_resumes_on_two_sharded_ranks(tmp_path):
     one = _worker(cfg, 0, 1)  # a replica: its checkpoint is model.pt + optimizer.pt
     _step(one, cfg, 0, 0, 1)
     path = one.save_checkpoint(str(tmp_path / "one"), 1, {"num_workers": 1})
-    saved = one.state()["model"]
+    saved = state(one)["model"]
     _step(one, cfg, 1, 0, 1)
-    after = one.state()["model"]
+    after = state(one)["model"]
     results = run_ranks(resume_at_two, 2, path)
     for mode in MODES:
         for rank in (0, 1):

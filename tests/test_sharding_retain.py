@@ -11,8 +11,9 @@ import os
 import pytest
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_sharding import TOL, _one_process, _step, _worker, rel_l2
+from tests.workers import state, trainer_state
 
 BRANCHED = ["workload.scale=small"]
 CASES = [("fsdp", "float64", "retain"), ("fsdp", "float32", "retain"),
@@ -35,7 +36,7 @@ def train_cases(rank, world, cases, directory):
             sync = w.core.sync
             lockstep.append(sync.stats() if sync is not None else None)
         path = w.export_hf(os.path.join(directory, "-".join(case)))  # every rank: a collective
-        out.append({"state": w.state()["model"], "param_norm": w.param_norm(),
+        out.append({"state": state(w)["model"], "param_norm": w.param_norm(),
                     "lockstep": lockstep, "export": path})
     return out
 
@@ -165,7 +166,7 @@ def test_ray_workers_match_one_process_and_export_the_full_model(tmp_path, case)
         with Trainer(cfg) as trainer:
             for k in range(2):
                 trainer.step(source.batch(k), k)
-            state = trainer.worker_state(1)["model"]
+            state = trainer_state(trainer, 1)["model"]
             norms = trainer.param_norms()
             path = trainer.export_hf(str(tmp_path / "sharded"))
     finally:

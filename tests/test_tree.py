@@ -88,3 +88,23 @@ def test_errors():
         PrefixTree([])
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         PrefixTree([[1], []])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stats_of_the_counted_tokens(seed):
+    """``stats(lengths)``: a front door appends a token to each sequence for the walk (a wrap
+    label); the walked tree's stats of each sequence's own tokens equal the stats of a tree of
+    those tokens alone (totals, unique tokens, sequences, longest), and every length counted
+    equals the plain stats."""
+    rng = np.random.default_rng(1000 + seed)
+    seqs = random_batch(rng)
+    labels = [np.append(s, rng.integers(0, 3)) for s in seqs]
+    walked = PrefixTree(labels)
+    got, want = walked.stats([len(s) for s in seqs]), PrefixTree(seqs).stats()
+    assert (got.sequences, got.total_tokens, got.unique_tokens, got.max_length) == \
+        (want.sequences, want.total_tokens, want.unique_tokens, want.max_length)
+    assert got.sharing_ratio == want.sharing_ratio
+    assert got.depth <= walked.stats().depth and got.nodes <= walked.stats().nodes
+    assert walked.stats([len(s) for s in labels]) == walked.stats()
+    with pytest.raises(ValueError, match="lengths must give"):
+        walked.stats([len(s) + 1 for s in labels])

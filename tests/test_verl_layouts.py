@@ -144,7 +144,7 @@ def _lora_on_rank(path: str, wholes, loss) -> dict:
 
 
 def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64_verl, tmp_path):
-    from runtime.sharding.local import run_ranks
+    from experiments.local_ranks import run_ranks
     from tests.test_verl import assert_close_dicts, assert_close_rows, log_probs
 
     fsdp = make_engine("fsdp2", model_dir, "fp64")

@@ -19,9 +19,15 @@ are differentiated by autograd inside the decoder. Two things need this module:
                            ``dta/model/head.py`` like the base head.
 
 ``apply_lora`` wraps a model for ``dta train`` / ``dta verify``; ``save_adapter`` exports it
-(peft imported on use only: it is the optional ``lora`` extra).
+(peft imported on use only: it is the optional ``lora`` extra). ``merged_weights`` is the
+one LoRA merge (base weight + delta, out of place: what a merged export and a rollout's
+weight update hold); ``base_view`` the base model sharing the weights (a reference policy's
+log-probs with the adapters off).
 """
 from __future__ import annotations
+
+import copy
+import types
 
 import torch
 
@@ -145,11 +151,52 @@ def trained_state(model) -> dict:
 def save_adapter(model, path: str, *, merged: bool = False) -> None:
     """A LoRA model as peft writes it (``adapter_model.safetensors`` + ``adapter_config.json``,
     loadable by ``PeftModel.from_pretrained``), or with ``merged`` the base model with the
-    adapters merged into its weights (``save_pretrained`` of ``merge_and_unload``); the model
-    itself is not changed."""
-    import copy
-
+    adapters merged into its weights (:func:`merged_weights`, saved with the base model's
+    ``save_pretrained``); the model itself is not changed."""
     if not merged:
         model.save_pretrained(path)
         return
-    copy.deepcopy(model).merge_and_unload().save_pretrained(path)
+    model.get_base_model().save_pretrained(path, state_dict=dict(merged_weights(model)))
+
+
+def merged_weights(peft_model):
+    """``(Hugging Face name, base weight + LoRA delta)`` for every tensor of the base model,
+    computed out of place (peft's ``merge_adapter`` / ``unmerge_adapter`` would add and
+    subtract the delta in place, leaving the base weights a rounding away from where they
+    were)."""
+    base = peft_model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if _is_lora_layer(module):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    key = f"{name}.base_layer.weight"
+                    delta = module.get_delta_weight(adapter).detach()
+                    deltas[key] = delta if key not in deltas else deltas[key] + delta
+    for key, tensor in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        value = tensor.detach()
+        if key in deltas:
+            value = value + deltas[key]
+        yield key.replace(".base_layer", ""), value
+
+
+def base_view(peft_model) -> torch.nn.Module:
+    """The base model of ``peft_model`` with its LoRA layers swapped for their base layers;
+    parameters and buffers are shared with ``peft_model`` (modules are shallow copies; a
+    method patched onto a module instance is bound to its copy). The walker refuses a PEFT
+    model with disabled adapters (it trains the adapters it is given): a reference policy's
+    log-probs walk this view."""
+    def view(module: torch.nn.Module) -> torch.nn.Module:
+        if _is_lora_layer(module):
+            return view(module.base_layer)
+        clone = copy.copy(module)
+        clone._modules = {name: None if child is None else view(child)
+                          for name, child in module._modules.items()}
+        for key, value in vars(module).items():  # methods patched onto the instance
+            if isinstance(value, types.MethodType) and value.__self__ is module:
+                setattr(clone, key, types.MethodType(value.__func__, clone))
+        return clone
+
+    return view(peft_model.get_base_model())

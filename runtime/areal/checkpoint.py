@@ -8,12 +8,20 @@ mapped onto the engine core's state:
   optimizer state is split over the ranks, use ``dcp``). Loading reads a local directory
   only (nothing is ever downloaded) into the core (``EngineCore.load_full_state``: the
   weights, FSDP's shards and the masters).
-* ``dcp``: the core's DCP view (``EngineCore.sharded_state``: the weights the optimizer steps
-  -- the fp32 masters where kept -- and the optimizer state, every rank its part) plus AReaL's
-  LR scheduler, in AReaL's recover folder (``runtime/areal/dcp.py``) -- what AReaL's
-  ``RecoverHandler`` writes and reads; loaded in place at the same world size and mode.
-  With an optimizer, ``with_optim=False`` is refused (the state holds the weights with the
-  optimizer's: use ``hf`` for the weights alone).
+* ``dcp``: the core's checkpoint as DCP in every mode (``EngineCore.save(dcp=True)``: the
+  weights the optimizer steps -- the fp32 masters where kept, so a resumed run continues
+  bit-identically -- and the optimizer state, every rank its part; ``runtime/dcp.py``:
+  atomic, a SHA-256 manifest verified before DCP reads anything) with AReaL's LR scheduler
+  as its ``extra_state`` (FSDPEngine does not save it, so its schedule restarts on
+  recovery), in the folder AReaL names -- what AReaL's ``RecoverHandler`` writes and reads::
+
+      <path>/step-<version>/   DCP files + meta.json + manifest.json
+      <path>/latest            the newest one; AReaL keeps one (the core's ``keep_last=1``)
+
+  Loaded in place (``EngineCore.load``) in the same mode: a checkpoint written under another
+  ``actor.dta.sharding`` is refused naming both. With an optimizer, ``with_optim=False`` is
+  refused (the state holds the weights with the optimizer's: use ``hf`` for the weights
+  alone).
 
 A failure to write or read storage (a full disk, a missing file, one wrapped by DCP) is one
 line saying what was being done, on which rank, and the cause with its path — an ``OSError``
@@ -32,6 +40,8 @@ from runtime.engine import comm
 
 __all__ = ["CheckpointMixin", "load_hf_into_core", "load_hf_weights", "local_state_dict",
            "local_tokenizer"]
+
+DCP_KIND = "dta-areal-dcp"  # what AReaL's recover checkpoints are, in their meta.json
 
 
 class CheckpointMixin:
@@ -55,7 +65,8 @@ class CheckpointMixin:
                 self._save_hf(meta)
         comm.barrier(self.groups.cpu)
 
-    def _dcp_state(self, meta: SaveLoadMeta) -> dict:
+    def _dcp_extra(self, meta: SaveLoadMeta) -> dict | None:
+        """What AReaL's recover checkpoint holds beside the core's state: its LR scheduler."""
         if meta.with_optim:
             self._require_optimizer()
         elif self.optimizer is not None:
@@ -64,16 +75,11 @@ class CheckpointMixin:
                              "weights the optimizer steps (the fp32 masters where kept) with "
                              "the optimizer state; save weight_format='hf' for the weights "
                              "alone")
-        state = dict(self.core.sharded_state())
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = self.lr_scheduler
-        return state
+        return None if self.lr_scheduler is None else {"lr_scheduler": self.lr_scheduler}
 
     def _save_dcp(self, meta: SaveLoadMeta):
-        from runtime.areal.dcp import save_state
-
-        save_state(str(meta.path), self._dcp_state(meta), step=self.get_version(),
-                   sharding=self.sharding)
+        self.core.save(str(meta.path), self.get_version(), {"kind": DCP_KIND}, keep_last=1,
+                       extra_state=self._dcp_extra(meta), dcp=True)
 
     def _check_hf(self, meta: SaveLoadMeta) -> None:
         if self.core.layout.sharded and meta.with_optim:
@@ -117,13 +123,21 @@ class CheckpointMixin:
         comm.barrier(self.groups.cpu)
 
     def _load_dcp(self, meta: SaveLoadMeta):
-        from runtime.areal.dcp import load_state
-
-        load_state(str(meta.path), self._dcp_state(meta), sharding=self.sharding)
-        if self.lr_scheduler is not None:  # a flat shard carries no param_groups: the
-            # optimizer steps with the restored schedule's learning rate
-            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
+        extra = self._dcp_extra(meta)
+        try:
+            final, saved = self.core.find_checkpoint(str(meta.path))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no DCP checkpoint under {str(meta.path)!r} (expected "
+                                    "step-*/meta.json written by save)") from None
+        if saved.get("kind") != DCP_KIND:
+            raise ValueError(f"checkpoint {final!r} is a {saved.get('kind')!r} checkpoint, not "
+                             f"a DTATrainEngine recover checkpoint ({DCP_KIND})")
+        written = saved.get("sharding")
+        if written != self.sharding:
+            raise ValueError(f"DCP checkpoint {final!r} was written under sharding={written}; "
+                             f"this engine runs sharding={self.sharding} (load it with the "
+                             "same actor.dta.sharding)")
+        self.core.load(final, extra_state=extra)
 
     def _load_hf(self, meta: SaveLoadMeta):
         self._check_hf(meta)

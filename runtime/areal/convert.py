@@ -35,9 +35,8 @@ from areal.utils.data import (
     unpack_sequence,
 )
 
-from dta.batch import Batch
+from dta.batch import Batch, unpad
 from dta.records.fields import validate_record
-from dta.tree import unpad
 
 __all__ = ["normalize_input", "split_sequences", "take_routing", "wrap_label", "walk_batch",
            "areal_view", "pad_outputs", "split_batch", "to_dta_batch", "from_records",

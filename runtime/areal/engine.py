@@ -46,7 +46,6 @@ from areal.api.engine_api import TrainEngine
 from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec
 from areal.utils import stats_tracker
 
-from dta.tree import PrefixTree
 from runtime.areal import convert
 from runtime.areal.checkpoint import CheckpointMixin, local_tokenizer
 from runtime.areal.offload import OffloadMixin
@@ -54,10 +53,10 @@ from runtime.areal.optimizer import build_lr_scheduler
 from runtime.areal.options import DTAOptions
 from runtime.areal.parallel import GroupsMixin
 from runtime.areal.rollout import RolloutMixin
-from runtime.areal.translate import make_core, requested_walk, settings_of
+from runtime.areal.translate import make_core, requested_walk
 from runtime.areal.walks import WalksMixin
 from runtime.areal.workers import WorkerMixin
-from runtime.engine import comm
+from runtime.engine import comm, settle
 
 __all__ = ["DTAOptions", "DTATrainEngine"]
 
@@ -132,7 +131,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         walk settled for it (what the sharding mode needs of the walk, put in once)."""
         super().create_process_group(parallel_strategy)
         if self.settings is None or self.settings.layout is not self.layout:
-            self.settings = settings_of(self.walk, self.layout)
+            self.settings = settle(self.walk, self.layout)
             self.walk = self.settings.walk
 
     def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None,
@@ -217,7 +216,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self.core.zero_grad()
         ids, mbs, routing, _ = self._sequences(input_, self.device)
         scales = self._loss_scales(mbs, loss_weight_fn)
-        self._walk(ids, mbs, loss_fn, scales, train=True, routing=routing)
+        self._walk_loss(ids, mbs, loss_fn, scales, train=True, routing=routing)
         stats = self.optimizer_step()
         stats["num_micro_batches"] = len(mbs)
         return stats
@@ -231,8 +230,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self._ensure_ready()
         ids, mbs, routing, _ = self._sequences(input_, self.device)
         scales = self._loss_scales(mbs, loss_weight_fn)
-        with self.core.walk_session():
-            losses = self._walk(ids, mbs, loss_fn, scales, train=False, routing=routing)
+        losses = self._walk_loss(ids, mbs, loss_fn, scales, train=False, routing=routing)
         return comm.all_reduce(torch.stack(losses).sum(dtype=torch.float32), self.groups.data)
 
     @torch.no_grad()
@@ -254,11 +252,7 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
             output_seqlens = inferred if len(inferred) == len(ids) else lengths
         if output_seqlens is None:
             output_seqlens = lengths
-        batch = self._walk_batch(ids, routing=routing)
-        tree = PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
-        with self.core.walk_session():
-            res = self.core.walker().forward(tree, batch)
-        self._record_tree(ids, tree, res.tokens)
+        res = self._walk(ids, routing)
         outputs = [convert.areal_view(lp, n) for lp, n in zip(res.logprobs, lengths)]
         result = convert.pad_outputs(outputs, list(output_seqlens), aggregate_fn)
         return result if meta is None else convert.split_batch(result, meta)
@@ -292,9 +286,6 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
     # ------------------------------------------------------------------- helpers --
     def _model_type(self) -> str:
         return getattr(self.model.config, "model_type", "") if self.model is not None else ""
-
-    def _max_positions(self):
-        return getattr(self.model.config, "max_position_embeddings", None)
 
     def _ensure_ready(self):
         """Onload an offloaded engine before it computes (as FSDPEngine._ensure_ready)."""

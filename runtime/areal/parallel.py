@@ -60,27 +60,32 @@ def strategy_of(backend, parallel_strategy=None):
 
 
 def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank: int = 0,
-              trains: bool = True, expert_parallel: int = 1, shard_size: int | None = None,
+              trains: bool = True, data_parallel: int | None = None, where=None,
+              expert_parallel: int = 1, shard_size: int | None = None,
               offload: str = "none") -> ParallelLayout:
-    """The engine core's layout of an AReaL engine: ``actor.dta.sharding`` (``option``) as
-    given, or unset what AReaL's ``fsdp:dN`` means -- ``fsdp`` over more than one
-    data-parallel rank, else ``replicate`` (one data-parallel rank, or an engine without an
-    optimizer: a reference model is held whole); ``actor.dta.shard_size`` (HSDP) and
-    ``actor.dta.offload`` as given. Errors name AReaL's keys."""
-    if option is None:
-        data_parallel = world // context_parallel if world % context_parallel == 0 else world
-        option = "fsdp" if trains and data_parallel > 1 else "replicate"
-        given = False
-    else:
-        given = True
+    """The engine core's layout of an AReaL engine, derived once: the processes running
+    (``world``), the allocation's context-parallel size (and its data-parallel size, when it
+    states one: it must be ``world / context_parallel``) and expert-parallel size,
+    ``actor.dta.sharding`` (``option``) as given, or unset what AReaL's ``fsdp:dN`` means --
+    ``fsdp`` over more than one data-parallel rank, else ``replicate`` (one data-parallel
+    rank, or an engine without an optimizer: a reference model is held whole);
+    ``actor.dta.shard_size`` (HSDP) and ``actor.dta.offload`` as given. Errors name AReaL's
+    keys (``where``: the allocation they came from)."""
+    spreads = isinstance(context_parallel, int) and context_parallel > 0 and \
+        world % context_parallel == 0 and world // context_parallel > 1
     try:
         layout = ParallelLayout.make(world=world, context_parallel=context_parallel,
-                                     sharding=option, rank=rank,
+                                     sharding=option or ("fsdp" if trains and spreads
+                                                         else "replicate"), rank=rank,
                                      expert_parallel=expert_parallel, shard_size=shard_size,
                                      offload=offload, spelling=SPELLING)
     except LayoutError as exc:
-        raise ValueError(str(exc)) from None
-    if given and layout.sharded and not trains:
+        raise ValueError(f"{exc}{f' (from {where!r})' if where else ''}") from None
+    if data_parallel not in (None, layout.data_parallel):
+        raise ValueError(f"data-parallel size {data_parallel} (from {where!r}) differs from the "
+                         f"{world} process(es) running / context-parallel size "
+                         f"{context_parallel}")
+    if option is not None and layout.sharded and not trains:
         raise ValueError(f"actor.dta.sharding={option} needs an optimizer: an engine with "
                          "optimizer=None is inference only and runs replicated "
                          "(leave actor.dta.sharding unset)")
@@ -124,21 +129,14 @@ class GroupsMixin:
             return
         if init_default_group():
             self.own_global_group = True
-        world, rank = comm.world_size(), comm.rank()
-        C = int(getattr(strategy, "context_parallel_size", 1) or 1)
-        where = getattr(self.config, "backend", None) or parallel_strategy
-        if world % C:
-            raise ValueError(f"context-parallel size {C} (from {where!r}) does not divide the "
-                             f"{world} process(es) running")
-        dp = getattr(strategy, "data_parallel_size", None)
-        if dp not in (None, world // C):
-            raise ValueError(f"data-parallel size {dp} (from {where!r}) differs from the "
-                             f"{world} process(es) running / context-parallel size {C}")
-        self.layout = layout_of(self.dta.sharding, world=world, context_parallel=C, rank=rank,
-                                trains=self.optimizer_config is not None,
-                                expert_parallel=int(getattr(strategy, "expert_parallel_size", 1)
-                                                    or 1),
-                                shard_size=self.dta.shard_size, offload=self.dta.offload)
+        self.layout = layout_of(
+            self.dta.sharding, world=comm.world_size(), rank=comm.rank(),
+            context_parallel=int(getattr(strategy, "context_parallel_size", 1) or 1),
+            data_parallel=getattr(strategy, "data_parallel_size", None),
+            where=getattr(self.config, "backend", None) or parallel_strategy,
+            trains=self.optimizer_config is not None,
+            expert_parallel=int(getattr(strategy, "expert_parallel_size", 1) or 1),
+            shard_size=self.dta.shard_size, offload=self.dta.offload)
         self.groups = build_groups(self.layout)
 
     def _ensure_groups(self) -> None:

@@ -11,8 +11,8 @@ itself (:func:`make_core`), built on the layout ``create_process_group`` made.
   by ``actor.dta.dtype`` (float64 for verification, which AReaL's config rejects); an engine
   without an optimizer keeps no masters;
 - the walk: ``actor.dta`` with AReaL's ``temperature`` and the memory policy from
-  ``gradient_checkpointing`` (``runtime.engine.policy_of``), settled for the layout once
-  (``runtime.engine.settle``).
+  ``gradient_checkpointing`` (``runtime.engine.policy_of``), settled for the layout once by
+  the engine (``runtime.engine.settle``, the one function that makes a ``RunSettings``).
 """
 from __future__ import annotations
 
@@ -21,18 +21,9 @@ import torch
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
 from runtime.areal.optimizer import optimizer_factory
-from runtime.engine import (
-    EngineCore,
-    LoraSpec,
-    ModelSpec,
-    ParallelLayout,
-    RunSettings,
-    build_model,
-    policy_of,
-    settle,
-)
+from runtime.engine import EngineCore, LoraSpec, ModelSpec, RunSettings, build_model, policy_of
 
-__all__ = ["model_spec", "requested_walk", "settings_of", "make_core"]
+__all__ = ["model_spec", "requested_walk", "make_core"]
 
 
 def model_spec(config) -> ModelSpec:
@@ -48,10 +39,6 @@ def requested_walk(config, dta) -> WalkOptions:
     """The walk ``actor.dta`` asks for (before the layout's needs are settled in)."""
     return dta.walk_options(policy=policy_of(dta.policy, bool(config.gradient_checkpointing)),
                             temperature=float(config.temperature))
-
-
-def settings_of(walk: WalkOptions, layout: ParallelLayout) -> RunSettings:
-    return settle(walk, layout)
 
 
 def make_core(config, dta, settings: RunSettings, groups, device: torch.device) -> EngineCore:

@@ -1,22 +1,20 @@
-"""The depth-first walks behind ``DTATrainEngine``'s ``train_batch`` / ``eval_batch`` /
-``forward_batch``, and AReaL's logits-level ``forward_backward_batch``.
+"""AReaL's batches and losses as the engine core's walks (``DTATrainEngine``'s ``train_batch``
+/ ``eval_batch`` / ``forward_batch``), and AReaL's logits-level ``forward_backward_batch``.
 
-A batch is walked as one prefix tree, so a prefix shared by many sequences is forwarded once:
-
-1. a forward-only walk records every sequence's log-probs, entropies and logit min/max;
-2. each sequence's AReaL loss is evaluated on them (``loss_fn`` once per sequence, in AReaL's
-   packed layout, inside a :class:`dta.losses.SequenceLoss`) and linearized (its gradient with
-   respect to the log-probs and entropies: ``dta.objective.linearize``);
-3. a training walk backpropagates that linear surrogate, which has the same gradient.
+A batch is walked as one prefix tree, so a prefix shared by many sequences is forwarded
+once; the core walks it (``EngineCore.walk_sequences``: a forward-only walk records every
+sequence's log-probs, entropies and logit min/max, AReaL's ``loss_fn`` runs once per
+sequence on them -- in AReaL's packed layout, inside a :class:`dta.losses.SequenceLoss` --,
+is linearized, and a training walk backpropagates the linear surrogate, which has the same
+gradient). This module translates: AReaL's padded batch into a ``dta.batch.Batch`` (each
+sequence with its wrap label), its loss and weights into a sequence loss, and the core's
+log-probs and tree stats back into AReaL's layout.
 """
 from __future__ import annotations
 
 import torch
 
 from dta.losses import SequenceLoss
-from dta.model.routing import MoERouters, check_routing
-from dta.objective import linearize
-from dta.tree import PrefixTree
 from runtime.areal import convert
 from runtime.engine import comm
 
@@ -24,8 +22,7 @@ __all__ = ["WalksMixin"]
 
 
 class WalksMixin:
-    """The walks (needs ``core``: the engine core, whose walker walks with the run's
-    WalkOptions; ``model``, ``config``, ``walk``, ``device``, ``groups``)."""
+    """The walks (needs ``core``: the engine core; ``config``, ``device``, ``groups``)."""
 
     # AReaL (after 1.0.4) hands R3 routing to an engine with ``_r3_enabled`` through these
     # attributes (areal/engine/r3/transport.py: PPOActor pops the keys from the batch and sets
@@ -65,24 +62,32 @@ class WalksMixin:
         # the ratio in float64 (FSDPEngine's float32 ratio would round each weight)
         return [0.0 if w == 0 else float(w) / float(total) for w in weights]
 
-    def _walk_batch(self, ids, scales=None, routing=None):
+    def _walk(self, ids, routing=None, *, scales=None, loss=None, train: bool = False):
+        """The core's walks of AReaL's sequences (each with its wrap label); records the
+        walked tree's stats for ``export_stats``."""
         cfg = self.config
         labels = [convert.wrap_label(s, pad_to_maximum=cfg.pad_to_maximum,
                                      max_tokens_per_mb=cfg.mb_spec.max_tokens_per_mb) for s in ids]
-        batch = convert.walk_batch(ids, scales, labels=labels, max_positions=self._max_positions(),
-                                   routing=routing)
-        batch.validate(vocab_size=self.model.config.vocab_size,
-                       max_positions=self._max_positions(), required=(convert.SEQ_INDEX,))
-        check_routing(batch, MoERouters(self.model))  # the model's MoE layers, k, experts
-        return batch
+        batch = convert.walk_batch(ids, scales, labels=labels, routing=routing,
+                                   max_positions=getattr(self.model.config,
+                                                         "max_position_embeddings", None))
+        res = self.core.walk_sequences(batch, loss, train=train, reduction="sum",
+                                       minmax=loss is not None, counted=[len(s) for s in ids])
+        t = res.tree
+        self._last = dict(tree_token_ratio=float(t.sharing_ratio),
+                          tree_total_tokens=float(t.total_tokens),
+                          tree_unique_tokens=float(t.unique_tokens),
+                          tree_sequences=float(t.sequences), tree_depth=float(t.depth),
+                          dta_forwarded_tokens=float(res.forwarded_tokens))
+        if loss is not None:
+            self._last["dta_loss"] = float(res.loss)
+        return res
 
-    def _walk(self, ids, mbs, loss_fn, scales, *, train: bool, routing=None) -> list[torch.Tensor]:
-        """Evaluate ``loss_fn`` once per sequence (scaled) on the forward walk's tensors; with
-        ``train``, accumulate the exact gradient of the scaled sum by a training walk."""
-        batch = self._walk_batch(ids, scales, routing)
-        walker = self.core.walker()
-        tree = PrefixTree(batch.input_ids, min_shared=self.walk.min_shared)
-        fwd = walker.forward(tree, batch, minmax=True)
+    def _walk_loss(self, ids, mbs, loss_fn, scales, *, train: bool, routing=None
+                   ) -> list[torch.Tensor]:
+        """``loss_fn`` once per sequence (scaled by its weight) on the forward walk's tensors
+        in AReaL's layout; with ``train``, the gradient of the scaled sum accumulated.
+        Returns the scaled losses."""
         temperature = float(self.config.temperature)
         lengths = [len(s) for s in ids]
         values: list[torch.Tensor] = []
@@ -93,72 +98,44 @@ class WalksMixin:
                 return lp.sum() * 0.0
             n = lengths[i]
             # AReaL reports the min/max of the raw logits; the walker's are divided by T
-            vmin = (convert.areal_view(fwd.vocab_min[i], n) * temperature).float()
-            vmax = (convert.areal_view(fwd.vocab_max[i], n) * temperature).float()
+            vmin = (convert.areal_view(fields["vocab_min"], n) * temperature).float()
+            vmax = (convert.areal_view(fields["vocab_max"], n) * temperature).float()
             loss = loss_fn(convert.areal_view(lp, n), convert.areal_view(ent, n), mbs[i],
                            vocab_min_logits=vmin, vocab_max_logits=vmax)
             values.append((loss * scales[i]).detach())
             return loss
 
-        loss = SequenceLoss(per_sequence, (convert.SEQ_INDEX,))
-        forwarded = fwd.tokens
-        if train:
-            with torch.enable_grad():
-                objective, total = linearize(batch, loss, "sum", fwd.logprobs, fwd.entropy)
-                res = walker.train(tree, objective)
-            forwarded += res.tokens + res.recomputed_tokens
-        else:
-            _, total = linearize(batch, loss, "sum", fwd.logprobs, fwd.entropy)
-        self._record_tree(ids, tree, forwarded, loss=total)
+        self._walk(ids, routing, scales=scales, train=train,
+                   loss=SequenceLoss(per_sequence, (convert.SEQ_INDEX,)))
         return values or [torch.zeros((), device=self.device)]
 
-    def _record_tree(self, ids, walked: PrefixTree, forwarded: int, loss: float | None = None):
-        stats = PrefixTree(ids, min_shared=self.walk.min_shared).stats()
-        self._last = dict(tree_token_ratio=float(stats.sharing_ratio),
-                          tree_total_tokens=float(stats.total_tokens),
-                          tree_unique_tokens=float(stats.unique_tokens),
-                          tree_sequences=float(stats.sequences),
-                          tree_depth=float(stats.depth),
-                          dta_forwarded_tokens=float(forwarded))
-        if loss is not None:
-            self._last["dta_loss"] = float(loss)
-
     def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False):
-        """AReaL's micro-batch interface, without prefix sharing: for each micro-batch the
-        packed logits ``[T, V]`` (every packed segment, padding included, forwarded on its own,
-        so sequences never attend to each other), then ``process_output_fn(logits, ctx)`` with
-        FSDPEngine's context keys, and ``backward()`` on its result unless ``forward_only``.
-        ``train_batch`` / ``forward_batch`` / ``eval_batch`` are the DFS paths.
-
-        Training through it runs on one process, replicated (the core sums the ranks'
-        gradients, which ``train_batch`` scales for; the sharded modes hold no whole
-        gradient); forward-only it runs wherever the ranks' model calls need not be matched
-        (not under ``fsdp``)."""
+        """AReaL's micro-batch interface, forward only and without prefix sharing: for each
+        micro-batch the packed logits ``[T, V]`` (every packed segment, padding included,
+        forwarded on its own by the core -- ``EngineCore.logits`` --, so sequences never
+        attend to each other), then ``process_output_fn(logits, ctx)`` with FSDPEngine's
+        context keys. AReaL calls it only inside an engine's own ``train_batch`` /
+        ``eval_batch`` / ``forward_batch``, which are DTA's depth-first walks here: training
+        through it (``forward_only=False``) is refused, and so is a forward where the ranks'
+        model calls are kept matched (``fsdp``)."""
         self._require_model()
         layout = self.core.layout
-        if self.core.matched_calls or (not forward_only and (layout.world > 1
-                                                             or layout.sharded)):
+        if not forward_only or self.core.matched_calls:
             raise NotImplementedError(
                 f"forward_backward_batch(forward_only={forward_only}) under "
-                f"actor.dta.sharding={layout.sharding} on {layout.world} rank(s): use "
-                "train_batch / forward_batch / eval_batch (the DFS walks), or one replicated "
-                "process")
+                f"actor.dta.sharding={layout.sharding} on {layout.world} rank(s): DTA trains "
+                "and evaluates by depth-first walks: use train_batch / forward_batch / "
+                "eval_batch" + ("" if not forward_only else " (a forward-only call runs "
+                                "where the ranks' model calls need not match: not fsdp)"))
         for item in mb_list:
             padded = item.padded_mb
             ids = padded["input_ids"].reshape(-1).to(self.device)
             pos = padded.get("position_ids")
             pos = None if pos is None else pos.reshape(-1).to(self.device)
             cu = [int(c) for c in padded["cu_seqlens"]]
-            with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
-                parts = []
-                for a, b in zip(cu[:-1], cu[1:]):
-                    if b > a:
-                        p = torch.arange(b - a, device=self.device) if pos is None else pos[a:b]
-                        parts.append(self.model(input_ids=ids[a:b][None],
-                                                position_ids=p[None]).logits[0])
-                logits = torch.cat(parts)
-                ctx = dict(model_inputs=padded, mb_input=item.orig_mb,
-                           pad_length=item.padding_length, ulysses_pad_size=0, trie_node=None)
-                loss = process_output_fn(logits, ctx)
-                if not forward_only and loss is not None:
-                    loss.backward()
+            logits = torch.cat([self.core.logits(ids[a:b], torch.arange(b - a, device=self.device)
+                                                 if pos is None else pos[a:b])
+                                for a, b in zip(cu[:-1], cu[1:]) if b > a])
+            ctx = dict(model_inputs=padded, mb_input=item.orig_mb,
+                       pad_length=item.padding_length, ulysses_pad_size=0, trie_node=None)
+            process_output_fn(logits, ctx)

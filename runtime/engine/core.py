@@ -14,11 +14,14 @@ an optimizer factory, the compute dtype and the device -- and its batches into a
    (``runtime.engine.layout.reduction_of``), shards it (``runtime.sharding.make_mode``) and,
    where the layout needs the ranks' decoder calls matched (fsdp, expert parallelism across
    data-parallel groups), wraps the decoder in the lockstep (``runtime.engine.lockstep``);
-3. a step: :meth:`train_step` (or its pieces, for a front door that walks its own way:
-   :meth:`zero_grad`, :meth:`accumulate` / :meth:`walker`, :meth:`optimizer_step`):
-   the walk with the run's one ``WalkOptions`` object, the one gradient reduction, the
-   clip, the update or the skip of a non-finite one (``runtime.engine.step``);
-4. checkpoints (DCP where sharded), Hugging Face export, the full state dict and the
+3. a step: :meth:`train_step` (or its pieces, for a front door with its own loss:
+   :meth:`zero_grad`, :meth:`walk_sequences` -- a host framework's per-sequence loss, or
+   forward-only log-probs -- / :meth:`accumulate`, :meth:`optimizer_step`): every walk of a
+   batch on one prefix tree (``dta.train.walk_batch``, DTA's own step's too) with the run's
+   one ``WalkOptions`` object, the one gradient reduction, the clip, the update or the skip
+   of a non-finite one (``runtime.engine.step``);
+4. checkpoints (DCP where sharded; a front door's own state -- its LR scheduler -- in them as
+   ``extra_state``), Hugging Face export, the full state dict and the
    parameter norm (``runtime.engine.checkpoint``); the whole weights in the compute dtype
    for a rollout's weight update, and whole tensors loaded back (:meth:`named_full_tensors`,
    :meth:`full_state_dict`, :meth:`load_full_state`).
@@ -29,6 +32,7 @@ layout's mode needs is refused at construction).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -176,14 +180,26 @@ class EngineCore:
         return self.sync is not None
 
     # ------------------------------------------------------------------- walks --
-    def walker(self, temperature: float | None = None):
+    def walker(self, temperature: float | None = None, *, adapters: bool = True):
         """A walker of the model with the run's walk settings (self-checked).
         ``temperature``: a front door whose batches carry their own sampling temperature
         (verl's) walks them at it -- the run's walk with that one field replaced, derived
-        here once per temperature (the one place a walk differs from the resolved one)."""
+        here once per temperature (the one place a walk differs from the resolved one).
+        ``adapters=False``: a LoRA model's base (its adapters off; ``dta.model.lora.
+        base_view``, sharing the weights: a reference policy's log-probs)."""
         from dta.train import checked_walker
 
-        return checked_walker(self.model, self.walk_at(temperature))
+        return checked_walker(self.model if adapters else self._base_model(),
+                              self.walk_at(temperature))
+
+    def _base_model(self):
+        from dta.model.lora import base_view, is_peft_model
+
+        if not is_peft_model(self.model):
+            return self.model
+        if self.__dict__.get("_base") is None:
+            self._base = base_view(self.model)
+        return self._base
 
     def walk_at(self, temperature: float | None) -> WalkOptions:
         """The run's walk (the very object), or its copy at a batch's ``temperature``."""
@@ -202,22 +218,53 @@ class EngineCore:
         sync = self.sync
         if sync is None or sync.active:
             yield
-            return
-        sync.begin()
-        try:
-            yield
-        except BaseException:
-            sync.active = False
-            raise
-        sync.end()
+
+    def walk_sequences(self, batch, loss=None, *, train: bool, reduction: str = "token_mean",
+                       totals=None, temperature: float | None = None, adapters: bool = True,
+                       minmax: bool = False, counted: list[int] | None = None, progress=None):
+        """Every walk of ``batch`` (a ``dta.batch.Batch``) on one prefix tree, with the run's
+        walk settings (``dta.train.walk_batch``, what DTA's own step runs): ``train`` adds
+        the loss's gradient into ``.grad``; a ``dta.losses.SequenceLoss`` -- a host
+        framework's per-sequence loss -- is evaluated once per sequence on a forward walk's
+        log-probs, linearized and trained; not ``train``: the forward walk (no graph) and
+        the loss's value if one is given; ``loss`` None: log-probs only. ``temperature`` /
+        ``adapters``: as :meth:`walker`; ``minmax``: the logits' vocabulary min / max too
+        (handed to the loss as ``vocab_min`` / ``vocab_max``); ``counted``: the tokens of
+        each sequence the tree stats count (a host's wrap label appended for the walk is
+        not its own). The batch is validated for the model first. Inside
+        :meth:`walk_session` (fsdp outside a step: the ranks' calls matched). Returns a
+        ``dta.train.StepResult``: log-probs, entropy (and min / max), the loss, the walked
+        tree's stats, the tokens forwarded and the context-parallel bytes sent."""
+        from dta.train import validate_for_model, walk_batch
+
+        self._require()
+        if train and not adapters:
+            raise ValueError("walk_sequences(train=True, adapters=False): the walk trains the "
+                             "LoRA adapters; their base is walked for log-probs only")
+        validate_for_model(batch, self.model, loss,
+                           aux_loss=train and self.walk.router_aux_coef > 0)
+        walker = self.walker(temperature, adapters=adapters)
+        with self.walk_session(), torch.set_grad_enabled(train):
+            return walk_batch(walker, batch, loss, train=train, reduction=reduction,
+                              totals=totals, minmax=minmax, counted=counted,
+                              progress=progress)
 
     @torch.no_grad()
     def logprobs(self, batch, *, minmax: bool = False):
-        """The batch's per-token log-probs by a forward-only walk (no graph)."""
-        from dta.train import forward_logprobs
+        """The batch's per-token log-probs by a forward-only walk (no graph): the
+        ``dta.walk.WalkResult`` of :meth:`walk_sequences`' forward walk."""
+        return self.walk_sequences(batch, train=False, minmax=minmax).walk
 
-        with self.walk_session():
-            return forward_logprobs(self.model, batch, options=self.walk, minmax=minmax)
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits ``[T, V]`` for one sequence ``[T]`` at ``position_ids``: a
+        plain forward (no tree, no graph) for a host's logits-level interface; refused where
+        the ranks' decoder calls are kept matched (:attr:`matched_calls`)."""
+        if self.matched_calls:
+            raise NotImplementedError(f"sharding={self.layout.sharding} keeps the ranks' "
+                                      "decoder calls matched: a plain forward outside the "
+                                      "core's walks would unmatch them")
+        return self.model(input_ids=input_ids[None], position_ids=position_ids[None]).logits[0]
 
     def _experts(self):
         from dta.model.expert_parallel import expert_parallel_of
@@ -237,16 +284,11 @@ class EngineCore:
     def accumulate(self, batch, loss, *, totals=None, reduction: str = "token_mean",
                    progress=None):
         """Add ``batch``'s loss gradient into ``.grad`` by one walk with the run's walk
-        settings; returns (``dta.train.StepResult``, bytes the context-parallel exchange
-        sent)."""
-        from dta.model.context_parallel import context_parallel_of
-        from dta.train import accumulate_gradients
-
-        cp = context_parallel_of(self.model)
-        sent = cp.sent_bytes if cp is not None else 0
-        res = accumulate_gradients(self.model, batch, loss, reduction=reduction, totals=totals,
-                                   options=self.walk, progress=progress)
-        return res, (cp.sent_bytes - sent if cp is not None else 0)
+        settings (:meth:`walk_sequences`); returns (``dta.train.StepResult``, bytes the
+        context-parallel exchange sent)."""
+        res = self.walk_sequences(batch, loss, train=True, totals=totals, reduction=reduction,
+                                  progress=progress)
+        return res, res.sent_bytes
 
     def optimizer_step(self, max_grad_norm) -> tuple[float, bool]:
         """The one reduction, the clip, the update or the skip: ``(norm, updated)`` (after
@@ -338,13 +380,39 @@ class EngineCore:
 
     # ------------------------------------------------------------ checkpoints --
     def save(self, directory: str, step: int, meta: dict, *, run_id: str | None = None,
-             keep_last: int | None = None) -> str:
+             keep_last: int | None = None, extra_state: dict | None = None,
+             dcp: bool = False) -> str:
+        """Checkpoint ``step`` under ``directory`` (``runtime.engine.checkpoint``); every
+        rank may call it: replicated, rank 0 writes the whole state (the others only return
+        its path); sharded -- or ``dcp``: replicated state as DCP too -- every rank writes
+        its part. ``extra_state``: a front door's own objects (name -> ``state_dict()`` /
+        ``load_state_dict()``: its LR scheduler), saved in the checkpoint's meta;
+        ``keep_last``: the newest N checkpoints of this run kept."""
         self._require()
-        return checkpoint.save(self, directory, step, meta, run_id=run_id, keep_last=keep_last)
+        meta = {**meta, **checkpoint.extra_meta(extra_state)}
+        if not (self.layout.sharded or dcp) and self.layout.rank != 0:
+            from runtime.checkpoints.checkpoint import step_name
 
-    def load(self, path: str) -> dict:
+            return os.path.join(os.path.abspath(directory), step_name(step))
+        return checkpoint.save(self, directory, step, meta, run_id=run_id, keep_last=keep_last,
+                               dcp=dcp)
+
+    def find_checkpoint(self, path: str) -> tuple[str, dict]:
+        """The checkpoint at ``path`` (its folder, or the newest under a run's folder) and
+        its meta, read before anything is loaded."""
+        return checkpoint.find(path)
+
+    def load(self, path: str, *, extra_state: dict | None = None) -> dict:
+        """The checkpoint at ``path`` (its folder, or the newest under a run's folder) into
+        the core (sharded: every rank calls it), then ``extra_state`` from its meta (each
+        entry must be there: checked before anything is loaded); returns its meta."""
         self._require()
-        return checkpoint.load(self, path)
+        if extra_state or not checkpoint.is_checkpoint(path):
+            path, meta = checkpoint.find(path)
+            checkpoint.check_extra(path, meta, extra_state)
+        meta = checkpoint.load(self, path)
+        checkpoint.restore_extra(self, path, meta, extra_state)
+        return meta
 
     def export_hf(self, path: str, *, merged: bool = False) -> str:
         self._require()

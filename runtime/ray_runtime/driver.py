@@ -340,25 +340,16 @@ class Trainer:
                                 "completed steps (set train.checkpoint_dir)")
         return None
 
-    # -------------------------------------------------------------------- tests --
-    def worker_state(self, rank: int) -> dict:
-        """Rank ``rank``'s (gathered) model and its optimizer state; sharded, every worker is
-        asked (gathering FSDP's parameters is a collective)."""
-        ranks = "all" if self.sharded else [rank]
-        states = self._call(f"reading worker {rank}'s state", lambda w: w.state.remote(), ranks)
-        return states[rank] if self.sharded else states[0]
-
     def param_norms(self) -> list[float]:
         """Each worker's L2 norm of all parameters (one collective where sharded)."""
         return self._call("computing the parameter norm", lambda w: w.param_norm.remote(),
                           "all")
 
-    def worker_gradients(self, rank: int) -> dict:
-        return self._call(f"reading worker {rank}'s gradients",
-                          lambda w: w.gradients.remote(), [rank])[0]
-
-    def digests(self) -> list[float]:  # noqa: D102 (collective where sharded)
-        return self._call("computing the state digests", lambda w: w.digest.remote(), "all")
+    def call(self, action: str, fn, ranks=None) -> list:
+        """``fn(worker)`` run inside the workers of ``ranks`` (Ray's ``__ray_call__``: "all";
+        default every rank if sharded, else rank 0), their results by rank; a failure is one
+        line naming ``action`` (what tests and tools read of the workers' state)."""
+        return self._call(action, lambda w: w.__ray_call__.remote(fn), ranks)
 
     def _call(self, action: str, call, ranks=None) -> list:
         """``call(worker)`` on ``ranks`` ("all"; default: every rank if sharded, else rank

@@ -266,24 +266,10 @@ class DFSWorker:
         return stats
 
     # ----------------------------------------------------- state / checkpoints --
-    def state(self) -> dict:
-        """CPU copies of the model (gathered, compute dtype) and of this rank's optimizer
-        state (for tests and consistency checks)."""
-        return {"model": self.core.full_state(),
-                "optimizer": _to_cpu(self.optimizer.state_dict())}
-
     def param_norm(self) -> float:
         """L2 norm of all parameters (the masters, where sharded); a collective when the
         mode shards: call it on every rank."""
         return self.core.param_norm()
-
-    def gradients(self) -> dict:
-        """CPU copies of the last step's (all-reduced, possibly clipped) gradients."""
-        return self.core.gradients()
-
-    def digest(self) -> float:
-        with torch.no_grad():
-            return float(sum(v.double().abs().sum() for v in self.core.full_state().values()))
 
     @property
     def sharded(self) -> bool:
@@ -328,15 +314,3 @@ def _writable(batch: Batch) -> Batch:
                  None if batch.weight is None else np.array(batch.weight), batch.group_id,
                  routed_experts=None if batch.routed_experts is None else
                  [np.array(r) for r in batch.routed_experts])
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "to_local"):  # a DTensor (FSDP2): this rank's shard
-            obj = obj.to_local()
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

@@ -86,7 +86,6 @@ class ShardingMode:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-
     @classmethod
     def storage_dtype(cls, compute: torch.dtype, masters: torch.dtype | None = None
                       ) -> torch.dtype:

@@ -28,11 +28,16 @@ SEQ_INDEX = "seq_index"  # the per-token field that tells an opaque loss which s
 
 def sequences(data: TensorDict) -> list[np.ndarray]:
     """The token ids of each row, checked: nested ``input_ids``, positions ``0..L-1`` (the walk
-    places every token by its depth in the prefix tree), text only."""
+    places every token by its depth in the prefix tree), text only, log-probs and entropy
+    asked for (nothing else)."""
     ids = data.get("input_ids", None)
     if ids is None or not isinstance(ids, torch.Tensor) or not ids.is_nested:
         raise ValueError("the batch's 'input_ids' must be a nested (jagged) tensor, as verl's "
                          "left_right_2_no_padding makes it")
+    for key in ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only"):
+        if tu.get_non_tensor_data(data, key, False):
+            raise NotImplementedError(f"the batch asks for {key}=True: the dta engine "
+                                      "returns log-probs and entropy only")
     if any(str(k).startswith("multi_modal") for k in data.keys()):
         raise NotImplementedError("the dta engine trains text-only language models; the batch "
                                   "has multi-modal inputs")

@@ -9,12 +9,11 @@ loss's gradient is accumulated, and the result is ``{"model_output", "loss", "me
 nested ``log_probs`` (and ``entropy`` when ``calculate_entropy``) in the batch's row order.
 What differs is how: every row is its own micro-batch (verl's layout, one row) and the batch
 is walked as one prefix tree, so a prefix shared by many rows (a GRPO group's prompt, the
-earlier turns of a multi-turn conversation) is forwarded once:
-
-1. a forward-only walk records every row's log-probs and entropies;
-2. verl's ``loss_function`` runs once per row on them (opaque, inside a
-   :class:`dta.losses.SequenceLoss`) and is linearized (``dta.objective.linearize``);
-3. a training walk backpropagates the linear surrogate, which has the same gradient.
+earlier turns of a multi-turn conversation) is forwarded once: verl's ``loss_function`` runs
+once per row (opaque, inside a :class:`dta.losses.SequenceLoss`) on a forward walk's
+log-probs, and the engine core trains it (``EngineCore.walk_sequences``: the forward walk,
+the loss linearized, the training walk -- the same gradient). This module only translates
+verl's batch and loss.
 
 verl's loss aggregation (``agg_loss``: ``token-mean``, ``seq-mean-token-sum``,
 ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``) normalizes each micro-batch by the
@@ -35,6 +34,7 @@ both walks: no dropout).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,15 +45,10 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 import runtime.verl.batch as vb
 from dta.losses import SequenceLoss
-from dta.model.context_parallel import context_parallel_of
-from dta.model.lora import is_peft_model
-from dta.objective import linearize
-from dta.train import checked_walker
-from dta.tree import PrefixTree
+from dta.model.lora import is_peft_model, merged_weights
 from runtime.engine import EngineCore, build_model, comm
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
 from runtime.verl.config import check_engine_config, dtypes, model_spec, settings_of, sharding_keys
-from runtime.verl.lora import ReferencePolicy, merged_weights
 
 __all__ = ["DTAEngine", "DTAEngineWithLMHead"]
 
@@ -70,8 +65,9 @@ class DTAEngine(BaseEngine):
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.spec = model_spec(model_config)
         self.dtype, self.master_dtype = dtypes(engine_config)  # compute, masters (or None)
-        self.settings = self.core = self.policy = self.lr_scheduler = None
+        self.settings = self.core = self.lr_scheduler = None
         self.mode = None
+        self.adapters_off = False  # inside disable_adapter(): the reference policy
         self.device = torch.device("cpu")
         self.last: dict[str, float] = {}
 
@@ -111,7 +107,6 @@ class DTAEngine(BaseEngine):
             keys = sharding_keys(self.engine_config, self.model_config, self.settings.layout)
             raise ValueError(f"{keys}: {exc}") from None
         self.core.parallelize()
-        self.policy = ReferencePolicy(self.core.model)
         if trains:
             from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
@@ -198,29 +193,17 @@ class DTAEngine(BaseEngine):
         """The batch as one prefix tree (see the module doc); ``loss_function`` once per row,
         or none (forward only: log-probs and entropy)."""
         core = self._core()
-        model = self.policy.current
-        if self.policy.off and not forward_only:
+        if self.adapters_off and not forward_only:
             raise NotImplementedError("the dta engine trains the LoRA adapters: training inside "
                                       "disable_adapter() is refused (verl uses it for the "
                                       "reference policy's log-probs)")
-        for key in ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only"):
-            if tu.get_non_tensor_data(data, key, False):
-                raise NotImplementedError(f"the batch asks for {key}=True: the dta engine "
-                                          "returns log-probs and entropy only")
         rows = vb.sequences(data)
         group, dp = core.groups.data, core.layout.data_parallel
         if "loss_mask" in data.keys():
             vb.batch_normalizers(data, rows, group, dp, self.device)
-        # each row's micro-batch on the engine's device, as verl's engines move theirs
-        mbs = [mb.to(self.device) for mb in vb.one_sequence_batches(data)]
-        temperature = vb.temperature_of(data)
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        batch = vb.walk_batch(rows, max_positions=max_positions)
-        batch.validate(vocab_size=model.config.vocab_size, max_positions=max_positions,
-                       required=(vb.SEQ_INDEX,))
-        walker = core.walker(temperature) if model is core.model else \
-            checked_walker(model, core.walk_at(temperature))  # LoRA's base view
-        tree = PrefixTree(batch.input_ids, min_shared=core.walk.min_shared)
+        mbs = [mb.to(self.device) for mb in vb.one_sequence_batches(data)]  # as verl's engines
+        batch = vb.walk_batch(rows, max_positions=getattr(core.model.config,
+                                                          "max_position_embeddings", None))
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         lengths = [len(r) for r in rows]
         losses: list[float] = [0.0] * len(rows)
@@ -228,43 +211,28 @@ class DTAEngine(BaseEngine):
 
         def per_row(lp, ent, fields):
             i = int(fields[vb.SEQ_INDEX][0])
-            n = lengths[i]
-            out = {"log_probs": vb.nested([vb.verl_view(lp, n)])}
+            out = {"log_probs": vb.nested([vb.verl_view(lp, lengths[i])])}
             if entropy:
-                out["entropy"] = vb.nested([vb.verl_view(ent, n)])
+                out["entropy"] = vb.nested([vb.verl_view(ent, lengths[i])])
             loss, row_metrics = loss_function(model_output=out, data=mbs[i], dp_group=group)
             losses[i] = float(loss.detach())
             append_to_dict(metrics, row_metrics)
             return loss / dp  # verl's x dp_size, for an average; the core sums
 
-        cp = context_parallel_of(core.model)
-        sent = cp.sent_bytes if cp is not None else 0
-        with core.walk_session():  # fsdp outside a step: the ranks' calls matched
-            with torch.no_grad():
-                fwd = walker.forward(tree, batch)
-            forwarded = fwd.tokens
-            if loss_function is not None:
-                seq_loss = SequenceLoss(per_row, (vb.SEQ_INDEX,), uses_entropy=entropy)
-                if forward_only:
-                    linearize(batch, seq_loss, "sum", fwd.logprobs, fwd.entropy)
-                else:
-                    with torch.enable_grad():
-                        objective, _ = linearize(batch, seq_loss, "sum", fwd.logprobs,
-                                                 fwd.entropy)
-                        res = walker.train(tree, objective)
-                    forwarded += res.tokens + res.recomputed_tokens
-        outputs = {"log_probs": [vb.verl_view(fwd.logprobs[i], n).detach()
-                                 for i, n in enumerate(lengths)]}
+        loss = None if loss_function is None else \
+            SequenceLoss(per_row, (vb.SEQ_INDEX,), uses_entropy=entropy)
+        res = core.walk_sequences(batch, loss, train=loss is not None and not forward_only,
+                                  reduction="sum", temperature=vb.temperature_of(data),
+                                  adapters=not self.adapters_off, counted=lengths)
+        outputs = {"log_probs": [vb.verl_view(lp, n).detach()
+                                 for lp, n in zip(res.logprobs, lengths)]}
         if entropy:
-            outputs["entropy"] = [vb.verl_view(fwd.entropy[i], n).detach()
-                                  for i, n in enumerate(lengths)]
-        stats = PrefixTree(rows, min_shared=core.walk.min_shared).stats()
-        self.last = dict(tree_token_ratio=float(stats.sharing_ratio),
-                         tree_unique_tokens=float(stats.unique_tokens),
-                         tree_total_tokens=float(stats.total_tokens),
-                         dta_forwarded_tokens=float(forwarded),
-                         context_parallel_sent_bytes=float(
-                             cp.sent_bytes - sent if cp is not None else 0))
+            outputs["entropy"] = [vb.verl_view(e, n).detach() for e, n in zip(res.entropy, lengths)]
+        self.last = dict(tree_token_ratio=float(res.tree.sharing_ratio),
+                         tree_unique_tokens=float(res.tree.unique_tokens),
+                         tree_total_tokens=float(res.tree.total_tokens),
+                         dta_forwarded_tokens=float(res.forwarded_tokens),
+                         context_parallel_sent_bytes=float(res.sent_bytes))
         model_output = {k: vb.nested(v) for k, v in outputs.items()}
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
@@ -277,14 +245,20 @@ class DTAEngine(BaseEngine):
         ``lora.merge``; LoRA runs replicate / zero1, whose model holds every weight); no PEFT
         config."""
         core = self._core()
-        if is_peft_model(core.model):
+        if is_peft_model(core.model):  # dta.model.lora's one merge
             return merged_weights(core.model), None
         return core.named_full_tensors(), None  # fsdp: one gather per tensor, every rank
 
+    @contextlib.contextmanager
     def disable_adapter(self):
         """The base model (LoRA adapters off) inside the context: verl's reference policy's
-        log-probs, walked on a base view sharing the weights (:mod:`runtime.verl.lora`)."""
-        return self.policy.disabled()
+        log-probs, walked on the base sharing the weights (``EngineCore.walk_sequences(
+        adapters=False)``)."""
+        self.adapters_off = True
+        try:
+            yield
+        finally:
+            self.adapters_off = False
 
     # -------------------------------------------------------------- checkpoints --
     def save_checkpoint(self, local_path: str, hdfs_path: Optional[str] = None,

@@ -1,5 +1,6 @@
 """Run a function on W local gloo ranks and collect what each returns -- for tests and
-benchmarks of the sharding modes without Ray. The harness is the library's
+benchmarks of the sharding modes without Ray (tests and ``experiments/bench_sharding.py``
+use it; the library and the runtime do not). The harness is the library's
 (``dta.local_ranks.run_group``: spawned processes, a file store, loopback only); this
 module only calls ``fn(rank, world, *args)`` instead of ``fn(group, *args)``. The function
 must be importable (defined at module level)."""
