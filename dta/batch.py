@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from dta.records.fields import ALIASES, LOGPROB_FIELDS, BatchError, validate_record
+from dta.tree import unpad  # a batch format's reader (the doors import it from here)
 
 TOKEN_FIELDS = ("loss_mask", "advantages", "old_logprobs", "prox_logprobs")
 SEQUENCE_FIELDS = ("weight",)
@@ -176,19 +177,3 @@ class Batch:
             if len(w) != len(self.input_ids) or not np.all(np.isfinite(w)) or np.any(w < 0):
                 raise BatchError("field 'weight' must hold one finite number >= 0 per sequence")
         return self
-
-
-def unpad(input_ids, attention_mask) -> list[np.ndarray]:
-    """Right-padded ``[B, S]`` ids + 0/1 mask -> list of 1-D arrays; rejects left padding
-    or holes in the mask, naming the row."""
-    ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids)
-    mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
-    if ids.ndim != 2 or ids.shape != mask.shape:
-        raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, S]")
-    out = []
-    for i, (row, m) in enumerate(zip(ids, mask)):
-        n = int(m.sum())
-        if not np.all(m[:n] == 1) or np.any(m[n:] != 0):
-            raise ValueError(f"sequence {i}: attention_mask is not right-padded 1...1 0...0")
-        out.append(row[:n].astype(np.int64))
-    return out

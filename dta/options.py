@@ -22,8 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dta.planning.packs import POLICIES as PACKINGS
-from dta.planning.packs import PackCost
+from dta.planning.packs import PACKINGS, PackCost
 
 __all__ = ["WalkOptions", "WalkOptionError", "POLICIES", "PACKINGS", "ROUTER_AUX_LOSS", "AUTO",
            "NO_CUT"]

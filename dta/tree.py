@@ -18,7 +18,21 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from dta.batch import unpad  # noqa: F401 (where PrefixTree.from_padded finds it)
+
+def unpad(input_ids, attention_mask) -> list[np.ndarray]:
+    """Right-padded ``[B, S]`` ids + 0/1 mask -> list of 1-D arrays; rejects left padding
+    or holes in the mask, naming the row."""
+    ids = np.asarray(input_ids.cpu() if hasattr(input_ids, "cpu") else input_ids)
+    mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"input_ids {ids.shape} and attention_mask {mask.shape} must both be [B, S]")
+    out = []
+    for i, (row, m) in enumerate(zip(ids, mask)):
+        n = int(m.sum())
+        if not np.all(m[:n] == 1) or np.any(m[n:] != 0):
+            raise ValueError(f"sequence {i}: attention_mask is not right-padded 1...1 0...0")
+        out.append(row[:n].astype(np.int64))
+    return out
 
 
 @dataclass(frozen=True)

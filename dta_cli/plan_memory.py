@@ -32,8 +32,8 @@ def memory_report(args, tree) -> dict:
         CONTEXT_PARALLEL,
         GIB,
         HEADROOM,
-        MODES,
         POLICY_ORDER,
+        SHARDINGS,
         ModelShape,
         batch_extent,
         estimate,
@@ -50,7 +50,7 @@ def memory_report(args, tree) -> dict:
 
         adapters = lora_params(config, args.lora_r, [t.strip() for t in
                                                      args.lora_targets.split(",") if t.strip()])
-    modes = MODES if not adapters else tuple(m for m in MODES if m != "fsdp")
+    shardings = SHARDINGS if not adapters else tuple(m for m in SHARDINGS if m != "fsdp")
     budget = None if args.budget_gib is None else args.budget_gib * GIB
     from dta.options import WalkOptions
 
@@ -65,7 +65,7 @@ def memory_report(args, tree) -> dict:
     shape = ModelShape.of(config)
     layout = _layout(args, shape, hardware, adapters)
     kw = dict(path_tokens=path, call_tokens=call, policies=policies, blocks=blocks,
-              compute_dtype=args.compute_dtype, adapter_params=adapters, modes=modes,
+              compute_dtype=args.compute_dtype, adapter_params=adapters, shardings=shardings,
               headroom=HEADROOM if args.headroom is None else args.headroom,
               context_parallel=cps, cp_schemes=(args.context_parallel_scheme,), **layout)
     limit = float("inf") if budget is None else budget
@@ -74,8 +74,8 @@ def memory_report(args, tree) -> dict:
     first = plan_memory(config, args.workers, limit, **kw).chosen  # the memory order's pick
     pick = plan.chosen if plan.chosen is not None else plan.cheapest
     if budget is None:  # nothing to choose for: the last policy (recompute), the given block
-        shard = layout["shard_size"][0] if modes[0] != "replicate" else None
-        pick = estimate(config, args.workers, modes[0], path_tokens=path, call_tokens=call,
+        shard = layout["shard_size"][0] if shardings[0] != "replicate" else None
+        pick = estimate(config, args.workers, shardings[0], path_tokens=path, call_tokens=call,
                         policy=policies[-1], block_tokens=blocks[0] if len(blocks) == 1 else None,
                         compute_dtype=args.compute_dtype, adapter_params=adapters,
                         context_parallel=cps[0], cp_scheme=args.context_parallel_scheme,
@@ -87,11 +87,11 @@ def memory_report(args, tree) -> dict:
                      context_parallel=pick.context_parallel, cp_scheme=pick.cp_scheme,
                      expert_parallel=pick.expert_parallel, offload=pick.offload,
                      shard_size=None if m == "replicate" else pick.shard_size)
-            for m in modes]
+            for m in shardings]
     for e in [pick, first] + rows:  # their modeled step, on the same batch
         if e is not None and e.time is None:
             plan.pricer.price(e)
-    chosen = plan.chosen.mode if budget is not None and plan.chosen is not None else None
+    chosen = plan.chosen.sharding if budget is not None and plan.chosen is not None else None
     block = pick.block_tokens
     active = (f" ({shape.active_params / 1e9:.2f}B active, {shape.experts.count} experts, "
               f"top {shape.experts.top_k})" if shape.is_moe else "")
@@ -104,8 +104,8 @@ def memory_report(args, tree) -> dict:
     print(f"  {'mode':<10} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9}"
           f" {'host':>9} {'step':>8}")
     for r in rows:
-        mark = "  <- chosen" if r.mode == chosen else ""
-        print(f"  {r.mode:<10} " + " ".join(f"{v / GIB:>8.2f}G" for v in (
+        mark = "  <- chosen" if r.sharding == chosen else ""
+        print(f"  {r.sharding:<10} " + " ".join(f"{v / GIB:>8.2f}G" for v in (
             r.params, r.grads, r.optimizer, r.activations, r.total, r.host)) +
             f" {r.time.step_s:>7.1f}s" + mark)
     split = pick.split
@@ -146,14 +146,14 @@ def memory_report(args, tree) -> dict:
             "first_fit": None if first is None else {
                 "choice": first.label(), "data_parallel": first.data_parallel,
                 "step_seconds": first.time.step_s},
-            "modes": [r.as_dict() for r in rows],
+            "shardings": [r.as_dict() for r in rows],
             "candidates": [e.as_dict() for e in plan.tried]}
 
 
 def _print_time(plan, chosen, first) -> None:
     """Per data-parallel x context-parallel x mode: the fastest candidate that fits (else the
     smallest), its per-rank FLOPs, bytes sent and modeled step."""
-    from dta.planning.memory import GIB, MODES
+    from dta.planning.memory import GIB, SHARDINGS
 
     h = plan.hardware
     print(f"time per step (a model, docs/planning.md: {h['peak_tflops']:g} TFLOP/s peak x "
@@ -169,13 +169,13 @@ def _print_time(plan, chosen, first) -> None:
     best = {}
     for e in plan.tried:  # fitting first, the fastest of them; else the smallest
         rank = (0, e.time.step_s) if e.total <= plan.budget else (1, e.total)
-        if (e.context_parallel, e.mode) not in best or rank < best[e.context_parallel, e.mode][1]:
-            best[e.context_parallel, e.mode] = (e, rank)
-    for (c, _), (e, rank) in sorted(best.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1]))):
+        if (e.context_parallel, e.sharding) not in best or rank < best[e.context_parallel, e.sharding][1]:
+            best[e.context_parallel, e.sharding] = (e, rank)
+    for (c, _), (e, rank) in sorted(best.items(), key=lambda kv: (kv[0][0], SHARDINGS.index(kv[0][1]))):
         t = e.time
         mark = "  <- chosen" if e is chosen else "" if rank[0] == 0 else "  (does not fit)"
         lay = f"{e.expert_parallel}/{e.shard_size}/{e.offload}"
-        print(f"  {f'{e.data_parallel} x {c}':<7} {e.mode:<10} {lay:<14} {e.policy:<9} "
+        print(f"  {f'{e.data_parallel} x {c}':<7} {e.sharding:<10} {lay:<14} {e.policy:<9} "
               f"{e.block_tokens or 'none':>5} {e.total / GIB:>8.1f} {t.flops_per_rank / 1e12:>10.0f} "
               f"{t.bytes_sent / 1e9:>8.1f} {t.step_s:>7.1f} {t.tokens_per_s:>9.0f} "
               f"{t.group_efficiency:>6.3f} {t.compute_share:>7.2f}{mark}")

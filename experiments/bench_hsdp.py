@@ -2,7 +2,7 @@
 
 Each layout trains the same steps of a τ²-airline batch (the tiny Qwen3 by default) through
 the Ray worker's code without Ray (``runtime.ray_runtime.worker.DFSWorker`` on
-``runtime.sharding.local.run_ranks``); per rank and step the collectives are counted by
+``experiments.local_ranks.run_ranks``); per rank and step the collectives are counted by
 process group (``experiments.comm_count``): within the rank's shard group, across its
 replica group (HSDP), over the world. Bytes are what each collective is handed (an
 all-reduce: its tensor; a reduce-scatter: its input; an all-gather: its output) and what a
@@ -101,7 +101,7 @@ def one_rank(rank, world, layouts, args):
                 by[name]["bytes"] += nbytes
                 by[name]["sent"] += _sent(op, len(ranks), nbytes)
             steps.append({"comm": by, "state_bytes": stats["state_bytes"]})
-        state = w.state()["model"]  # gathered: every rank takes part
+        state = w.core.full_state()  # gathered: every rank takes part
         out.append({"layout": [mode, layout.shard_size, offload], "steps": steps,
                     "state": state if rank == 0 else None})
     return out
@@ -114,7 +114,7 @@ def _rel(a, b) -> float:
 
 
 def main(argv=None) -> dict:
-    from runtime.sharding.local import run_ranks
+    from experiments.local_ranks import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="tiny", help="model.size (qwen3)")

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
                                    call_tokens=length - PROMPT, context_parallel=sizes)
                 e = plan.chosen or plan.cheapest
                 rows.append(dict(length=length, model=name, gpus=gpus, gib=gib,
-                                 fits=plan.chosen is not None, mode=e.mode, policy=e.policy,
+                                 fits=plan.chosen is not None, sharding=e.sharding, policy=e.policy,
                                  block_tokens=e.block_tokens or 0,
                                  context_parallel=e.context_parallel,
                                  total_gib=e.total / GIB, usable_gib=plan.budget / GIB,
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                 r = next(x for x in rows if (x["length"], x["model"], x["gpus"], x["gib"]) ==
                          (length, name, gpus, gib))
                 if r["fits"]:
-                    cells.append(f"C={r['context_parallel']}, {r['mode']}/{r['policy']}/"
+                    cells.append(f"C={r['context_parallel']}, {r['sharding']}/{r['policy']}/"
                                  f"{r['block_tokens'] or 'none'}: {r['total_gib']:.0f} GiB")
                 else:
                     cells.append(f"**no fit** ({r['shortfall_gib']:.0f} GiB over at "

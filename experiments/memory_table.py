@@ -39,7 +39,7 @@ def main(argv=None) -> int:
             e = plan.chosen or plan.cheapest
             rows.append({"model": name, "params_b": round(ModelShape.of(SHAPES[name]).params / 1e9, 2),
                          "gpus": gpus, "gib": gib, "fits": plan.chosen is not None,
-                         "mode": e.mode, "policy": e.policy, "block_tokens": e.block_tokens or 0,
+                         "sharding": e.sharding, "policy": e.policy, "block_tokens": e.block_tokens or 0,
                          "state_gib": e.state / GIB, "activations_gib": e.activations / GIB,
                          "split_gib": {k: v / GIB for k, v in e.split.items()},
                          "total_gib": e.total / GIB, "usable_gib": plan.budget / GIB,
@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         s = r["split_gib"]
-        choice = (f"{r['mode']} / {r['policy']} / {r['block_tokens'] or 'none'}" if r["fits"]
-                  else f"**none fits** (cheapest: {r['mode']} / {r['policy']} / "
+        choice = (f"{r['sharding']} / {r['policy']} / {r['block_tokens'] or 'none'}" if r["fits"]
+                  else f"**none fits** (cheapest: {r['sharding']} / {r['policy']} / "
                        f"{r['block_tokens'] or 'none'}, {r['shortfall_gib']:.1f} GiB over)")
         print(f"| {r['model']} | {r['gpus']} x {r['gib']} GB | {choice} | {r['state_gib']:.1f} GiB "
               f"| {r['activations_gib']:.1f} GiB ({s['path_kv']:.1f} + {s['graphs']:.1f} + "

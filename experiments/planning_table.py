@@ -45,7 +45,7 @@ def row(plan) -> dict:
     e = plan.chosen or plan.cheapest
     t = e.time
     return dict(fits=plan.chosen is not None, data_parallel=e.data_parallel,
-                context_parallel=e.context_parallel, mode=e.mode, policy=e.policy,
+                context_parallel=e.context_parallel, sharding=e.sharding, policy=e.policy,
                 block_tokens=e.block_tokens or 0, expert_parallel=e.expert_parallel,
                 shard_size=e.shard_size, offload=e.offload, flops_per_rank=t.flops_per_rank,
                 bytes_sent=t.bytes_sent, cp_bytes=t.cp_bytes, step_s=t.step_s,
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
                 r, o = got["split"], got["replicated"]
                 if r["fits"]:
                     host = f" ({r['host_gib']:.0f})" if r["host_gib"] else ""
-                    cell = (f"{r['data_parallel']} x {r['context_parallel']}, {r['mode']} / "
+                    cell = (f"{r['data_parallel']} x {r['context_parallel']}, {r['sharding']} / "
                             f"{r['policy']} / {r['block_tokens'] or 'none'} | "
                             f"{_layout(r, gpus)} | "
                             f"{r['flops_per_rank'] / 1e12:,.0f} | {r['bytes_sent'] / 1e9:,.0f} | "

@@ -10,7 +10,7 @@
 - a LoRA wrapping (``get_peft_model``, ``apply_lora``, ``LoraConfig``): the core builds LoRA by
   its one rule (``runtime.engine.model``);
 - a sharding-mode choice: anything of ``runtime.sharding`` (modes are reached through the
-  core), a sharding mode made or looked up (``make_mode``, ``mode_class``, ``fully_shard``,
+  core), a sharding mode made or looked up (``make_sharding``, ``sharding_class``, ``fully_shard``,
   ``FlatShards``), the mode names written out as a list again, or a branch on a mode's name
   (a mode's behaviour is a fact of the mode, in the core);
 - a walk of its own (issue 47): an import of ``dta.objective``, ``dta.tree``, ``dta.train``
@@ -28,7 +28,7 @@ import re
 
 import pytest
 
-from dta.planning.memory import MODES
+from dta.planning.memory import SHARDINGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADAPTERS = ("runtime/areal", "runtime/verl")
@@ -39,7 +39,7 @@ COLLECTIVES = {"all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_i
                "irecv", "batch_isend_irecv", "reduce", "gather", "gather_object", "scatter",
                "scatter_object_list"}
 LORA = {"get_peft_model", "apply_lora", "LoraConfig", "inject_adapter_in_model"}
-SHARDING = {"make_mode", "mode_class", "fully_shard", "FlatShards", "ShardedLayout"}
+SHARDING = {"make_sharding", "sharding_class", "fully_shard", "FlatShards", "ShardedLayout"}
 CLIPS = {"clip_grad_norm_", "clip_and_step"}
 WALKS = ("dta.objective", "dta.tree", "dta.train", "dta.model.context_parallel")
 
@@ -113,13 +113,13 @@ def offenders(source: str) -> list[str]:
                     out.append(f"line {node.lineno}: LoRA wrapping {f.id}()")
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
             names = [e.value for e in node.elts if isinstance(e, ast.Constant)]
-            if sum(n in MODES for n in names) >= 2:
+            if sum(n in SHARDINGS for n in names) >= 2:
                 out.append(f"line {node.lineno}: the sharding modes written out "
-                           f"{_text(node)} (the one list: dta.planning.memory.MODES)")
+                           f"{_text(node)} (the one list: dta.planning.memory.SHARDINGS)")
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             if any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops) and any(
-                    isinstance(s, ast.Constant) and s.value in MODES for s in sides) and any(
+                    isinstance(s, ast.Constant) and s.value in SHARDINGS for s in sides) and any(
                     re.search(r"sharding|mode", _text(s)) for s in sides
                     if not isinstance(s, ast.Constant)):  # not AReaL's backend "fsdp"
                 out.append(f"line {node.lineno}: branches on a sharding mode {_text(node)}")
@@ -156,7 +156,7 @@ import torch.distributed as td
 from torch import distributed as tdist
 from torch.distributed import broadcast as bc
 from peft import get_peft_model
-from runtime.sharding import make_mode
+from runtime.sharding import make_sharding
 import runtime.sharding.fsdp
 td.all_reduce(x)
 tdist.barrier(group=g)
@@ -166,9 +166,9 @@ self.optimizer.step()
 opt.step()
 get_peft_model(model, cfg)
 self.model = apply_lora(model, r=4)
-make_mode("fsdp", model, f)
+make_sharding("fsdp", model, f)
 torch.nn.utils.clip_grad_norm_(ps, 1.0)
-MODES = ("replicate", "zero1", "fsdp")
+SHARDINGS = ("replicate", "zero1", "fsdp")
 if self.sharding == "fsdp":
     pass
 from dta.objective import linearize
@@ -187,10 +187,10 @@ from dta import train
                      "optimizer step opt.step()",
                      "LoRA wrapping get_peft_model()",
                      "LoRA wrapping apply_lora()",
-                     "make_mode()",
+                     "make_sharding()",
                      "gradient clip torch.nn.utils.clip_grad_norm_()",
                      "the sharding modes written out ('replicate', 'zero1', 'fsdp') (the one "
-                     "list: dta.planning.memory.MODES)",
+                     "list: dta.planning.memory.SHARDINGS)",
                      "branches on a sharding mode self.sharding == 'fsdp'",
                      "imports linearize from dta.objective (the walks are the core's: "
                      "EngineCore.walk_sequences)",

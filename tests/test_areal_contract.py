@@ -160,7 +160,7 @@ def test_train_engine_contract(model_dir, eager, tmp_path, construction):
             for p in engine.model.parameters():
                 p.zero_()
             if fmt == "dcp":  # DCP holds the fp32 masters: zero those too
-                for m in engine.core.mode.masters:
+                for m in engine.core.sharding.masters:
                     m.zero_()
         engine.load(meta)
         new = engine.forward(input_=data)
@@ -212,7 +212,7 @@ def test_tree_training_forward_and_gradients_match_fsdp_engine(model_dir, fsdp_b
     config = engine_config(model_dir, pad_to_maximum=True,
                            mb_spec=MicroBatchSpec(max_tokens_per_mb=256))
     tree = new_engine(config)
-    assert tree.core.mode.masters is not None  # bf16 compute, fp32 masters
+    assert tree.core.sharding.masters is not None  # bf16 compute, fp32 masters
     # forward
     fsdp_baseline.eval()
     tree.eval()
@@ -243,6 +243,6 @@ def test_tree_training_forward_and_gradients_match_fsdp_engine(model_dir, fsdp_b
     # the model's .grad are the clipped gradients: the optimizer's, cast to bf16
     total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
     assert math.isclose(total, config.optimizer.gradient_clipping, rel_tol=1e-2)
-    for m, p in zip(tree.core.mode.masters, tree.core.mode.params):
+    for m, p in zip(tree.core.sharding.masters, tree.core.sharding.params):
         assert torch.equal(p.grad, m.grad.to(p.dtype))
     tree.destroy()

@@ -278,15 +278,15 @@ def test_bfloat16_compute_with_float32_master_weights(model_dir, records, eager_
     n = len(records)
     eng = new_engine(engine_config(model_dir, n, dtype="bfloat16"))
     assert next(eng.model.parameters()).dtype == torch.bfloat16
-    assert all(m.dtype == torch.float32 for m in eng.core.mode.masters)
+    assert all(m.dtype == torch.float32 for m in eng.core.sharding.masters)
     base = convert.from_records(records)
     lp = eng.forward_batch(ids_only(base))
     assert lp.dtype == torch.float32  # AReaL's log-probs are float32 whatever the model dtype
-    before = [m.detach().clone() for m in eng.core.mode.masters]
+    before = [m.detach().clone() for m in eng.core.sharding.masters]
     stats = eng.train_batch(make_train_batch(records, lp), grpo(), loss_weight_fn)
     assert stats["update_successful"] == 1.0
-    assert any(not torch.equal(a, m) for a, m in zip(before, eng.core.mode.masters))
-    for m, p in zip(eng.core.mode.masters, eng.model.parameters()):
+    assert any(not torch.equal(a, m) for a, m in zip(before, eng.core.sharding.masters))
+    for m, p in zip(eng.core.sharding.masters, eng.model.parameters()):
         assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
     state = next(iter(eng.optimizer.state.values()))
     assert state["exp_avg"].dtype == torch.float32

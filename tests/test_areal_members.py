@@ -254,7 +254,7 @@ def test_offload_onload(model_dir, single, tmp_path):
     engine.onload()
     for (name, a), b in zip(engine.model.named_parameters(), plain.model.parameters()):
         assert torch.equal(a, b), name
-    for a, b in zip(engine.core.mode.masters, plain.core.mode.masters):
+    for a, b in zip(engine.core.sharding.masters, plain.core.sharding.masters):
         assert torch.equal(a, b)
     engine.destroy()
     plain.destroy()

@@ -64,9 +64,9 @@ def run(cfg):
 
     trainer.stats_logger.commit = record
     with trainer:
-        before = [m.detach().clone() for m in trainer.actor.core.mode.masters]
+        before = [m.detach().clone() for m in trainer.actor.core.sharding.masters]
         trainer.train(workflow)
-        after = [m.detach().clone() for m in trainer.actor.core.mode.masters]
+        after = [m.detach().clone() for m in trainer.actor.core.sharding.masters]
         updates = list(trainer.rollout.updates)
         trained = {n: p.detach().float() for n, p in trainer.actor.model.named_parameters()}
         served = {n: p.detach().clone() for n, p in trainer.rollout.model.named_parameters()}

@@ -28,12 +28,12 @@ import torch
 
 from dta.config.schema import load_config
 from experiments.local_ranks import run_ranks
-from runtime.sharding import MODES
+from runtime.sharding import SHARDINGS
 from tests.workers import state
 
 WORLD = 2
-LAYOUTS = [(mode, cp) for cp in (1, 2) for mode in MODES]
-EXPERT_LAYOUTS = [(mode, 1, 2) for mode in MODES]  # (mode, C, E) on qwen3_moe
+LAYOUTS = [(mode, cp) for cp in (1, 2) for mode in SHARDINGS]
+EXPERT_LAYOUTS = [(mode, 1, 2) for mode in SHARDINGS]  # (mode, C, E) on qwen3_moe
 TOL = 1e-10
 
 
@@ -68,7 +68,7 @@ def ray_worker(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none
     w = local_worker(cfg, rank, world, truly_float64=True)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     assert all(s["updated"] for s in stats)
-    return {"state": w.state()["model"], "param_norm": w.param_norm(),
+    return {"state": state(w)["model"], "param_norm": w.param_norm(),
             "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats),
             "expert_sent": sum(s["expert_parallel_sent_bytes"] for s in stats)}
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_sharding import _step, _worker, rel_l2
+from tests.workers import state
 
 TOL = 1e-10
 STEPS = 2
@@ -86,7 +87,7 @@ def run_case(rank, world, case, export=None):
     source = RoutedTails(cfg)
     ids, mine = share(source.batch(0), cfg, rank, world)
     logprobs = w.core.logprobs(mine).logprobs if mine is not None else []  # every rank: matched
-    mode, grads = w.core.mode, {}
+    mode, grads = w.core.sharding, {}
     reduce = mode.reduce_gradients
 
     def reduce_and_capture():
@@ -99,7 +100,7 @@ def run_case(rank, world, case, export=None):
     if export is not None:
         w.export_hf(export)
     sync = w.core.sync
-    return {"state": w.state()["model"], "param_norm": w.param_norm(), "grads": grads["first"],
+    return {"state": state(w)["model"], "param_norm": w.param_norm(), "grads": grads["first"],
             "loss": stats[0]["loss"], "logprobs": dict(zip(ids, logprobs)),
             "sent": [s["expert_parallel_sent_bytes"] for s in stats],
             "lockstep": sync.stats() if sync is not None else None,

@@ -1,4 +1,4 @@
-"""Every attention family of the registry under every pack policy, float64: the packed walk's
+"""Every attention family of the registry under every packing, float64: the packed walk's
 loss, log-probs and every gradient equal one-sequence-at-a-time training to <= 1e-10, under
 both memory policies. (``tests/test_families.py`` checks each family through ``verify`` with
 the default ``auto`` plan, an AdamW update included; ``tests/test_packs.py`` checks every
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dta.model.models import build_model, make_truly_float64
-from dta.planning.packs import POLICIES
+from dta.planning.packs import PACKINGS
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients
 from dta.verify import ZERO_FLOOR, _rel, _whole_norm, worst
@@ -39,8 +39,8 @@ def reference(request):
     return request.param, model, batch, ref, _grads(model)
 
 
-@pytest.mark.parametrize("packing", POLICIES)
-def test_family_every_pack_policy_float64(reference, packing):
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_family_every_packing_float64(reference, packing):
     family, model, batch, ref, g_ref = reference
     for policy in ("retain", "recompute"):
         model.zero_grad(set_to_none=True)

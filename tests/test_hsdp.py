@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
+from tests.workers import state
 
 TOL = 1e-10
 # (mode, policy, shard_size, offload)
@@ -83,7 +84,7 @@ def record(rank, world, over, steps=2, counted=True):
 
     cfg = load_config(None, over)
     w = _worker(cfg, rank, world)
-    mode, layout = w.core.mode, w.core.layout
+    mode, layout = w.core.sharding, w.core.layout
     source = BatchSource(cfg, 512)
     out = {"layout": layout, "logprobs": [_logprobs(w, source.batch(0))], "steps": []}
     grads = {}
@@ -104,7 +105,7 @@ def record(rank, world, over, steps=2, counted=True):
         else:
             stats = _step(w, cfg, k, rank, world, source)
         out["steps"].append({"loss": stats["loss"], "updated": stats["updated"],
-                             "grads": grads.pop("now"), "state": w.state()["model"],
+                             "grads": grads.pop("now"), "state": state(w)["model"],
                              "state_bytes": stats["state_bytes"],
                              "comm": counter.calls})
     mode.reduce_gradients = reduce
@@ -217,7 +218,7 @@ def resume_hsdp(rank, world, mode, directory):
             _step(w, cfg, 0, rank, world)
             path = w.save_checkpoint(os.path.join(directory, mode), 1, {"note": "hsdp"})
             _step(w, cfg, 1, rank, world)
-            out["straight"] = w.state()["model"]
+            out["straight"] = state(w)["model"]
             out["files"] = {f: os.path.getsize(os.path.join(path, f))
                             for f in os.listdir(path) if f.endswith(".distcp")}
             out["elements"] = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
@@ -277,7 +278,7 @@ def one_group_trains(rank, world):
             core.accumulate(batch.subset(parts[rank - 2]), loss, totals=totals)
         norm, updated = core.optimizer_step(cfg.optimizer.max_grad_norm)
         assert updated
-    return {"state": w.state()["model"], "logprobs": logprobs, "norm": w.param_norm()}
+    return {"state": state(w)["model"], "logprobs": logprobs, "norm": w.param_norm()}
 
 
 def test_a_shard_group_that_trained_nothing_takes_the_update():

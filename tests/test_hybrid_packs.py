@@ -1,4 +1,4 @@
-"""Hybrid models (Gated DeltaNet + attention) in packs: every pack policy x both memory policies
+"""Hybrid models (Gated DeltaNet + attention) in packs: every packing x both memory policies
 equals one-sequence-at-a-time training in float64 (log-probs, loss, every gradient, one AdamW
 update), and the GDN
 pack plan (dta/model/gdn.py) agrees with a token-by-token reading of the pack's tree.
@@ -14,7 +14,7 @@ import torch
 from dta.batch import Batch
 from dta.losses import PPO
 from dta.model.gdn import open_nodes, plan_recurrence
-from dta.planning.packs import POLICIES, PackCost, plan_packs
+from dta.planning.packs import PACKINGS, PackCost, plan_packs
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients
 from dta.tree import PrefixTree
@@ -114,15 +114,15 @@ def _check(reference, packing):
 
 
 @pytest.mark.parametrize("reference", ["qwen3_5"], indirect=True)
-@pytest.mark.parametrize("packing", POLICIES)
-def test_qwen3_5_every_pack_policy_float64(reference, packing):
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_qwen3_5_every_packing_float64(reference, packing):
     _check(reference, packing)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reference", ["qwen3_5_moe", "qwen3_next"], indirect=True)
-@pytest.mark.parametrize("packing", POLICIES)
-def test_hybrid_families_every_pack_policy_float64(reference, packing):
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_hybrid_families_every_packing_float64(reference, packing):
     _check(reference, packing)
 
 

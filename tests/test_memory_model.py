@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dta.planning.memory import GIB, MODES, SHAPES, ModelShape, estimate, pick_mode
+from dta.planning.memory import GIB, SHAPES, SHARDINGS, ModelShape, estimate, pick_sharding
 
 
 def test_qwen3_8b_shape_has_8b_parameters_and_sharding_shrinks_the_state():
@@ -20,7 +20,7 @@ def test_qwen3_8b_shape_has_8b_parameters_and_sharding_shrinks_the_state():
     assert z1.optimizer == pytest.approx(8 * shape.params / 8, rel=1e-6)
     assert fs.params < z1.params < rep.params and fs.state < z1.state < rep.state
     one = estimate(SHAPES["qwen3-8b"], 1, "fsdp", **kw)
-    assert one.mode == "replicate"  # nothing to shard on one rank
+    assert one.sharding == "replicate"  # nothing to shard on one rank
 
 
 def test_retain_holds_the_path_and_pick_mode_takes_the_cheapest_that_fits():
@@ -28,10 +28,10 @@ def test_retain_holds_the_path_and_pick_mode_takes_the_cheapest_that_fits():
     retain = estimate(SHAPES["qwen3-8b"], 8, "zero1", policy="retain", **kw)
     recompute = estimate(SHAPES["qwen3-8b"], 8, "zero1", policy="recompute", **kw)
     assert retain.activations > recompute.activations
-    mode, rows = pick_mode(SHAPES["qwen3-8b"], 8, 80 * GIB, policy="recompute", **kw)
-    assert [r.mode for r in rows] == list(MODES)
-    assert mode == next(r.mode for r in rows if r.total <= 80 * GIB)
-    assert pick_mode(SHAPES["qwen3-32b"], 8, 1 * GIB, policy="recompute", **kw)[0] is None
+    mode, rows = pick_sharding(SHAPES["qwen3-8b"], 8, 80 * GIB, policy="recompute", **kw)
+    assert [r.sharding for r in rows] == list(SHARDINGS)
+    assert mode == next(r.sharding for r in rows if r.total <= 80 * GIB)
+    assert pick_sharding(SHAPES["qwen3-32b"], 8, 1 * GIB, policy="recompute", **kw)[0] is None
     with pytest.raises(ValueError, match="sharding mode"):
         estimate(SHAPES["qwen3-8b"], 8, "zero3", **kw)
 
@@ -44,9 +44,9 @@ def test_dta_plan_prints_memory_and_the_fitting_mode(capsys):
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])["memory"]
     assert "memory per rank" in out and "budget 80 GiB" in out
-    totals = {r["mode"]: r["total"] for r in result["modes"]}
+    totals = {r["sharding"]: r["total"] for r in result["shardings"]}
     assert result["usable_bytes"] == pytest.approx(0.9 * 80 * GIB)  # 10 % headroom
-    fitting = [m for m in MODES if totals[m] <= result["usable_bytes"]]
+    fitting = [m for m in SHARDINGS if totals[m] <= result["usable_bytes"]]
     assert result["chosen"] == (fitting[0] if fitting else None)
     assert result["path_tokens"] > 0 and result["call_tokens"] > 0
 
@@ -83,8 +83,8 @@ def test_dta_plan_prices_fsdp_under_retain_with_the_whole_path(capsys):
     for policy in ("retain", "recompute"):
         assert main(args + [policy]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
-        rows[policy] = {r["mode"]: r for r in out["modes"]}
-    assert list(rows["retain"]) == list(MODES)
+        rows[policy] = {r["sharding"]: r for r in out["shardings"]}
+    assert list(rows["retain"]) == list(SHARDINGS)
     retain, recompute = rows["retain"]["fsdp"], rows["recompute"]["fsdp"]
     assert retain["activations"] == rows["retain"]["zero1"]["activations"]
     assert retain["activations"] > recompute["activations"]
@@ -129,9 +129,9 @@ def test_dta_plan_full_scale_qwen3_14b_on_8x80_chooses_a_block_that_fits(capsys)
     assert main(["plan", "--workload", "tau2-airline", "--scale", "full", "--workers", "8",
                  "--memory", "--model", "qwen3-14b", "--budget-gib", "80", "--json"]) == 0
     mem = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
-    assert mem["chosen"] in MODES and mem["block_tokens"] > 0
+    assert mem["chosen"] in SHARDINGS and mem["block_tokens"] > 0
     assert mem["node_tokens"] > mem["block_tokens"] == mem["call_tokens"]
-    chosen = next(r for r in mem["modes"] if r["mode"] == mem["chosen"])
+    chosen = next(r for r in mem["shardings"] if r["sharding"] == mem["chosen"])
     assert chosen["total"] <= mem["usable_bytes"] and chosen["block_tokens"] == mem["block_tokens"]
     assert set(mem["activation_split"]) == {"path_kv", "graphs", "head"}
     assert sum(mem["activation_split"].values()) == chosen["activations"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_hsdp import (
     assert_matches,
     check_hsdp_traffic,
@@ -24,6 +24,7 @@ from tests.test_hsdp import (
     record,
     rel_state,
 )
+from tests.workers import state
 
 # (mode, policy, shard_size, offload) on 2 ranks, and HSDP + offload on 4
 TWO = [("replicate", "recompute", None, "optimizer"), ("zero1", "retain", None, "optimizer"),
@@ -173,7 +174,7 @@ def resume_offloaded(rank, world, mode, directory):
             _step(w, cfg, 0, rank, world)
             path = w.save_checkpoint(os.path.join(directory, mode), 1, {"note": "offload"})
             _step(w, cfg, 1, rank, world)
-            out["straight"] = w.state()["model"]
+            out["straight"] = state(w)["model"]
         fresh = _worker(cfg, rank, world)
         fresh.load_checkpoint(path)
         _step(fresh, cfg, 1, rank, world)

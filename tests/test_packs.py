@@ -1,6 +1,6 @@
 """Packs: the plan (metadata), the per-pack mask, and the packed walk's exactness.
 
-Every pack policy (node by node, sibling leaves, subtrees, the cost model's choice, the whole
+Every packing (node by node, sibling leaves, subtrees, the cost model's choice, the whole
 tree as one masked pack) under both memory policies trains the hard batch to float64
 round-off against one-sequence-at-a-time training."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dta.model.attention import native_gqa
 from dta.model.models import build_model, make_truly_float64
 from dta.model.packmask import dense_mask, pack_mask
 from dta.planning.index import PlanningError
-from dta.planning.packs import POLICIES, PackCost, plan_packs
+from dta.planning.packs import PACKINGS, PackCost, plan_packs
 from dta.reference import unpacked_gradients
 from dta.train import accumulate_gradients, forward_logprobs
 from dta.tree import PrefixTree
@@ -40,34 +40,34 @@ def seed_mask(tree: PrefixTree, nodes) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- plans --
-@pytest.mark.parametrize("policy", POLICIES)
-def test_plan_partitions_the_tree(tree, policy):
-    plan = plan_packs(tree, policy, cap=CAP)
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_plan_partitions_the_tree(tree, packing):
+    plan = plan_packs(tree, packing, cap=CAP)
     nodes = sorted(u for p in plan.packs for u in p.nodes)
     assert nodes == list(range(1, len(tree)))  # every node in exactly one pack
     order = [i for kind, i in plan.walk() if kind == "push"]
     assert sorted(order) == list(range(len(plan)))
     for p in plan.packs:
         assert p.tokens == sum(tree.length(u) for u in p.nodes)
-        if policy != "tree" and len(p.nodes) > 1:
+        if packing != "tree" and len(p.nodes) > 1:
             assert p.tokens <= CAP
         # roots hang from the pack's parent; the rest from nodes inside the pack
         assert all(int(tree.parent[u]) in set(p.nodes) | {p.parent} for u in p.nodes)
         for c in p.children:  # a pack below hangs from an open node of this one
             assert plan.packs[c].parent in p.open and plan.packs[c].parent in p.nodes
-    if policy == "node":
+    if packing == "node":
         assert all(len(p.nodes) == 1 for p in plan.packs)
-    if policy == "tree":
+    if packing == "tree":
         assert len(plan) == 1 and not plan.packs[0].chain
-    if policy == "siblings":  # several leaves share a pack, internal nodes stay alone
+    if packing == "siblings":  # several leaves share a pack, internal nodes stay alone
         assert any(len(p.nodes) > 1 for p in plan.packs)
         for p in plan.packs:
             assert len(p.nodes) == 1 or all(not tree.children[u] for u in p.nodes)
 
 
 def test_pack_mask_is_the_seed_mask_restricted(tree):
-    for policy in POLICIES:
-        plan = plan_packs(tree, policy, cap=CAP)
+    for packing in PACKINGS:
+        plan = plan_packs(tree, packing, cap=CAP)
         for i, p in enumerate(plan.packs):
             lay = plan.layout(i)
             vis = lay.visible()
@@ -105,7 +105,7 @@ def test_cost_model_decides(tree):
     assert len(dear_calls) == 1  # calls dominate: everything in one pack
     mid = plan_packs(tree, "auto", cap=CAP)
     assert 1 < len(mid) < len(node)
-    with pytest.raises(PlanningError, match="pack policy"):
+    with pytest.raises(PlanningError, match="unknown packing"):
         plan_packs(tree, "bogus")
     with pytest.raises(PlanningError, match="cap"):
         plan_packs(tree, "auto", cap=0)
@@ -131,13 +131,13 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "sequence"])
-def test_every_pack_policy_is_exact_float64(f64, loss_name):
+def test_every_packing_is_exact_float64(f64, loss_name):
     model, batch = f64
     loss = PPO(eps_clip=0.2, dual_clip=3.0) if loss_name == "ppo" else SEQUENCE_LOSS
     model.zero_grad(set_to_none=True)
     ref = unpacked_gradients(model, batch, loss)
     g_ref = grads(model)
-    for packing in POLICIES:
+    for packing in PACKINGS:
         for policy in ("retain", "recompute"):
             for head_rows in (None, 0, 5):  # batched head, one head call per pack, tiny cap
                 model.zero_grad(set_to_none=True)

@@ -207,7 +207,7 @@ def test_idle_groups_make_context_parallel_faster_than_data_parallel():
     timed = plan_memory(SHAPES["qwen3-8b"], 8, 80 * GIB, tree=tree, walk=WALK,
                         context_parallel=SIZES,
                         policies=("recompute",), blocks=(2048,))
-    by_c = {e.context_parallel: e for e in timed.tried if e.mode == "zero1"}
+    by_c = {e.context_parallel: e for e in timed.tried if e.sharding == "zero1"}
     assert all(e.total <= timed.budget for e in by_c.values())
     assert by_c[1].time.step_s > by_c[2].time.step_s  # 4 of 8 groups idle at C = 1
     assert math.isclose(by_c[1].time.flops_per_rank, by_c[2].time.flops_per_rank * 2, rel_tol=1e-9)

@@ -82,9 +82,9 @@ def test_a_config_json_of_qwen3_30b_a3b_is_priced_as_30b_by_dta_plan(tmp_path, c
     assert fitting and {c["expert_parallel"] for c in mem["candidates"]} == {1, 2, 4, 8}
     for c in mem["candidates"]:
         E, S = c["expert_parallel"], c["shard_size"]
-        held = shape.rank_params(E) if c["mode"] != "fsdp" else shape.params // S
+        held = shape.rank_params(E) if c["sharding"] != "fsdp" else shape.params // S
         assert c["params"] + c["host"] >= 2 * held  # at least its weights, in bf16
-        if c["mode"] == "replicate" and E == 1:  # weights, grads, 2 states (some on the host)
+        if c["sharding"] == "replicate" and E == 1:  # weights, grads, 2 states (some on the host)
             assert c["state"] + c["host"] >= 4 * 2 * 30e9 and c["total"] > usable
         if c["total"] <= usable:
             assert c["state"] + sum(c["split"].values()) == c["total"] <= usable

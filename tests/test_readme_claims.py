@@ -144,5 +144,5 @@ def test_dta_plan_qwen3_14b_full_scale_needs_blocks(capsys):
     unblocked = plan_memory(SHAPES["qwen3-14b"], 8, 80 * GIB, path_tokens=mem["path_tokens"],
                             call_tokens=mem["node_tokens"], blocks=(None,))
     assert unblocked.chosen is None
-    fsdp = min((e for e in unblocked.tried if e.mode == "fsdp"), key=lambda e: e.total)
+    fsdp = min((e for e in unblocked.tried if e.sharding == "fsdp"), key=lambda e: e.total)
     assert 88 * GIB < fsdp.total < 90 * GIB and fsdp.total > mem["usable_bytes"]

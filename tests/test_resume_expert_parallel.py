@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_expert_parallel import RoutedTails, overrides
 from tests.test_sharding import _step, _worker
 
@@ -70,7 +70,7 @@ def whole_state(path) -> dict:
         w.load_checkpoint(path)
     finally:
         torch.set_num_threads(threads)
-    mode, out = w.core.mode, {}
+    mode, out = w.core.sharding, {}
     for n, p in zip(mode.names, mode.stepped):
         st = mode.optimizer.state[p]
         out[("model", n)] = p.detach().double().clone()

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_engine_front_doors import run_config
 from tests.test_resume_layouts import KEYS, assemble, shapes_of, snapshot
 

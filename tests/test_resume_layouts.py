@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dta.config.schema import load_config
-from runtime.sharding.local import run_ranks
+from experiments.local_ranks import run_ranks
 from tests.test_sharding import _step
 
 TOL = 1e-12
@@ -44,7 +44,7 @@ def snapshot(w) -> list[tuple]:
     read from the mode's own storage (not through the checkpoint view): a replica's
     parameters and AdamW state, zero1's / the vocabulary's flat pieces, fsdp's layers
     gathered whole (``full_tensor``: every rank calls it, rank 0 keeps them)."""
-    mode, opt = w.core.mode, w.core.optimizer
+    mode, opt = w.core.sharding, w.core.optimizer
     out = []
 
     def add(name, stepped, start, whole=lambda t: t):

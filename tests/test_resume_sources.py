@@ -54,7 +54,7 @@ def saved(tmp_path_factory):
         _step(w, cfg, 0, 0, 1)
         out[kind] = w.save_checkpoint(str(root / kind), 1, {"note": "test"})
         out[f"{kind}-dcp"] = save_sharded(str(root / f"{kind}-dcp"), 1,
-                                          w.core.mode.sharded_state(), meta={"note": "test"})
+                                          w.core.sharding.sharded_state(), meta={"note": "test"})
         out[f"{kind}-state"] = trained(w)
     return out
 
@@ -104,7 +104,7 @@ def write_previous(path: str, w, sharding: str) -> None:
     from runtime.checkpoints.checkpoint import write_manifest
     from runtime.sharding.fsdp import _vocab_params
 
-    mode, opt = w.core.mode, w.optimizer
+    mode, opt = w.core.sharding, w.optimizer
     named = list(zip(mode.names, mode.stepped))
     state = {}
 
@@ -143,17 +143,17 @@ def test_the_previous_sharded_format_still_resumes(tmp_path, sharding):
     path = str(tmp_path / "step-000001")
     write_previous(path, w, sharding)
     want = {n: (s.detach().clone(), {k: v.clone() for k, v in w.optimizer.state[s].items()})
-            for n, s in zip(w.core.mode.names, w.core.mode.stepped)}
+            for n, s in zip(w.core.sharding.names, w.core.sharding.stepped)}
     _, fresh = worker()
     assert fresh.load_checkpoint(path)["sharding"] == sharding and fresh.completed_steps == 1
-    mode = fresh.core.mode
+    mode = fresh.core.sharding
     for n, s in zip(mode.names, mode.stepped):
         param, st = want[n]
         assert (s == param).all(), n
         for k, v in st.items():
             assert (fresh.optimizer.state[s][k] == v).all(), (n, k)
     with pytest.raises(ShardedCheckpointError, match="format before 2026-12-05") as info:
-        load_sharded(path, fresh.core.mode.sharded_state())
+        load_sharded(path, fresh.core.sharding.sharded_state())
     assert "\n" not in str(info.value)
 
 
@@ -192,18 +192,18 @@ def test_a_replicas_fp32_masters_are_saved_and_resumed_exactly(tmp_path):
     core = masters_core(cfg, masters=True)
     step(core, 0)
     path = core.save(str(tmp_path / "ckpt"), 1, {"note": "test"})
-    saved = [m.detach().clone() for m in core.mode.masters]
+    saved = [m.detach().clone() for m in core.sharding.masters]
     step(core, 1)
     fresh = masters_core(cfg, masters=True)
     fresh.load(path)
-    for m, want in zip(fresh.mode.masters, saved):
+    for m, want in zip(fresh.sharding.masters, saved):
         assert m.dtype == torch.float32 and torch.equal(m, want)
-    for p, m in zip(fresh.mode.params, fresh.mode.masters):
+    for p, m in zip(fresh.sharding.params, fresh.sharding.masters):
         assert torch.equal(p, m.to(torch.bfloat16))  # the model holds their cast
     step(fresh, 1)
-    for a, b in zip(fresh.mode.masters, core.mode.masters):
+    for a, b in zip(fresh.sharding.masters, core.sharding.masters):
         assert torch.equal(a, b)
-    for a, b in zip(fresh.mode.masters, core.mode.masters):
+    for a, b in zip(fresh.sharding.masters, core.sharding.masters):
         sa, sb = fresh.optimizer.state[a], core.optimizer.state[b]
         assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
 
@@ -232,7 +232,7 @@ def test_an_engine_without_optimizer_loads_and_saves_the_weights_alone(saved, tm
         ref.load(saved[source])
         got = {n: p.detach() for n, p in ref.model.named_parameters()}
         assert all(torch.equal(got[k], v) for k, v in saved["full-state"].items()), source
-    path = save_sharded(str(tmp_path / "ref"), 1, ref.mode.sharded_state())
+    path = save_sharded(str(tmp_path / "ref"), 1, ref.sharding.sharded_state())
     again = reference()
     again.load(path)
     assert all(torch.equal(p, q) for p, q in zip(again.model.parameters(),

@@ -111,12 +111,12 @@ def multi_graph_backward(rank, world):
     from runtime.engine import ParallelLayout
     from runtime.engine.lockstep import Lockstep, LockstepDecoder, LockstepError
     from runtime.ray_runtime.worker import make_training_loss
-    from runtime.sharding import make_mode
+    from runtime.sharding import make_sharding
     from runtime.sharding.common import optimizer_factory
 
     cfg = load_config(None, overrides("fsdp", "float64", "retain"))
     model = build_model(cfg.model.family, cfg.model.size, dtype=cfg.model.dtype)
-    strategy = make_mode("fsdp", model, optimizer_factory(cfg.optimizer), policy="retain")
+    strategy = make_sharding("fsdp", model, optimizer_factory(cfg.optimizer), policy="retain")
     layout = ParallelLayout.make(world=2, sharding="fsdp")
     assert layout.matched_calls and layout.walk_needs("retain") == {"head_rows": 0}
     decoder = model.get_decoder()  # as the engine core wraps it (EngineCore._lockstep)

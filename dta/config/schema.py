@@ -32,7 +32,7 @@ from omegaconf.errors import (
 from dta.config.errors import ConfigError
 from dta.config.walk import walk_options
 from dta.options import AUTO, WalkOptions
-from dta.planning.memory import MODES as SHARDING_MODES
+from dta.planning.memory import SHARDINGS as SHARDINGS
 from dta.planning.state import OFFLOADS
 
 __all__ = ["ModelConfig", "WorkloadConfig", "WalkerConfig", "LossConfig", "OptimizerConfig",
@@ -319,7 +319,7 @@ CHOICES: dict[str, tuple] = {
     "walker.reduction": ("token_mean", "seq_mean", "sum"),
     "loss.name": ("nll", "ppo"),
     "optimizer.name": ("adamw", "sgd"),
-    "train.sharding": (*SHARDING_MODES, AUTO),  # runtime.sharding registers one class each
+    "train.sharding": (*SHARDINGS, AUTO),  # runtime.sharding registers one class each
     "train.offload": (*OFFLOADS, AUTO),
     "ray.placement": ("pack", "spread"),
     "actor.kl_estimator": ("k1", "k2", "k3"),

@@ -4,7 +4,7 @@ For a model config (a Hugging Face config or dict), W ranks, a layout and the ba
 longest root-to-leaf path / largest call (node or pack), :func:`estimate` returns the bytes
 one rank holds at its peak, split as ``params``, ``grads``, ``optimizer`` (AdamW: two
 states) and ``activations``, and the ``host`` bytes an offloaded optimizer keeps in host
-memory. The layout is a sharding mode (:data:`MODES`), an expert-parallel size E, a shard
+memory. The layout is a sharding mode (:data:`SHARDINGS`), an expert-parallel size E, a shard
 group S (HSDP) and an offload (:data:`OFFLOADS`), defined and priced in
 :mod:`dta.planning.state` (its module doc has the state by mode). Without experts, shard
 groups or offload (E = 1, S = W, none), with N = all parameters, V = the vocabulary-sized
@@ -55,7 +55,7 @@ This mirrors what ``runtime.sharding`` allocates; the benchmark
 chooses data-parallel x context-parallel x layout x policy x block for a budget: given the
 batch's tree, the fastest modeled step that fits (:mod:`dta.planning.timing`); without one,
 the first that fits in the memory order (no offload first, then the smallest C, plain
-sharding before shard groups, the smallest E, modes by communication, retain before
+sharding before shard groups, the smallest E, shardings by communication, retain before
 recompute, the largest block; blocks under 1,024 tokens only when nothing fits with a longer
 one); or it says by how much the cheapest misses. No candidate whose model state alone
 exceeds the budget is ever chosen (the state is part of every total).
@@ -75,13 +75,13 @@ from dta.planning.cp import CP_SCHEME, check_scheme
 from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401
 from dta.planning.state import OFFLOADS, check_layout, model_state  # noqa: F401
 
-MODES = ("replicate", "zero1", "fsdp")  # cheapest communication first
+SHARDINGS = ("replicate", "zero1", "fsdp")  # cheapest communication first
 GIB = 2 ** 30
 
 
 @dataclass
 class MemoryEstimate:
-    mode: str
+    sharding: str  # the sharding mode's name (SHARDINGS)
     world: int
     params: int
     grads: int
@@ -129,7 +129,7 @@ class MemoryEstimate:
             cp += f"/shard {self.shard_size}"
         if self.offload != "none":
             cp += f"/offload {self.offload}"
-        return f"{self.mode}/{self.policy}/block {self.block_tokens or 'none'}{cp}"
+        return f"{self.sharding}/{self.policy}/block {self.block_tokens or 'none'}{cp}"
 
 
 def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: int,
@@ -144,8 +144,8 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
     ``world / context_parallel``; sharding still spans the shard group), dividing the tree
     by ``cp_scheme`` (:mod:`dta.planning.cp`). expert_parallel, shard_size, offload: the
     layout of :mod:`dta.planning.state` (checked there)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown sharding mode {mode!r}; choose one of {MODES}")
+    if mode not in SHARDINGS:
+        raise ValueError(f"unknown sharding mode {mode!r}; choose one of {SHARDINGS}")
     if int(world) < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     C = check_context_parallel(context_parallel)
@@ -174,13 +174,13 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
         if adapter_params else est
 
 
-def pick_mode(config, world: int, budget_bytes: float, *, modes=MODES,
+def pick_sharding(config, world: int, budget_bytes: float, *, shardings=SHARDINGS,
               **kw) -> tuple[str | None, list[MemoryEstimate]]:
     """The first mode (least communication) whose estimate fits ``budget_bytes``."""
-    rows = [estimate(config, world, mode, **kw) for mode in modes]
+    rows = [estimate(config, world, mode, **kw) for mode in shardings]
     for r in rows:
         if r.total <= budget_bytes:
-            return r.mode, rows
+            return r.sharding, rows
     return None, rows
 
 
@@ -228,7 +228,7 @@ class MemoryPlan:
 
 
 def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | None = None,
-                call_tokens: int | None = None, modes=MODES, policies=POLICY_ORDER,
+                call_tokens: int | None = None, shardings=SHARDINGS, policies=POLICY_ORDER,
                 blocks=BLOCKS, compute_dtype: str = "bfloat16", logits_chunk: int = 1024,
                 headroom: float = HEADROOM, adapter_params: int = 0,
                 context_parallel=(1,), tree=None, hardware=None,
@@ -256,7 +256,7 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
 
     Without a tree (nothing to price time on): the first that fits in the memory order --
     no offload first, the smallest C, plain sharding before shard groups, the smallest E,
-    modes by communication, retain before recompute, the largest block (blocks under
+    shardings by communication, retain before recompute, the largest block (blocks under
     SHORT_BLOCK only when nothing fits at that C with a longer one)."""
     if tree is not None:
         path, node = batch_extent(tree)
@@ -268,7 +268,7 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
         raise ValueError("plan_memory(tree=...) needs walk=, the run's dta.options.WalkOptions "
                          "(its packing settings plan each group's calls)")
     if adapter_params:
-        modes = tuple(m for m in modes if m != "fsdp")
+        shardings = tuple(m for m in shardings if m != "fsdp")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     schemes = tuple(check_scheme(s) for s in cp_schemes)
@@ -298,7 +298,7 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
 
     def candidates(size, tier, off):  # one C, block tier and offload, in the memory order
         for scheme, (S, E), mode in itertools.product(
-                schemes if size > 1 else schemes[:1], pairs, modes):
+                schemes if size > 1 else schemes[:1], pairs, shardings):
             if mode == "replicate" and S != W:
                 continue  # replicate shards nothing
             for policy, block in itertools.product(policies, tier):
@@ -347,7 +347,7 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
 
 def _key(e: MemoryEstimate) -> tuple:
     """A candidate less its offload (its twin under another offload has the same key)."""
-    return (e.mode, e.policy, e.block_tokens, e.context_parallel, e.cp_scheme,
+    return (e.sharding, e.policy, e.block_tokens, e.context_parallel, e.cp_scheme,
             e.expert_parallel, e.shard_size)
 
 
@@ -402,19 +402,19 @@ def with_lora(est: MemoryEstimate, config, adapter_params: int, *,
     dtype (no master, gradient or optimizer state), the adapters priced as ``estimate`` prices
     a model (replicate: all of them; zero1: fp32 masters and AdamW state sharded). fsdp is
     not offered with LoRA (dta.config.schema refuses it)."""
-    if est.mode == "fsdp":
+    if est.sharding == "fsdp":
         raise ValueError("fsdp is not offered with LoRA; price replicate or zero1")
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
     c = DTYPE_BYTES[compute_dtype]
     m = max(c, 4)
     A, W = int(adapter_params), est.world
-    if est.mode == "replicate":
+    if est.sharding == "replicate":
         params, grads, opt = A * c, A * c, 2 * A * c
     else:
         params = A * c + math.ceil(A / W) * m
         grads = A * c + math.ceil(A / W) * m + W * min(BUCKET_ELEMS, math.ceil(A / W)) * m
         opt = 2 * math.ceil(A / W) * m
-    return MemoryEstimate(est.mode, W, int(shape.params * c + params), int(grads), int(opt),
+    return MemoryEstimate(est.sharding, W, int(shape.params * c + params), int(grads), int(opt),
                           est.activations, policy=est.policy, block_tokens=est.block_tokens,
                           split=est.split, context_parallel=est.context_parallel,
                           cp_scheme=est.cp_scheme)

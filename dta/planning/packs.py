@@ -8,7 +8,7 @@ their own ancestors only (seed 000's ancestor-only mask restricted to the pack).
 some of whose children lie in other packs is *open*: the pack stays on the walk's path, and
 a pack below it attends to exactly the pack tokens on its own path (:meth:`PackLayout.path_rows`).
 
-Policies (:data:`POLICIES`):
+Packings (:data:`PACKINGS`):
 
 ``node``      every node its own pack (the unpacked walk: one call per node);
 ``siblings``  sibling leaves share packs of at most ``cap`` tokens; internal nodes alone;
@@ -37,7 +37,7 @@ import numpy as np
 from dta.planning.index import PlanningError
 from dta.tree import PrefixTree
 
-POLICIES = ("node", "siblings", "subtrees", "auto", "tree")
+PACKINGS = ("node", "siblings", "subtrees", "auto", "tree")
 DEFAULT_CAP = 512  # tokens per pack (a memory cap: activations and the [T, P+T] mask)
 # recompute keeps one pack's graph alive at a time; a pack's graph per token is heavier than
 # an unpacked sequence's (the tree mask, padded GDN chunks, the path's K/V read): measured on
@@ -165,8 +165,8 @@ class PackLayout:
 class PackPlan:
     """A partition of the active tree nodes into packs, and the order the walker visits them."""
 
-    def __init__(self, tree: PrefixTree, packs: list[Pack], policy: str, cap: int | None):
-        self.tree, self.packs, self.policy, self.cap = tree, packs, policy, cap
+    def __init__(self, tree: PrefixTree, packs: list[Pack], packing: str, cap: int | None):
+        self.tree, self.packs, self.packing, self.cap = tree, packs, packing, cap
         self.pack_of = np.full(len(tree), -1, dtype=np.int64)
         for p in packs:
             self.pack_of[p.nodes] = p.index
@@ -226,7 +226,7 @@ class PackPlan:
 
     def stats(self) -> dict:
         tokens = [p.tokens for p in self.packs]
-        return dict(policy=self.policy, cap=self.cap, packs=len(self.packs),
+        return dict(packing=self.packing, cap=self.cap, packs=len(self.packs),
                     nodes=int(sum(len(p.nodes) for p in self.packs)),
                     open_packs=sum(bool(p.children) for p in self.packs),
                     masked_packs=sum(not p.chain for p in self.packs),
@@ -247,16 +247,16 @@ def default_cap(tree: PrefixTree, policy: str) -> int:
     return max(DEFAULT_CAP, longest // RECOMPUTE_CAP_DIVISOR)
 
 
-def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP,
+def plan_packs(tree: PrefixTree, packing: str, *, cap: int = DEFAULT_CAP,
                cost: PackCost | None = None, active: np.ndarray | None = None,
                branches: bool = True) -> PackPlan:
     """Partition the ``active`` nodes of ``tree`` (default: all) into packs (module doc).
     ``branches=False``: single-path packs only (a model whose layers cannot take a tree
     mask: a pack is then one node, or a node with its only child's chain)."""
-    if policy not in POLICIES:
-        raise PlanningError(f"unknown pack policy {policy!r}; choose one of {POLICIES}")
-    if policy == "tree" and not branches:
-        raise PlanningError("pack policy 'tree' needs a tree mask, which this model cannot take")
+    if packing not in PACKINGS:
+        raise PlanningError(f"unknown packing {packing!r}; choose one of {PACKINGS}")
+    if packing == "tree" and not branches:
+        raise PlanningError("packing 'tree' needs a tree mask, which this model cannot take")
     if isinstance(cap, bool) or int(cap) != cap or cap < 1:
         raise PlanningError(f"pack cap must be a positive number of tokens, got {cap!r}")
     cap, cost = int(cap), cost or PackCost()
@@ -275,12 +275,12 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
                 sub[p] += sub[u]
     for u in range(m - 1, -1, -1):
         chain[u] = len(kids[u]) == 0 or (len(kids[u]) == 1 and chain[kids[u][0]])
-    if policy == "tree":
+    if packing == "tree":
         nodes = [u for u in range(1, m) if active[u]]
         top = kids[0]
         packs = [Pack(0, nodes, 0, 0, int(seg[nodes].sum()), len(top) == 1 and bool(chain[top[0]]))] \
             if nodes else []
-        return PackPlan(tree, packs, policy, None)
+        return PackPlan(tree, packs, packing, None)
 
     # bottom-up: best[u] = modelled cost of u's subtree with u heading a pack; choice[u] =
     # (child subtrees absorbed into u's pack, bins of closed child subtrees, own children)
@@ -292,14 +292,14 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
         if not active[u] or u == 0:
             continue
         s = int(tree.start[u])
-        if sub[u] <= cap and policy in ("subtrees", "auto"):
+        if sub[u] <= cap and packing in ("subtrees", "auto"):
             closed[u] = cost.of(int(sub[u]), s, bool(chain[u]))
         if not branches and not chain[u]:
             closed[u] = np.inf
-        best[u], choice[u] = _plan_children(kids[u], int(seg[u]), int(tree.end[u]), s, policy,
+        best[u], choice[u] = _plan_children(kids[u], int(seg[u]), int(tree.end[u]), s, packing,
                                             cap, cost, sub, chain, best, closed, kids, True,
                                             branches, head, u)
-    _, choice[0] = _plan_children(kids[0], 0, 0, 0, policy, cap, cost, sub, chain, best, closed,
+    _, choice[0] = _plan_children(kids[0], 0, 0, 0, packing, cap, cost, sub, chain, best, closed,
                                   kids, False, branches)
     packs: list[Pack] = []
 
@@ -342,7 +342,7 @@ def plan_packs(tree: PrefixTree, policy: str = "auto", *, cap: int = DEFAULT_CAP
             emit(v, int(tree.end[v]) if v else 0, [x for c in b for x in subtree_nodes(c)],
                  _chain(b, chain))
         todo.extend(heads)
-    return PackPlan(tree, packs, policy, cap)
+    return PackPlan(tree, packs, packing, cap)
 
 
 class _Heads:
@@ -355,19 +355,19 @@ class _Heads:
         self.cost = np.zeros(m)
 
 
-def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, best, closed,
+def _plan_children(kids, seg_u, end_u, start_u, packing, cap, cost, sub, chain, best, closed,
                    all_kids, has_head, branches=True, head=None, u=None):
     """Plan u's children: which close into packs (grouped in bins), which u absorbs into its
     own pack, which head their own plans -- and (auto) which of those u's pack merges with
     (their head pack joins u's; what hangs below them stays below). Returns (modelled cost,
     choice = (absorbed, bins, own, merged))."""
-    if policy == "node" or (policy == "siblings" and not branches):
+    if packing == "node" or (packing == "siblings" and not branches):
         items, own = [], list(kids)
-    elif policy == "siblings":
+    elif packing == "siblings":
         items = [c for c in kids if not all_kids[c] and sub[c] <= cap]
         own = [c for c in kids if c not in items]
     else:  # subtrees, auto: a child closes when it fits (auto: and is no dearer closed)
-        items = [c for c in kids if np.isfinite(closed[c]) and (policy == "subtrees" or closed[c] <= best[c])]
+        items = [c for c in kids if np.isfinite(closed[c]) and (packing == "subtrees" or closed[c] <= best[c])]
         own = [c for c in kids if c not in items]
     prefix = end_u
     bins: list[list[int]] = []
@@ -377,7 +377,7 @@ def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, b
         for k in range(len(bins) if branches else 0):  # two items in a bin: a branch
             if btok[k] + t > cap:
                 continue
-            if policy == "auto":
+            if packing == "auto":
                 apart = cost.of(btok[k], prefix, _chain(bins[k], chain)) + cost.of(t, prefix, bool(chain[c]))
                 if cost.of(btok[k] + t, prefix, False) >= apart:
                     continue
@@ -390,7 +390,7 @@ def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, b
             btok.append(t)
     absorbed: list[int] = []
     head_tok, head_chain = seg_u, True
-    if has_head and policy == "auto":
+    if has_head and packing == "auto":
         for k in sorted(range(len(bins)), key=lambda k: -btok[k]):
             if head_tok + btok[k] > cap:
                 continue
@@ -406,7 +406,7 @@ def _plan_children(kids, seg_u, end_u, start_u, policy, cap, cost, sub, chain, b
         bins = [b for b in bins if b]
     merged: list[int] = []
     rest = 0.0  # the merged children's subtrees outside their head packs
-    if has_head and policy == "auto":
+    if has_head and packing == "auto":
         # a chain segment: u's pack takes a child's own head pack (saving a call) while it
         # fits the cap and lowers the cost; the child becomes an open node of u's pack
         for c in sorted(own, key=lambda c: int(head.tokens[c])):

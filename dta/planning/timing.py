@@ -255,12 +255,12 @@ class Pricer:
         (compute_s, cp_s, ep_s), calls, rank, alone, sent, colls, ep, ep_colls, rows = worst
         most_calls = max(g.calls for g in groups)  # fsdp: every rank runs as many calls
         kw = dict(expert_parallel=E, shard_size=S)
-        sh_bytes, sh_colls = sharding_traffic(est.mode, W, self.shape, est.policy, most_calls,
+        sh_bytes, sh_colls = sharding_traffic(est.sharding, W, self.shape, est.policy, most_calls,
                                               c, self.adapter_params, **kw)
         sharding_s = sh_bytes / hw.bandwidth(S) + sh_colls * lat
-        rep_bytes, rep_colls = replica_traffic(est.mode, W, self.shape, c, **kw)
+        rep_bytes, rep_colls = replica_traffic(est.sharding, W, self.shape, c, **kw)
         replica_s = rep_bytes / hw.bandwidth(W) + rep_colls * lat
-        host_bytes, host_params = offload_traffic(est.mode, W, self.shape, c,
+        host_bytes, host_params = offload_traffic(est.sharding, W, self.shape, c,
                                                   offload=est.offload, **kw)
         host_s = host_bytes / (hw.host_link_gbs * 1e9) + host_params / (hw.host_adam_gparams * 1e9)
         mult = cp.RECOMPUTE_FACTOR if est.policy == "recompute" else 1.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from dta.options import WalkOptions
-from dta.planning.memory import MODES
+from dta.planning.memory import SHARDINGS
 
 __all__ = ["DTAOptions"]
 
@@ -40,7 +40,7 @@ class DTAOptions:
         per step) or ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer: ZeRO-3, the layout of
         AReaL's FSDPEngine). Unset (default): ``fsdp:dN`` with N > 1 shards as AReaL's does,
         ``fsdp`` (:func:`runtime.areal.parallel.layout_of`). One rank has nothing to
-        shard. The names are ``dta.planning.memory.MODES``, the one list.
+        shard. The names are ``dta.planning.memory.SHARDINGS``, the one list.
     shard_size: HSDP (zero1 / fsdp): the state sharded within groups of this many ranks
         (a node) and replicated across them; the gradients are summed across the groups
         once per step. Unset: the whole world (AReaL's ``fsdp:dN`` shards over all N).
@@ -60,9 +60,9 @@ class DTAOptions:
     offload: str = "none"
 
     def __post_init__(self):
-        if self.sharding is not None and self.sharding not in MODES:
+        if self.sharding is not None and self.sharding not in SHARDINGS:
             raise ValueError(f"unknown DTA sharding {self.sharding!r} (actor.dta.sharding); "
-                             f"choose one of {tuple(MODES)} (or leave it unset: fsdp:dN "
+                             f"choose one of {tuple(SHARDINGS)} (or leave it unset: fsdp:dN "
                              "shards)")
         self.walk_options()  # the walk settings' validation, naming actor.dta.<field>
 

@@ -13,7 +13,7 @@ renames the directory to its final name and replaces ``latest``; a crash at any 
 no half checkpoint under a final name. ``state`` maps names to tensors (plain tensors are
 saved once, DTensors as their shards) or to objects with ``state_dict()`` /
 ``load_state_dict()`` -- above all a sharding mode's logical view
-(``ShardingMode.sharded_state()``, :mod:`runtime.sharding.logical`: every parameter and its
+(``Sharding.sharded_state()``, :mod:`runtime.sharding.logical`: every parameter and its
 optimizer state by name at its whole shape, each rank its pieces), which DCP re-cuts on
 load for any world size and mode (the planners of :mod:`runtime.dcp.pieces`).
 ``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json.

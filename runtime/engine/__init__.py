@@ -12,10 +12,10 @@
 docs/engine.md says what a front door provides.
 """
 from runtime.engine.core import EngineCore, StepOutcome
-from runtime.engine.layout import LayoutError, ParallelLayout, ProcessGroups, Reduction
+from runtime.engine.layout import LayoutError, ParallelLayout, ProcessGroups, Reporting
 from runtime.engine.model import LoraSpec, ModelSpec, build_model, lora_targets
 from runtime.engine.resolve import RunSettings, policy_of, resolve_run_config, settle
 
 __all__ = ["EngineCore", "StepOutcome", "LayoutError", "ParallelLayout", "ProcessGroups",
-           "Reduction", "LoraSpec", "ModelSpec", "build_model", "lora_targets", "RunSettings",
+           "Reporting", "LoraSpec", "ModelSpec", "build_model", "lora_targets", "RunSettings",
            "policy_of", "resolve_run_config", "settle"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dta.options import NO_CUT
-from dta.planning.memory import BLOCKS, MODES, batch_extent, lora_params, plan_memory
+from dta.planning.memory import BLOCKS, SHARDINGS, batch_extent, lora_params, plan_memory
 from runtime.engine.model import ALL_LINEAR, lora_targets
 
 __all__ = ["Priced", "price", "default_budget_bytes"]
@@ -40,7 +40,7 @@ def default_budget_bytes(num_workers: int) -> float:
 
 @dataclass(frozen=True)
 class Priced:
-    mode: str
+    sharding: str
     block_tokens: int  # NO_CUT: nodes are not cut
     context_parallel: int
     report: dict
@@ -49,7 +49,7 @@ class Priced:
     offload: str = "none"  # dta.planning.state.OFFLOADS
 
 
-def price(hf_config, *, world: int, budget_bytes: float, tree, walk, modes=MODES,
+def price(hf_config, *, world: int, budget_bytes: float, tree, walk, shardings=SHARDINGS,
           context_parallel=(1,), blocks=None, compute_dtype: str,
           lora: tuple[int, list] | None = None, expert_parallel=(1,), shard_size=(None,),
           offload=("none",)) -> Priced:
@@ -67,7 +67,7 @@ def price(hf_config, *, world: int, budget_bytes: float, tree, walk, modes=MODES
         adapters = lora_params(hf_config, int(lora[0]),
                                LINEAR if targets == ALL_LINEAR else list(targets))
     planner_blocks = BLOCKS if blocks is None else tuple(b or None for b in blocks)
-    plan = plan_memory(hf_config, world, budget_bytes, modes=tuple(modes),
+    plan = plan_memory(hf_config, world, budget_bytes, shardings=tuple(shardings),
                        adapter_params=adapters, path_tokens=path, call_tokens=call,
                        policies=(walk.policy,), blocks=planner_blocks,
                        compute_dtype=compute_dtype, logits_chunk=walk.logits_chunk,
@@ -89,11 +89,11 @@ def price(hf_config, *, world: int, budget_bytes: float, tree, walk, modes=MODES
               "priced_shard_size": [world if s is None else s for s in shard_size],
               "priced_offload": list(offload),
               "estimates": [r.as_dict() for r in plan.tried],
-              "chosen": chosen.mode if chosen is not None else None,
+              "chosen": chosen.sharding if chosen is not None else None,
               "block_tokens": (chosen.block_tokens or NO_CUT) if chosen is not None else None,
               "choice": chosen.label() if chosen is not None else None}
     if chosen is None:
         raise ValueError(plan.message())
-    return Priced(chosen.mode, chosen.block_tokens or NO_CUT, chosen.context_parallel, report,
+    return Priced(chosen.sharding, chosen.block_tokens or NO_CUT, chosen.context_parallel, report,
                   chosen.expert_parallel, chosen.shard_size, chosen.offload)
 

@@ -42,7 +42,7 @@ def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = No
         from runtime.checkpoints.checkpoint import prune
         from runtime.dcp import save_sharded
 
-        path = save_sharded(directory, step, core.mode.sharded_state(),
+        path = save_sharded(directory, step, core.sharding.sharded_state(),
                             meta={"layout": core.layout.record(), **meta,
                                   "sharding": core.layout.sharding, "run_id": run_id})
         if keep_last and core.layout.rank == 0:
@@ -50,7 +50,7 @@ def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = No
         return path
     from runtime.checkpoints.checkpoint import save_checkpoint
 
-    mode = core.mode
+    mode = core.sharding
     masters = getattr(mode, "masters", None)  # a replica's fp32 masters: what it steps
     weights = None if masters is None else {n: m for n, m in zip(mode.names, masters)}
     return save_checkpoint(directory, step, core.model, core.optimizer, meta, run_id=run_id,
@@ -196,7 +196,7 @@ def full_state_dict(core, *, keep: bool = True) -> dict:
 @torch.no_grad()
 def load_full_state(core, state: dict, *, what: str) -> None:
     """Whole tensors into the model (FSDP's shards: this rank's part), then what the
-    optimizer steps from them (``ShardingMode.load_masters``: replicate's masters or host
+    optimizer steps from them (``Sharding.load_masters``: replicate's masters or host
     copies, zero1's flat slices, fsdp's vocabulary slices and offloaded layer copies). Every
     parameter must be in ``state``, and nothing else but the model's state-dict keys
     (``what`` names the source in the error)."""
@@ -236,4 +236,4 @@ def load_full_state(core, state: dict, *, what: str) -> None:
         if name in state:
             b.copy_(state[name].to(device=b.device, dtype=b.dtype))
     # what the optimizer steps: masters, flat slices, host copies (an expert slice: its rows)
-    core.mode.load_masters({n: piece(n, p) for n, p in named})
+    core.sharding.load_masters({n: piece(n, p) for n, p in named})

@@ -11,7 +11,7 @@ an optimizer factory, the compute dtype and the device -- and its batches into a
    layout's process groups, applies context parallelism to the model
    (``dta.model.context_parallel.parallelize_context``) and expert parallelism
    (``dta.model.expert_parallel.parallelize_experts``), reads who reduces what
-   (``runtime.engine.layout.reduction_of``), shards it (``runtime.sharding.make_mode``) and,
+   (``runtime.engine.layout.reporting_of``), shards it (``runtime.sharding.make_sharding``) and,
    where the layout needs the ranks' decoder calls matched (fsdp, expert parallelism across
    data-parallel groups), wraps the decoder in the lockstep (``runtime.engine.lockstep``);
 3. a step: :meth:`train_step` (or its pieces, for a front door with its own loss:
@@ -45,9 +45,9 @@ from dta.options import WalkOptions
 from runtime.engine.layout import (
     ParallelLayout,
     ProcessGroups,
-    Reduction,
+    Reporting,
     build_groups,
-    reduction_of,
+    reporting_of,
 )
 from runtime.engine.resolve import check_walk
 from runtime.engine.step import optimizer_step
@@ -86,7 +86,7 @@ class EngineCore:
     def __init__(self, build: Callable[[torch.dtype], torch.nn.Module], *,
                  layout: ParallelLayout, walk: WalkOptions,
                  make_optimizer: Callable, compute_dtype, device="cpu", master_dtype=None):
-        from runtime.sharding import mode_class
+        from runtime.sharding import sharding_class
 
         check_walk(walk, layout)
         self.layout, self.walk = layout, walk
@@ -94,21 +94,21 @@ class EngineCore:
         self.compute_dtype = resolve_dtype(compute_dtype)
         self.device = torch.device(device)
         masters = resolve_dtype(master_dtype) if master_dtype is not None else None
-        stored = mode_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
+        stored = sharding_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
         self.model = build(stored).to(self.device)
         if layout.expert_parallel > 1 and any(not p.requires_grad
                                               for p in self.model.parameters()):
             raise ValueError(f"expert_parallel={layout.expert_parallel} is not supported with "
                              "frozen weights (a LoRA base): expert parallelism is tested on "
                              "full training only")
-        if not mode_class(layout.sharding).holds_frozen and any(
+        if not sharding_class(layout.sharding).holds_frozen and any(
                 not p.requires_grad for p in self.model.parameters()):
             raise ValueError(f"sharding={layout.sharding} trains every weight; this model "
                              "has frozen ones (a LoRA base): use replicate or zero1 (the "
                              "adapters' gradients and optimizer state are small)")
-        self.mode = None  # the sharding mode, made by parallelize()
+        self.sharding = None  # the sharding mode, made by parallelize()
         self.groups = ProcessGroups()
-        self.reduction = Reduction()
+        self.reporting = Reporting()
         self.sync = None  # the lockstep, where the layout needs matched calls
 
     # ------------------------------------------------------------------ setup --
@@ -120,9 +120,9 @@ class EngineCore:
         model)."""
         from dta.model.context_parallel import parallelize_context
         from dta.model.expert_parallel import parallelize_experts
-        from runtime.sharding import make_mode
+        from runtime.sharding import make_sharding
 
-        if self.mode is not None:
+        if self.sharding is not None:
             raise RuntimeError("the engine core is parallelized already")
         self.groups = groups if groups is not None else build_groups(self.layout)
         if self.layout.expert_parallel > 1:
@@ -134,12 +134,12 @@ class EngineCore:
             self.model = parallelize_context(self.model, self.groups.context)
         if self.layout.expert_parallel > 1:
             self.model = parallelize_experts(self.model, self.groups.expert)
-        self.reduction = reduction_of(self.layout, self.model)
-        self.mode = make_mode(self.layout.sharding, self.model, self.make_optimizer,
+        self.reporting = reporting_of(self.layout, self.model)
+        self.sharding = make_sharding(self.layout.sharding, self.model, self.make_optimizer,
                               group=self.groups.world, compute_dtype=self.compute_dtype,
                               policy=self.walk.policy, layout=self.layout,
                               groups=self.groups)
-        self.model = self.mode.model
+        self.model = self.sharding.model
         if self.layout.matched_calls:
             self._lockstep()
         return self
@@ -153,19 +153,19 @@ class EngineCore:
 
         decoder = self.model.get_decoder()
         ep = expert_parallel_of(self.model)
-        steps = self.mode.forward_steps(ep.forward_exchanges() if ep is not None else {})
+        steps = self.sharding.forward_steps(ep.forward_exchanges() if ep is not None else {})
         group = self.groups.shard if self.layout.lockstep_in_shard else self.groups.world
         self.sync = Lockstep(decoder, group, kept_graphs=self.walk.policy == "retain",
-                             forward_steps=steps, on_end=self.mode.release_gathered,
+                             forward_steps=steps, on_end=self.sharding.release_gathered,
                              what=self.layout.matched_reason())
         wrapper = LockstepDecoder(decoder, self.sync)
         self.model.get_decoder = lambda: wrapper  # what the walker calls; the model unchanged
 
     def _require(self):
-        if self.mode is None:
+        if self.sharding is None:
             raise RuntimeError("the engine core is not parallelized: call parallelize() once "
                                "torch.distributed is up")
-        return self.mode
+        return self.sharding
 
     @property
     def optimizer(self):
@@ -324,8 +324,8 @@ class EngineCore:
             res, out.sent_bytes = self.accumulate(batch, loss, totals=totals,
                                                   reduction=reduction, progress=progress)
             out.walk, out.sequences = res.walk, len(batch)
-            out.loss = float(res.loss) if self.reduction.counts_loss else 0.0
-            out.tree = res.tree if self.reduction.counts_tree else None
+            out.loss = float(res.loss) if self.reporting.counts_loss else 0.0
+            out.tree = res.tree if self.reporting.counts_tree else None
         t1 = time.perf_counter()
         if before_reduce is not None:
             before_reduce()

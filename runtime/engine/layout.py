@@ -24,8 +24,8 @@ naming the front door's keys in its errors): ``dta train``'s ``ray.num_workers``
 sharding option; then passed unchanged (:meth:`at` gives each rank its copy).
 
 After ``torch.distributed`` is up, :func:`build_groups` makes the layout's process groups once
-(:class:`ProcessGroups`), and :func:`reduction_of` says who reduces what
-(:class:`Reduction`), reading the model's context-parallel contract in one place.
+(:class:`ProcessGroups`), and :func:`reporting_of` says who reduces what
+(:class:`Reporting`), reading the model's context-parallel contract in one place.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
-__all__ = ["ParallelLayout", "LayoutError", "ProcessGroups", "Reduction", "build_groups",
-           "reduction_of"]
+__all__ = ["ParallelLayout", "LayoutError", "ProcessGroups", "Reporting", "build_groups",
+           "reporting_of"]
 
 
 class LayoutError(ValueError):
@@ -166,9 +166,9 @@ class ParallelLayout:
         """Whether the ranks' decoder calls must be kept matched while each walks its own
         tree (``runtime.engine.lockstep``): the sharding mode gathers inside the calls
         (fsdp), or an expert-parallel group spans data-parallel groups."""
-        from runtime.sharding import mode_class
+        from runtime.sharding import sharding_class
 
-        return mode_class(self.sharding).matched_calls or self.experts_span_data
+        return sharding_class(self.sharding).matched_calls or self.experts_span_data
 
     @property
     def lockstep_in_shard(self) -> bool:
@@ -186,9 +186,9 @@ class ParallelLayout:
 
     def matched_reason(self) -> str:
         """Why the calls are matched (for errors)."""
-        from runtime.sharding import mode_class
+        from runtime.sharding import sharding_class
 
-        why = [f"sharding={self.sharding}"] if mode_class(self.sharding).matched_calls else []
+        why = [f"sharding={self.sharding}"] if sharding_class(self.sharding).matched_calls else []
         if self.experts_span_data:
             why.append(f"expert_parallel={self.expert_parallel} across data-parallel groups")
         return " and ".join(why) or "matched calls"
@@ -225,9 +225,9 @@ class ParallelLayout:
 
 
 def _mode_sharded(name: str) -> bool:
-    from runtime.sharding import mode_class
+    from runtime.sharding import sharding_class
 
-    return mode_class(name).sharded
+    return sharding_class(name).sharded
 
 
 def _registered() -> tuple[str, ...]:
@@ -302,8 +302,8 @@ def build_groups(layout: ParallelLayout) -> ProcessGroups:
 
 # ------------------------------------------------------------ who reduces what --
 @dataclass(frozen=True)
-class Reduction:
-    """Who reduces what, on one rank (:func:`reduction_of`). The gradient is always the
+class Reporting:
+    """Who reduces what, on one rank (:func:`reporting_of`). The gradient is always the
     world's SUM: every rank's gradient is its share of the global batch's loss, and a
     context-parallel rank's is its rows' and heads' part of its group's.
 
@@ -316,7 +316,7 @@ class Reduction:
     counts_tree: bool = True
 
 
-def reduction_of(layout: ParallelLayout, model) -> Reduction:
+def reporting_of(layout: ParallelLayout, model) -> Reporting:
     """The one place the model's context-parallel contract is read: with C > 1 the model
     must walk on its group with partial gradients
     (``context_parallel_of(model).partial_gradients``), which the world's SUM adds up; the
@@ -324,10 +324,10 @@ def reduction_of(layout: ParallelLayout, model) -> Reduction:
     from dta.model.context_parallel import context_parallel_of
 
     if layout.context_parallel == 1:
-        return Reduction()
+        return Reporting()
     cp = context_parallel_of(model)
     if cp is None or not bool(getattr(cp, "partial_gradients", False)):
         raise LayoutError(f"context_parallel={layout.context_parallel}: the model does not walk "
                           "on its context-parallel group with partial gradients "
                           "(dta.model.context_parallel.parallelize_context was not applied)")
-    return Reduction(counts_loss=layout.is_head, counts_tree=layout.is_head)
+    return Reporting(counts_loss=layout.is_head, counts_tree=layout.is_head)

@@ -33,7 +33,7 @@ One all-reduce of the per-event counts decides each round, by priority B < F < X
   reshard after forward, ``is_bw()``) -- FSDP's ``unshard()`` / ``reshard()`` of each unit,
   and between a layer's two, expert parallelism's exchanges of that layer with no rows of
   this rank's (``ExpertParallel.forward_exchanges``; the sharding mode interleaves them,
-  ``ShardingMode.forward_steps``: gloo collectives of different groups block, so the order
+  ``Sharding.forward_steps``: gloo collectives of different groups block, so the order
   is the dummy's). When every rank announced B, nothing is padded;
 - F: the F ranks forward, the others make a dummy F (no grad) and announce again;
 - X: the X ranks forward and backpropagate, the DONE ranks make a dummy X;

@@ -127,7 +127,7 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     ``train.sharding`` and the ``walker.*`` keys of a validated config; ``auto`` priced by the
     memory model on ``tree`` (the first batch's prefix tree; None: no batch yet). Raises
     ValueError naming the keys when nothing fits."""
-    from dta.planning.memory import GIB, MODES
+    from dta.planning.memory import GIB, SHARDINGS
     from runtime.engine.auto import default_budget_bytes, price
 
     t = cfg.train
@@ -141,7 +141,7 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
         lora = cfg.model.lora
         try:
             priced = price(hf_config, world=W, budget_bytes=budget, tree=tree, walk=walk,
-                           modes=MODES if mode == AUTO else (mode,),
+                           shardings=SHARDINGS if mode == AUTO else (mode,),
                            **_candidates(cfg, hf_config, W),
                            blocks=None if block == AUTO and tree is not None else
                            (walk.block_tokens,), compute_dtype=str(cfg.model.dtype),
@@ -152,7 +152,7 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
                              f"train.context_parallel={C}, train.expert_parallel={E}, "
                              f"train.shard_size={S}, train.offload={offload}: {what} "
                              f"train.memory_budget_gib ({exc})") from None
-        mode, C, report = priced.mode, priced.context_parallel, priced.report
+        mode, C, report = priced.sharding, priced.context_parallel, priced.report
         E, S, offload = priced.expert_parallel, priced.shard_size, priced.offload
         if block == AUTO and priced.block_tokens != walk.block_tokens:
             walk = walk.replace(block_tokens=priced.block_tokens)  # the memory model's block

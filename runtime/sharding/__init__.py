@@ -12,8 +12,8 @@ zero1 and fsdp shard within groups of ``train.shard_size`` ranks and replicate a
 (HSDP, :mod:`.hsdp`); every mode can keep the optimizer's state in host memory
 (``train.offload=optimizer``, :mod:`.offload`).
 
-A mode is a registered class behind one interface (:mod:`.base`: ``ShardingMode``,
-``register``; the names are the memory model's, ``dta.planning.memory.MODES``). Which mode a
+A mode is a registered class behind one interface (:mod:`.base`: ``Sharding``,
+``register``; the names are the memory model's, ``dta.planning.memory.SHARDINGS``). Which mode a
 run uses -- ``auto`` included -- is decided once, by the engine's layout
 (``runtime.engine``), which is also the only caller of a mode's step.
 """
@@ -21,26 +21,26 @@ from __future__ import annotations
 
 import torch
 
-from dta.planning.memory import MODES as PRICED
+from dta.planning.memory import SHARDINGS as PRICED
 from runtime.sharding import fsdp, replicate, zero1  # noqa: F401  (registers the modes)
-from runtime.sharding.base import ShardingMode, master_dtype_for, mode_class, register, registered
+from runtime.sharding.base import Sharding, master_dtype_for, register, registered, sharding_class
 
-MODES = registered()  # replicate, zero1, fsdp: the priced modes, each registered once
-if MODES != tuple(PRICED):
-    raise ImportError(f"runtime.sharding registers {MODES}; the memory model prices "
+SHARDINGS = registered()  # replicate, zero1, fsdp: the priced modes, each registered once
+if SHARDINGS != tuple(PRICED):
+    raise ImportError(f"runtime.sharding registers {SHARDINGS}; the memory model prices "
                       f"{tuple(PRICED)}: every priced mode needs a registered class")
 
 
-def make_mode(name: str, model, make_optimizer, *, group=None,
+def make_sharding(name: str, model, make_optimizer, *, group=None,
               compute_dtype: torch.dtype | None = None, policy: str = "recompute",
-              layout=None, groups=None) -> ShardingMode:
-    """The mode ``name`` over ``model`` (built in ``mode_class(name).storage_dtype``);
+              layout=None, groups=None) -> Sharding:
+    """The mode ``name`` over ``model`` (built in ``sharding_class(name).storage_dtype``);
     ``compute_dtype``: the dtype the walk runs in (16-bit: fp32 masters are kept and the
     compute copy is cast); ``policy``: the walker's memory policy (fsdp matches the ranks'
     calls accordingly); ``layout`` / ``groups``: the engine's
     :class:`~runtime.engine.layout.ParallelLayout` and its process groups (expert parallel,
     HSDP's shard and replica groups, the offload choice)."""
-    cls = mode_class(name)
+    cls = sharding_class(name)
     if layout is not None and layout.expert_parallel != 1 and not cls.holds_experts:
         raise NotImplementedError(f"sharding={name}: expert_parallel="
                                   f"{layout.expert_parallel} is not implemented yet")
@@ -57,4 +57,4 @@ def make_mode(name: str, model, make_optimizer, *, group=None,
                layout=layout, groups=groups)
 
 
-__all__ = ["MODES", "ShardingMode", "make_mode", "master_dtype_for", "mode_class", "register"]
+__all__ = ["SHARDINGS", "Sharding", "make_sharding", "master_dtype_for", "sharding_class", "register"]

@@ -1,7 +1,7 @@
 """The one interface of a sharding mode, and the registry that names them.
 
 A mode is a registered class (``@register``, as verl's ``EngineRegistry``): the names are
-:data:`dta.planning.memory.MODES` -- the modes the memory model prices, the one list the
+:data:`dta.planning.memory.SHARDINGS` -- the modes the memory model prices, the one list the
 config, the planner and the runtimes read -- and a registered class for a name the planner
 does not price (or a priced name left without a class) is refused when this package is
 imported. The engine core (:mod:`runtime.engine`) is the only caller of the step's pieces:
@@ -36,9 +36,9 @@ from typing import ClassVar
 
 import torch
 
-from dta.planning.memory import MODES as PRICED
+from dta.planning.memory import SHARDINGS as PRICED
 
-__all__ = ["ShardingMode", "register", "mode_class", "registered"]
+__all__ = ["Sharding", "register", "sharding_class", "registered"]
 
 _REGISTRY: dict[str, type] = {}
 
@@ -48,7 +48,7 @@ def register(name: str):
     def add(cls):
         if name not in PRICED:
             raise ValueError(f"sharding mode {name!r} is not priced by the memory model "
-                             f"(dta.planning.memory.MODES: {PRICED})")
+                             f"(dta.planning.memory.SHARDINGS: {PRICED})")
         if name in _REGISTRY:
             raise ValueError(f"sharding mode {name!r} is registered twice "
                              f"({_REGISTRY[name].__name__}, {cls.__name__})")
@@ -63,7 +63,7 @@ def registered() -> tuple[str, ...]:
     return tuple(m for m in PRICED if m in _REGISTRY)
 
 
-def mode_class(name: str) -> type:
+def sharding_class(name: str) -> type:
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown sharding mode {name!r}; choose one of {registered()}")
@@ -75,7 +75,7 @@ def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-class ShardingMode:
+class Sharding:
     """What every mode provides (see the module doc). Built on the model in
     :meth:`storage_dtype`; ``make_optimizer(params)`` builds the optimizer over what the mode
     steps."""

@@ -51,7 +51,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from runtime.sharding.base import ShardingMode, master_dtype_for, register
+from runtime.sharding.base import Sharding, master_dtype_for, register
 from runtime.sharding.common import optimizer_bytes, tensor_bytes
 from runtime.sharding.experts import ExpertPart
 from runtime.sharding.flat import FlatShards
@@ -66,7 +66,7 @@ def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 @register("fsdp")
-class FSDP(ShardingMode):
+class FSDP(Sharding):
     holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
     matched_calls = True  # every decoder call gathers: the ranks' calls are kept matched
     holds_experts = True

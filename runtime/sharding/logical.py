@@ -9,17 +9,17 @@ context-parallel size::
     optim.<name>.step          its step count (0-d; AdamW only; 0: no state yet)
 
 A mode declares what this rank holds of each parameter as :class:`Held` pieces
-(:meth:`ShardingMode.held`): a *box* (a ``DTensor``'s local shard, fsdp's layers; an expert
+(:meth:`Sharding.held`): a *box* (a ``DTensor``'s local shard, fsdp's layers; an expert
 slice; a replica's whole tensor: ``offsets`` of its origin) or a *flat range* (zero1's and
 fsdp's vocabulary flat shards: elements ``[start, start + n)`` of the row-major parameter,
 held 1-D). Everything else is generic: the optimizer state is the optimizer's own
 (``optimizer.state[held.stepped]``), DCP re-cuts the logical tensors for the loading ranks
-(:mod:`runtime.dcp.pieces`), and after a load the mode derives the rest (:meth:`ShardingMode.
+(:mod:`runtime.dcp.pieces`), and after a load the mode derives the rest (:meth:`Sharding.
 logical_loaded`: the compute weights regathered, the masters cast into the model).
 
 How a new layout plugs in: declare its pieces. Expert parallelism -- rank r holds experts
 ``[r n/E, (r + 1) n/E)`` of a fused ``[n, ...]`` parameter -- is a box at
-``(r n/E, 0, ...)`` with the whole shape in :meth:`ShardingMode.logical_shapes`; HSDP's
+``(r n/E, 0, ...)`` with the whole shape in :meth:`Sharding.logical_shapes`; HSDP's
 ``DTensor`` on a (replicate, shard) mesh is a box like fsdp's (the replicas' identical
 boxes are written once); optimizer offload steps host tensors: ``stepped`` is the host
 master, its state on the host. Nothing else changes.
@@ -111,7 +111,7 @@ class View:
     def __init__(self, mode):
         from runtime.sharding.state import ensure_state
 
-        self.mode, self.optimizer = mode, mode.optimizer
+        self.sharding, self.optimizer = mode, mode.optimizer
         self.keys = _state_keys(self.optimizer)
         self.stepped = _has_step(self.optimizer)
         self.held = list(mode.held())
@@ -158,15 +158,15 @@ class View:
                 self.optimizer.state.pop(h.stepped, None)
             else:
                 self.optimizer.state[h.stepped][STEP].fill_(step)
-        self.mode.logical_loaded()
+        self.sharding.logical_loaded()
 
 
 class LogicalState(CheckedState):
-    """DCP's view of a mode (``ShardingMode.sharded_state()``): the logical tensors on a
+    """DCP's view of a mode (``Sharding.sharded_state()``): the logical tensors on a
     save, loaded in place then finished (:meth:`View.finish`) on a load."""
 
     def __init__(self, mode):
-        self.mode = mode
+        self.sharding = mode
         self.view: View | None = None  # checked against a checkpoint, to be loaded
 
     def check(self, path: str, metadata, key: str = KEY) -> None:
@@ -177,13 +177,13 @@ class LogicalState(CheckedState):
         prefix = f"{key}."
         saved = {k[len(prefix):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
                  if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-        check_fits(repr(path), saved, wanted(self.mode),
-                   optimizer=self.mode.optimizer is not None)
-        self.view = View(self.mode)
+        check_fits(repr(path), saved, wanted(self.sharding),
+                   optimizer=self.sharding.optimizer is not None)
+        self.view = View(self.sharding)
 
     def state_dict(self) -> dict:
         if self.view is None:
-            return View(self.mode).tensors
+            return View(self.sharding).tensors
         return self.view.tensors
 
     def load_state_dict(self, state_dict) -> None:

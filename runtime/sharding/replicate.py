@@ -23,14 +23,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.sharding.base import ShardingMode, register
+from runtime.sharding.base import Sharding, register
 from runtime.sharding.common import allreduce_gradients, optimizer_bytes, tensor_bytes
 from runtime.sharding.experts import ExpertPart
 from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
 
 
 @register("replicate")
-class Replicate(ShardingMode):
+class Replicate(Sharding):
     sharded = False
     holds_experts = True
 

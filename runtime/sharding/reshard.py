@@ -52,7 +52,7 @@ def load(core, path: str) -> dict:
     from runtime.dcp import load_sharded
 
     saved = layout(path)
-    mode = core.mode
+    mode = core.sharding
     if saved["format"] == "logical":
         return load_sharded(path, mode.sharded_state())
     if saved["format"] == "replicated":
@@ -70,7 +70,7 @@ def _load_replicated(core, path: str) -> None:
     opt = load_tensors(os.path.join(path, "optimizer.pt"))
     rng = os.path.join(path, "rng.pt")
     rng = load_tensors(rng) if os.path.exists(rng) else None
-    mode, model = core.mode, core.model
+    mode, model = core.sharding, core.model
     load_whole(mode, _replicated_whole(path, weights, opt, mode), what=repr(path))
     with torch.no_grad():
         for name, b in model.named_buffers():

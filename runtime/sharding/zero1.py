@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from runtime.sharding.base import ShardingMode, register
+from runtime.sharding.base import Sharding, register
 from runtime.sharding.common import optimizer_bytes
 from runtime.sharding.experts import ExpertPart
 from runtime.sharding.flat import FlatShards
@@ -32,7 +32,7 @@ from runtime.sharding.hsdp import dense_part, sum_step_over_replicas
 
 
 @register("zero1")
-class Zero1(ShardingMode):
+class Zero1(Sharding):
     holds_experts = True
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, layout=None,
