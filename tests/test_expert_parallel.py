@@ -27,12 +27,14 @@ TOL = 1e-10
 STEPS = 2
 
 
-def overrides(family, policy, block, expert_parallel=1, mode="replicate", cp=1):
+def overrides(family, policy, block, expert_parallel=1, mode="replicate", cp=1, shard=None,
+              offload="none"):
     return ["workload.scale=tiny", "model.dtype=float64", f"walker.policy={policy}",
             f"walker.block_tokens={block}", f"train.sharding={mode}", "optimizer.lr=1e-3",
             "optimizer.max_grad_norm=0.5", f"model.family={family}",
             "actor.router_aux_loss_coef=0.01", f"train.expert_parallel={expert_parallel}",
-            f"train.context_parallel={cp}"]
+            f"train.context_parallel={cp}", f"train.offload={offload}"] + (
+        [f"train.shard_size={shard}"] if shard is not None else [])
 
 
 class RoutedTails:
@@ -241,3 +243,19 @@ def test_expert_parallel_2_matches_one_process(tmp_path):
 @pytest.mark.parametrize("E", [2, 4])
 def test_expert_parallel_matrix(E):
     run_and_compare(E, [c for c in MATRIX if c[3] == E and c not in DEFAULT])
+
+
+# E = 2 with HSDP (shard groups of 2 of the 4 ranks, replicated across) and optimizer offload:
+# (family, policy, block, E, sharding, C, shard size, offload)
+WITH_HSDP = [("qwen3_moe", "recompute", 8, 2, "zero1", 1, 2, "optimizer"),
+             ("mixtral", "retain", 0, 2, "fsdp", 1, 2, "none"),
+             ("qwen3_moe", "retain", 0, 2, "fsdp", 1, 2, "optimizer")]
+
+
+@pytest.mark.parametrize("case", [WITH_HSDP[0], *(pytest.param(c, marks=pytest.mark.slow)
+                                                   for c in WITH_HSDP[1:])])
+def test_expert_parallel_with_hsdp_and_offload(case):
+    """The expert slices' flat shards over their replicas beside HSDP's dense shards (summed
+    across the shard groups once per step), the masters and optimizer state on the host:
+    4 ranks equal one process."""
+    run_and_compare(4, [case])

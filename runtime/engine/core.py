@@ -218,6 +218,14 @@ class EngineCore:
         sync = self.sync
         if sync is None or sync.active:
             yield
+            return
+        sync.begin()
+        try:
+            yield
+        except BaseException:
+            sync.active = False
+            raise
+        sync.end()
 
     def walk_sequences(self, batch, loss=None, *, train: bool, reduction: str = "token_mean",
                        totals=None, temperature: float | None = None, adapters: bool = True,
