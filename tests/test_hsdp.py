@@ -225,7 +225,7 @@ def resume_hsdp(rank, world, mode, directory):
         fresh = _worker(cfg, rank, world)
         fresh.load_checkpoint(path)
         _step(fresh, cfg, 1, rank, world)
-        out[name] = fresh.state()["model"]
+        out[name] = state(fresh)["model"]
     return out
 
 

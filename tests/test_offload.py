@@ -178,7 +178,7 @@ def resume_offloaded(rank, world, mode, directory):
         fresh = _worker(cfg, rank, world)
         fresh.load_checkpoint(path)
         _step(fresh, cfg, 1, rank, world)
-        out[name] = fresh.state()["model"]
+        out[name] = state(fresh)["model"]
     return out
 
 

@@ -132,11 +132,8 @@ class CheckpointMixin:
         if saved.get("kind") != DCP_KIND:
             raise ValueError(f"checkpoint {final!r} is a {saved.get('kind')!r} checkpoint, not "
                              f"a DTATrainEngine recover checkpoint ({DCP_KIND})")
-        written = saved.get("sharding")
-        if written != self.sharding:
-            raise ValueError(f"DCP checkpoint {final!r} was written under sharding={written}; "
-                             f"this engine runs sharding={self.sharding} (load it with the "
-                             "same actor.dta.sharding)")
+        # the core's state is its layout-free view: written under any actor.dta.sharding,
+        # world size or allocation, it loads under this engine's (runtime.sharding.reshard)
         self.core.load(final, extra_state=extra)
 
     def _load_hf(self, meta: SaveLoadMeta):
