@@ -188,21 +188,27 @@ def test_expert_parallel_divides_the_expert_weights_and_follows_the_routed_token
 
 
 def test_state_by_layout():
-    """Offload moves the optimizer (and masters) to the host; a shard group of S holds N / S
-    whatever E; the layout is checked with one-line errors."""
+    """Offload moves the optimizer, the masters and their gradient buffers to the host; a
+    shard group of S holds N / S of a dense layout, but under E > 1 the expert slices'
+    state is split over their W / E replicas (runtime.sharding.experts), not the group; the
+    layout is checked with one-line errors."""
     shape = ModelShape.of(A3B)
     kw = dict(path_tokens=8192, call_tokens=2048, policy="recompute")
-    N = shape.params
-    for E in (1, 4, 8):
+    N, X = shape.params, shape.routed_params
+    z = estimate(A3B, 16, "zero1", shard_size=8, **kw)
+    assert z.optimizer == pytest.approx(2 * N / 8 * 4, rel=1e-4)  # 2 states of N / S
+    for E in (4, 8):  # the dense part over S = 8, the slice X / E over its 16 / E replicas
         z = estimate(A3B, 16, "zero1", shard_size=8, expert_parallel=E, **kw)
-        assert z.optimizer == pytest.approx(2 * N / 8 * 4, rel=1e-4)  # 2 states of N / S
+        assert z.optimizer == 2 * (-(-(N - X) // 8) + X // 16) * 4
     z = estimate(A3B, 16, "zero1", expert_parallel=8, **kw)
     zo = estimate(A3B, 16, "zero1", expert_parallel=8, offload="optimizer", **kw)
     assert zo.optimizer == 0 and zo.grads == z.grads
-    assert zo.host == z.optimizer + (z.params - zo.params)  # the states and the masters
+    # the states, the masters and the masters' gradient buffers
+    assert zo.host == z.optimizer + 2 * (z.params - zo.params)
     r = estimate(A3B, 16, "replicate", expert_parallel=8, **kw)
     ro = estimate(A3B, 16, "replicate", expert_parallel=8, offload="optimizer", **kw)
-    assert ro.params == r.params and ro.optimizer == 0 and ro.host == r.optimizer + r.params
+    # the states, the stepped copy and its gradient buffer
+    assert ro.params == r.params and ro.optimizer == 0 and ro.host == r.optimizer + 2 * r.params
     assert ro.label().endswith("/expert parallel 8/offload optimizer")
     for bad, match in ((dict(expert_parallel=3), "expert_parallel=3 does not divide the world"),
                        (dict(expert_parallel=32), "does not divide the world of 16"),
@@ -219,8 +225,13 @@ def test_state_by_layout():
     # the traffic of a shard group: inside it only, the replicas' all-reduce across
     s8 = sharding_traffic("zero1", 16, shape, "recompute", 10, 2, expert_parallel=8,
                           shard_size=8)[0]
-    assert s8 == pytest.approx(7 / 8 * shape.dense_params * 6)  # experts: one owner a node
+    assert s8 == pytest.approx(7 / 8 * shape.dense_params * 6)  # the experts: not the group's
     assert replica_traffic("zero1", 16, shape, 2, shard_size=16) == (0.0, 0)
+    # the expert slices once a step over their 2 replicas (reduce-scatter fp32, gather bf16),
+    # with the dense shards' all-reduce across the 2 groups of 8
+    got = replica_traffic("zero1", 16, shape, 2, expert_parallel=8, shard_size=8)[0]
+    assert got == pytest.approx(1 / 2 * X / 8 * 6 + 2 * 1 / 2 * shape.dense_params / 8 * 4)
+    assert replica_traffic("zero1", 16, shape, 2, expert_parallel=16)[0] == 0  # one owner
 
 
 def test_dta_plan_pins_the_layout(capsys):

@@ -206,15 +206,16 @@ class ModelShape:
         return e.count * self.hidden + (3 * self.hidden * e.shared_inter + self.hidden
                                         if e.shared_inter else 0)
 
-    def layer_params_at(self, expert_parallel: int = 1) -> int:
-        """The largest decoder layer's parameters on one rank (what fsdp gathers at a time)
-        when each holds 1/``expert_parallel`` of the routed experts."""
+    def layer_params_at(self, expert_parallel: int = 1, routed: bool = True) -> int:
+        """The largest decoder layer's parameters on one rank when each holds
+        1/``expert_parallel`` of the routed experts; ``routed=False``: less its routed
+        experts (what fsdp gathers under expert parallelism, which leaves them out)."""
         mixer = max(self.attention_params if self.attention_layers else 0,
                     self.gdn_params if self.gdn_layers else 0)
         E = int(expert_parallel)
+        experts = -(-self.experts.count // E) * self.expert_params if routed else 0
         mlp = max(self.dense_mlp_params if self.dense_layers else 0,
-                  self.sparse_fixed_params + -(-self.experts.count // E) * self.expert_params
-                  if self.sparse_layers else 0)
+                  self.sparse_fixed_params + experts if self.sparse_layers else 0)
         return mixer + mlp + 2 * self.hidden  # + the two norms
 
     @property

@@ -6,39 +6,68 @@ them; the runtime imports them from there):
 * ``expert_parallel`` = E: an EP group of E consecutive ranks holds 1/E of each sparse
   layer's routed experts (E divides the world and the experts); the dense part (attention,
   shared experts, routers, norms, embeddings) is as without EP. A rank's routed experts are
-  replicated over the world / E *expert replicas* (the ranks holding the same experts).
-* ``shard_size`` = S (HSDP): zero1's and fsdp's sharded state is split over S consecutive
-  ranks (a node) and replicated across the world / S groups; S = the world is plain
-  sharding (replicate: S = the world only). The dense part is sharded over the S ranks, a
-  rank's routed experts over the S / E expert replicas inside the group (1 when E >= S: E
-  and S divide one another).
+  replicated over the R = world / E *expert replicas* (the ranks holding the same experts:
+  every E-th rank, so they span the world's nodes).
+* ``shard_size`` = S (HSDP): zero1's and fsdp's sharded state of the dense part is split
+  over S consecutive ranks (a node) and replicated across the world / S groups; S = the
+  world is plain sharding (replicate: S = the world only). Under E > 1 the expert slices
+  are not the shard group's (``runtime.sharding.experts``): their state is split over
+  their R replicas, whatever S.
 * ``offload`` (:data:`OFFLOADS`): ``optimizer`` keeps the AdamW state and the weights it
   steps in host memory -- zero1's and fsdp's fp32 masters; replicate's parameters stay on
   the device and the host steps its own copy in the compute dtype -- and steps there.
 
-With N_d the dense parameters, X / E a rank's routed experts (X all of them), N_l = N_d + X / E
-the parameters a rank computes with, V the vocabulary-sized ones, s = N_d / S + X / (E s_x)
-its shard (s_x = S / E, or 1), c / m the compute / master bytes (m = c under replicate):
+What one rank holds, as ``runtime.sharding``'s ``state_bytes()`` counts it (the largest
+rank's: chunks rounded up). N all the parameters, X the routed experts, V the
+vocabulary-sized weights (embedding and LM head, once if tied), c / m the compute / master
+bytes (m = fp32 under 16-bit compute; replicate keeps no masters: c throughout). The
+*shard-group part* G is what S shards: every parameter under E = 1 (the experts are dense
+parameters then), N − X under E > 1. A rank computes with N_l = G + X_E, X_E = X / E its
+routed experts (0 under E = 1); g = G / S is its dense shard, v = V / S the vocabulary's
+part of it, x = X_E / R = X / W its expert shard (0 under E = 1), s = g + x its whole shard
+(its masters and what its optimizer steps), b = 2^24 elements (a reduce-scatter bucket):
 
-==========  ===================================  =======================================  ==========
-mode        params                               grads (peak)                             optimizer
-==========  ===================================  =======================================  ==========
-replicate   N_l m                                N_l m                                    2 N_l m
-zero1       N_l c + s m                          N_l c + s m + S b m (a reduce bucket)    2 s m
-fsdp        (s − V/S) m + V c + V m / S + layer  (s − V/S) m + V c + V m + layer (c)      2 s m
-==========  ===================================  =======================================  ==========
+==========  ===================================  =========================================  =======
+mode        params                               grads (peak)                               optim.
+==========  ===================================  =========================================  =======
+replicate   N_l c                                N_l c                                      2 N_l c
+zero1       N_l c + s m                          N_l c + s m + max(S min(b, g),             2 s m
+                                                 R min(b, x)) m
+fsdp        (g − v) m + (V + X_E) c              (g − v) m + (V + X_E) c + V m              2 s m
+            + (v + x) m + layer c                + (x + R min(b, x)) m + layer c
+==========  ===================================  =========================================  =======
 
-(layer: the largest decoder layer, its experts divided by E, gathered in the compute dtype.)
-Offload ``optimizer`` moves the optimizer column and the masters to ``host`` (replicate: the
-optimizer and a copy of N_l c; zero1: s m of params; fsdp: its shard is kept on the device in
-the compute dtype to gather from, (s − V/S) c, and the vocabulary's V m / S goes). The
-gradients stay on the device until the step sends them to the host (dta.planning.timing).
-Under E > 1 or S < the world a rank's shard s is the same N / S it is without experts: E
-moves which parameters a rank owns, not how many.
+* zero1 holds every compute parameter (N_l c, its slice X_E whole), accumulates their
+  gradients whole (N_l c) and keeps the fp32 masters of its shard: the dense part's over
+  the shard group (g), its expert slice's over the expert replicas (x; one reduce-scatter
+  and one all-gather of X_E over R per step, ``dta.planning.timing``). The grads column
+  adds the reduced shards (s m) and the larger part's reduce-scatter bucket.
+* fsdp: the layer shards (g − v) in fp32 (FSDP2's sharded parameters, where the walk's
+  per-call gradients accumulate, in fp32 too); the vocabulary weights and, under E > 1, the
+  rank's expert slice held whole in the compute dtype (V + X_E: not FSDP's, flat shards of
+  their own) with their fp32 masters (v over S, x over R); ``layer``: the largest decoder
+  layer gathered in the compute dtype for a call (:func:`fsdp_layer_params`: under E > 1
+  less its routed experts, which are never gathered). The grads column: the layer shards'
+  fp32 gradients, the vocabulary's and the slice's whole compute-dtype gradients, the
+  vocabulary's reduction (V m), the slice's reduced shard and bucket and a gathered layer's
+  gradient.
+
+Offload ``optimizer`` empties the optimizer column; the host keeps, per rank, the optimizer
+state, the weights it steps and their gradient buffers (what the step copies the reduced
+gradients into): replicate 2 N_l c + N_l c + N_l c; zero1 and fsdp 2 s m + s m + s m (the
+masters move off the device: zero1's s m and fsdp's (v + x) m leave the params column;
+fsdp's layer shards stay on the device in fp32, where each call gathers from and the walk
+accumulates, the host stepping an fp32 copy). The gradients stay on the device until the
+step sends them to the host (``dta.planning.timing``).
+
+Not priced: AdamW's ``step`` counters (one 4-byte scalar per stepped tensor), FSDP2's
+padding of a parameter whose first dimension S does not divide, collective buffers
+outside the grads column.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from dta.planning.shapes import BUCKET_ELEMS, ModelShape
 
@@ -78,17 +107,38 @@ def check_layout(shape: ModelShape, world: int, mode: str, expert_parallel=1, sh
     return E, S
 
 
-def expert_shard(E: int, S: int) -> int:
-    """s_x: the expert replicas inside a shard group of S (over which a rank's routed experts
-    are sharded)."""
-    return S // E if S % E == 0 else 1
+@dataclass(frozen=True)
+class Shards:
+    """One rank's parts of the model state, in elements (module doc): the shard-group part
+    (``group``: every trained parameter but the routed experts under E > 1, all of them under
+    E = 1) and its shard ``dense`` over S, of which ``vocab`` is the vocabulary-sized
+    weights' shard and ``body`` the rest's (fsdp's layer shards); under E > 1 the rank's
+    routed experts ``experts`` (X / E, held whole) and their shard ``expert_shard`` over
+    the ``replicas`` (W / E) ranks holding the same slice."""
+
+    group: int
+    dense: int
+    vocab: int
+    body: int
+    experts: int = 0
+    replicas: int = 1
+    expert_shard: int = 0
+
+    def shard(self, mode: str) -> int:
+        """The rank's sharded elements, its masters and what its optimizer steps: zero1's
+        flat shard of the group part, fsdp's layer shards and vocabulary shard, with the
+        expert shard."""
+        group = self.body + self.vocab if mode == "fsdp" else self.dense
+        return group + self.expert_shard
 
 
-def shards(shape: ModelShape, E: int, S: int) -> tuple[int, int, int]:
-    """(dense shard, expert shard, vocabulary shard) of one rank, in elements."""
-    return (math.ceil(shape.dense_params / S),
-            math.ceil(shape.routed_params // E / expert_shard(E, S)),
-            math.ceil(shape.vocab_params / S))
+def shards(shape: ModelShape, world: int, E: int, S: int) -> Shards:
+    """One rank's :class:`Shards` of a layout (the largest rank's: ceil, as
+    ``runtime.sharding.flat`` and FSDP2 cut them)."""
+    W, X = int(world), shape.routed_params if E > 1 else 0
+    group, V, R = shape.params - X, shape.vocab_params, W // E
+    return Shards(group, math.ceil(group / S), math.ceil(V / S), math.ceil((group - V) / S),
+                  X // E, R, math.ceil(X // E / R))
 
 
 def model_state(shape: ModelShape, world: int, mode: str, *, compute_bytes: int,
@@ -102,24 +152,34 @@ def model_state(shape: ModelShape, world: int, mode: str, *, compute_bytes: int,
     local = shape.rank_params(E)
     off = offload == "optimizer"
     if mode == "replicate" or W == 1:
-        opt = 2 * local * c
+        opt = 2 * local * c  # host: the stepped copy, its gradient buffer, the states
         return dict(params=local * c, grads=local * c, optimizer=0 if off else opt,
-                    host=opt + local * c if off else 0)
-    dense, experts, vocab = shards(shape, E, S)
-    s = dense + experts
-    opt = 2 * s * m
-    if mode == "zero1":
-        grads = local * c + s * m + S * min(BUCKET_ELEMS, s) * m
-        return dict(params=local * c + (0 if off else s * m), grads=grads,
-                    optimizer=0 if off else opt, host=opt + s * m if off else 0)
-    if mode != "fsdp":
+                    host=opt + 2 * local * c if off else 0)
+    if mode not in ("zero1", "fsdp"):
         raise ValueError(f"unknown sharding mode {mode!r}")
-    V, layer = shape.vocab_params, shape.layer_params_at(E) * c
-    body = s - vocab  # the non-vocabulary shard
-    params = body * (c if off else m) + V * c + (0 if off else vocab * m) + layer
-    grads = body * m + V * c + V * m + layer
-    return dict(params=params, grads=grads, optimizer=0 if off else opt,
-                host=opt + s * m if off else 0)
+    sh = shards(shape, W, E, S)
+    X, x, R = sh.experts, sh.expert_shard, sh.replicas
+    s = sh.shard(mode)
+    opt = 2 * s * m
+    host = opt + 2 * s * m if off else 0  # + the masters and their gradient buffers
+    buckets = max(S * min(BUCKET_ELEMS, sh.dense), R * min(BUCKET_ELEMS, x)) * m
+    if mode == "zero1":
+        return dict(params=local * c + (0 if off else s * m),
+                    grads=local * c + s * m + buckets,
+                    optimizer=0 if off else opt, host=host)
+    V, layer = shape.vocab_params, fsdp_layer_params(shape, E) * c
+    # the layer shards in fp32 (offloaded too: FSDP2 accumulates the calls' gradients in
+    # them); the vocabulary and the expert slices whole in the compute dtype, their masters
+    params = sh.body * m + (V + X) * c + (0 if off else (sh.vocab + x) * m) + layer
+    grads = sh.body * m + (V + X) * c + V * m + (x * m + R * min(BUCKET_ELEMS, x) * m
+                                                 if X else 0) + layer
+    return dict(params=params, grads=grads, optimizer=0 if off else opt, host=host)
+
+
+def fsdp_layer_params(shape: ModelShape, E: int) -> int:
+    """The largest decoder layer fsdp gathers on one rank: all of it under E = 1; under
+    E > 1 less its routed experts (not FSDP's: each rank holds its slice whole)."""
+    return shape.layer_params_at(1, routed=E == 1)
 
 
 def expert_parallel_sizes(shape: ModelShape, world: int, sizes=None) -> tuple[int, ...]:

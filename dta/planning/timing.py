@@ -7,7 +7,8 @@ and the batch's prefix tree, :class:`Pricer` balances the tree over the D groups
 runtime does (:mod:`dta.planning.work`) and prices one step:
 
     step = max over groups of (compute + context-parallel exchange + expert exchange)
-           + sharding communication (inside the shard groups) + the replicas' all-reduce
+           + sharding communication (inside the shard groups) + once a step across the
+             world (the replicas' all-reduce, the expert slices' collectives)
            + the offloaded optimizer step (host transfers and host AdamW)
     compute = FLOPs of the group's most loaded rank / (peak FLOP/s x utilisation)
     a collective = bytes this rank sends / the link's bandwidth + a latency per collective
@@ -17,29 +18,32 @@ FLOPs and the group's exchange are :mod:`dta.planning.cp`'s (FLOPs from
 layer's FLOPs are its ``top_k`` routed experts', its router's and its shared expert's). The
 link is intra-node when the ranks of the collective sit in one node (a context-parallel
 group is C consecutive ranks, an EP group E, a shard group S; the sharding collectives
-without shard groups and the replicas' all-reduce span all W), inter-node otherwise.
+without shard groups, the replicas' all-reduce and the expert replicas' collectives span
+all W), inter-node otherwise.
 Compute and communication do not overlap (the walk waits on each all-to-all; replicate and
 zero1 reduce after the walk; FSDP's prefetch, which hides part of its gathers, is not
 modeled). Sharding traffic per rank per step, P the trained parameters (N, or the LoRA
 adapters), V the vocabulary-sized ones, c / m the compute / master bytes, f(n) = (n − 1) / n,
-N_d the dense parameters, X_E = X / E a rank's routed experts, s_x the expert replicas in a
-shard group (:func:`dta.planning.state.expert_shard`; without experts N_d = N, X_E = 0):
+G the shard-group part (:mod:`dta.planning.state`: every parameter under E = 1, all but the
+routed experts under E > 1), X_E = X / E a rank's routed experts (0 under E = 1):
 
 ==========  ============================================================================
-replicate   ring all-reduce of the gradients in the compute dtype: 2 f(W) N_d c +
+replicate   ring all-reduce of the gradients in the compute dtype: 2 f(W) G c +
             2 f(W / E) X_E c (the experts over their replicas); LoRA: 2 f(W) P c
 zero1       reduce-scatter in the master dtype, all-gather of the update, in the shard
-            group: (f(S) N_d + f(s_x) X_E)(m + c)
+            group: f(S) G (m + c)
 fsdp        per decoder call (the most calls of any group: the lockstep keeps them
             matched) every layer all-gathered for the forward, the re-forward (recompute)
             and the backward and its gradient reduce-scattered, in the shard group:
-            (f(S)(N_d − V) + f(s_x) X_E)(g c + m), g = 3 or 2; the vocabulary weights
-            once per step: f(S) V (m + c)
+            f(S)(G − V)(g c + m), g = 3 or 2 (under E > 1 the routed experts are not
+            FSDP's: never gathered); the vocabulary weights once per step: f(S) V (m + c)
 ==========  ============================================================================
 
-**Shard groups** (HSDP, S < W): the groups hold the same shards; one all-reduce of the
-sharded gradients (master dtype) across them per step, at the world's link:
-2 f(W / S) (N_d / S) m + 2 f(W / (E s_x)) (X_E / s_x) m.
+**Once a step across the world** (zero1 and fsdp; ``replica_bytes``, at the world's link):
+with shard groups (HSDP, S < W) one all-reduce of the sharded gradients (master dtype)
+across them, 2 f(W / S) (G / S) m; under E > 1 the expert slices' reduce-scatter (master
+dtype) and all-gather (compute dtype) over their R = W / E replicas (every E-th rank:
+across the nodes when the world spans several), f(R) X_E (m + c).
 
 **Expert parallelism** (E > 1; routing assumed balanced): each MoE layer call sends the
 rank's routed rows (its rows x top_k) to their experts' owners and takes them back:
@@ -49,9 +53,11 @@ rank computes as many routed rows as it sends (balanced): E divides the experts'
 not their FLOPs (``expert_flops``: the routed experts' share of the rank's FLOPs).
 
 **Offload** (``optimizer``): per step the rank's gradients go to the host and its updated
-compute weights come back over the host link (:attr:`Hardware.host_link_gbs`), and the host
+weights come back over the host link (:attr:`Hardware.host_link_gbs`), and the host
 steps its parameters at :attr:`Hardware.host_adam_gparams` (zero1/fsdp: its shard, the
-gradient in the master dtype; replicate: all it holds, in the compute dtype).
+gradient in the master dtype, the weights back in the compute dtype -- fsdp's layer shards
+in fp32, the dtype the device keeps them in; replicate: all it holds, in the compute
+dtype).
 
 Not modeled: kernel efficiency falling with smaller calls or smaller row slices (one
 utilisation for every matmul), a masked pack's dropped pairs (FLOPs are the tree's), LoRA's
@@ -64,7 +70,7 @@ from dataclasses import asdict, dataclass
 
 from dta.planning import cp
 from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, ModelShape
-from dta.planning.state import expert_shard, shards
+from dta.planning.state import shards
 from dta.planning.work import Workload
 
 # Dense peak FLOP/s of an H100 SXM (80 GB; the H200's are the same), by compute dtype:
@@ -141,7 +147,7 @@ class TimeEstimate:
     expert_flops: float = 0.0  # of flops_per_rank, the routed experts' (its rows x top_k)
     ep_bytes: float = 0.0  # sent by the expert-parallel all-to-alls
     ep_s: float = 0.0
-    replica_bytes: float = 0.0  # the shard groups' all-reduce (HSDP)
+    replica_bytes: float = 0.0  # once a step across the world: HSDP's all-reduce, expert slices
     replica_s: float = 0.0
     host_bytes: float = 0.0  # over the host link (offload: gradients down, weights up)
     host_s: float = 0.0  # host transfers + host AdamW
@@ -156,42 +162,50 @@ def sharding_traffic(mode: str, world: int, shape: ModelShape, policy: str, call
                      compute_bytes: int, adapter_params: int = 0, *, expert_parallel: int = 1,
                      shard_size: int | None = None) -> tuple[float, int]:
     """(bytes a rank sends, collectives) of a step's sharding communication inside its shard
-    group (module doc; the replicas' all-reduce is :func:`replica_traffic`)."""
+    group (module doc; the replicas' all-reduce and the expert slices' collectives are
+    :func:`replica_traffic`)."""
     W, c = int(world), compute_bytes
     if W == 1:
         return 0.0, 0
     E, S = int(expert_parallel), W if shard_size is None else int(shard_size)
     m = max(c, 4)
-    sx = expert_shard(E, S)
-    Xe = shape.routed_params // E
-    Nd = shape.params - shape.routed_params
+    Xe = shape.routed_params // E if E > 1 else 0
+    G = shape.params - (shape.routed_params if E > 1 else 0)  # the shard-group part
     if adapter_params:
-        Nd, Xe = int(adapter_params), 0
+        G, Xe = int(adapter_params), 0
     if mode == "replicate":
-        return 2 * (_f(W) * Nd + _f(W // E) * Xe) * c, math.ceil((Nd + Xe) / BUCKET_ELEMS)
+        return 2 * (_f(W) * G + _f(W // E) * Xe) * c, math.ceil((G + Xe) / BUCKET_ELEMS)
     if mode == "zero1":
-        return ((_f(S) * Nd + _f(sx) * Xe) * (m + c),
-                math.ceil(math.ceil((Nd + Xe) / S) / BUCKET_ELEMS) + 1)
+        return _f(S) * G * (m + c), math.ceil(math.ceil(G / S) / BUCKET_ELEMS) + 1
     if mode != "fsdp":
         raise ValueError(f"unknown sharding mode {mode!r}")
     g = 3 if policy == "recompute" else 2
     V = shape.vocab_params
-    per_call = (_f(S) * (Nd - V) + _f(sx) * Xe) * (g * c + m)
+    per_call = _f(S) * (G - V) * (g * c + m)
     return calls * per_call + _f(S) * V * (m + c), calls * (shape.layers + 1) * (g + 1) + 2
 
 
 def replica_traffic(mode: str, world: int, shape: ModelShape, compute_bytes: int, *,
                     expert_parallel: int = 1, shard_size: int | None = None) -> tuple[float, int]:
-    """(bytes a rank sends, collectives) of the all-reduce of the sharded gradients across
-    the shard groups (HSDP, S < W: module doc); nothing for plain sharding."""
-    W, E = int(world), int(expert_parallel)
+    """(bytes a rank sends, collectives) of zero1's and fsdp's once-a-step collectives
+    across the world (module doc): the all-reduce of the sharded gradients across the
+    shard groups (HSDP, S < W) and, under E > 1, the expert slices' reduce-scatter and
+    all-gather over their replicas; nothing for replicate."""
+    W, E, c = int(world), int(expert_parallel), compute_bytes
     S = W if shard_size is None else int(shard_size)
-    if mode == "replicate" or S >= W:
+    if mode == "replicate" or W == 1:
         return 0.0, 0
-    m = max(compute_bytes, 4)
-    dense, experts, _ = shards(shape, E, S)
-    sent = 2 * (_f(W // S) * dense + _f(W // (E * expert_shard(E, S))) * experts) * m
-    return sent, math.ceil((dense + experts) / BUCKET_ELEMS)
+    m = max(c, 4)
+    sh = shards(shape, W, E, S)
+    sent, colls = 0.0, 0
+    if S < W:
+        dense = sh.shard(mode) - sh.expert_shard
+        sent += 2 * _f(W // S) * dense * m
+        colls += math.ceil(dense / BUCKET_ELEMS)
+    if sh.replicas > 1 and sh.experts:
+        sent += _f(sh.replicas) * sh.experts * (m + c)
+        colls += math.ceil(sh.expert_shard / BUCKET_ELEMS) + 2
+    return sent, colls
 
 
 def expert_exchange(shape: ModelShape, expert_parallel: int, policy: str, rows: int,
@@ -217,9 +231,12 @@ def offload_traffic(mode: str, world: int, shape: ModelShape, compute_bytes: int
     if mode == "replicate" or W == 1:
         local = shape.rank_params(E)
         return 2.0 * local * c, local  # gradients down, weights up, in the compute dtype
-    dense, experts, _ = shards(shape, E, W if shard_size is None else int(shard_size))
-    s = dense + experts
-    return float(s * (max(c, 4) + c)), s  # master-dtype gradient down, compute weights up
+    m = max(c, 4)
+    sh = shards(shape, W, E, W if shard_size is None else int(shard_size))
+    s = sh.shard(mode)
+    if mode == "fsdp":  # the layer shards come back in fp32 (the device keeps them so)
+        return float(sh.body * 2 * m + (s - sh.body) * (m + c)), s
+    return float(s * (m + c)), s  # master-dtype gradient down, compute weights up
 
 
 class Pricer:

@@ -1,0 +1,174 @@
+"""The planner prices what the runtime holds (issue 46: ``dta plan --memory`` must never choose
+a layout whose weights do not fit): ``dta.planning.state.model_state`` against the rules
+``runtime.sharding`` implements, on the tiny Qwen3-MoE model (4 experts, bf16 compute, fp32
+masters), byte for byte for the parts that do not depend on the walk (params, optimizer,
+host).
+
+* Default suite: the rules restated from the model's own parameters (the expert slices are
+  the fused experts' ``gate_up_proj`` / ``down_proj``, dim 0 cut by E, as
+  ``dta.model.expert_parallel`` cuts them): under E > 1, zero1 and fsdp hold the rank's
+  slice whole in the compute dtype, its fp32 master and AdamW state a flat shard over the
+  W / E expert replicas (not the HSDP shard group); fsdp gathers its layers without the
+  routed experts, keeps its layer shards in fp32 (offloaded too), and an offloaded mode's
+  host holds the states, the stepped weights and their gradient buffers.
+* ``-m slow``: the real runtime on 2 and 4 gloo ranks (``experiments.local_ranks``), one
+  step each, its ``state_bytes()`` against the planner: equal up to AdamW's ``step``
+  counters (one 4-byte scalar per stepped tensor, which the planner does not price); the
+  reported gradient bytes within the planner's peak.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dta.planning.memory import ModelShape
+from dta.planning.state import model_state
+
+C, M = 2, 4  # bf16 compute, fp32 masters
+
+
+def _tiny():
+    from dta.model.models import build_model
+
+    return build_model("qwen3_moe", "tiny")
+
+
+def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str) -> dict:
+    """What rank 0 (the largest chunks) holds by runtime.sharding's rules, from the model's
+    parameters: zero1's flat shards (the dense part over S, the expert slices over the
+    W / E replicas), fsdp's Shard(0) layer shards (torch.chunk: ceil rows), its vocabulary
+    and expert flat shards, and its gathered layer (less the routed experts under E > 1)."""
+    named = list(model.named_parameters())
+    expert = {n for n, _ in named if ".mlp.experts." in n} if E > 1 else set()
+    vocab = {"model.embed_tokens.weight", "lm_head.weight"}
+    local = {n: p.numel() // (E if n in expert else 1) for n, p in named}
+    X = sum(local[n] for n in expert)
+    R = world // E
+    x = math.ceil(X / R) if X else 0
+    off = offload == "optimizer"
+    computed = sum(local.values())
+    if mode == "zero1":
+        dense = math.ceil(sum(v for n, v in local.items() if n not in expert) / S)
+        shard = dense + x
+        params = computed * C + (0 if off else shard * M)
+    else:
+        V = sum(local[n] for n in vocab)
+        body = sum(math.ceil(p.shape[0] / S) * (p.numel() // p.shape[0]) for n, p in named
+                   if n not in expert and n not in vocab)
+        layers = [sum(p.numel() for n, p in layer.named_parameters()
+                      if f"model.layers.{i}.{n}" not in expert)
+                  for i, layer in enumerate(model.model.layers)]
+        shard = body + math.ceil(V / S) + x
+        params = body * M + (V + X) * C + (0 if off else (shard - body) * M) + max(layers) * C
+    optimizer = 2 * shard * M
+    return {"params": params, "optimizer": 0 if off else optimizer,
+            "host": optimizer + 2 * shard * M if off else 0}
+
+
+LAYOUTS = [("zero1", 2, 4), ("fsdp", 2, 4), ("zero1", 2, 2), ("fsdp", 2, 2), ("fsdp", 4, 2),
+           ("zero1", 4, 4), ("fsdp", 1, 4), ("zero1", 1, 2)]
+
+
+@pytest.mark.parametrize("mode, E, S", LAYOUTS)
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_model_state_is_what_the_runtime_rules_hold(mode, E, S, offload):
+    model = _tiny()
+    shape = ModelShape.of(model.config)
+    assert shape.params == sum(p.numel() for p in model.parameters())  # exact for qwen3_moe
+    got = model_state(shape, 4, mode, compute_bytes=C, expert_parallel=E, shard_size=S,
+                      offload=offload)
+    want = held_by_rule(model, 4, mode, E, S, offload)
+    assert {k: got[k] for k in want} == want, (mode, E, S, offload)
+
+
+def test_expert_slices_are_not_gathered_nor_sharded_like_the_dense_body():
+    """The two mismatches of issue 46, on Qwen3-30B-A3B on 16 GPUs: under E > 1 fsdp holds the
+    rank's slice whole in bf16 (not an fp32 shard of it over the shard group), and HSDP's
+    shard group does not cut the slices' state (their W / E replicas do); offloaded fsdp
+    keeps its layer shards in fp32."""
+    from dta.planning.memory import SHAPES
+
+    shape = ModelShape.of(SHAPES["qwen3-30b-a3b"])
+    X = shape.routed_params
+    kw = dict(compute_bytes=2, expert_parallel=8)
+    plain = model_state(shape, 16, "fsdp", **kw)
+    hsdp = model_state(shape, 16, "fsdp", shard_size=8, **kw)
+    dense, V = shape.params - X, shape.vocab_params
+    # the slice (X / 8) whole in bf16 and its fp32 master over its 2 replicas in both: S
+    # changes the dense part's fp32 shards only
+    assert hsdp["params"] - plain["params"] == 4 * (
+        math.ceil((dense - V) / 8) + math.ceil(V / 8)
+        - math.ceil((dense - V) / 16) - math.ceil(V / 16))
+    assert hsdp["optimizer"] == 2 * (math.ceil((dense - shape.vocab_params) / 8)
+                                     + math.ceil(shape.vocab_params / 8) + X // 16) * 4
+    assert plain["params"] >= X // 8 * 2 + X // 16 * 4
+    off = model_state(shape, 16, "fsdp", offload="optimizer", **kw)
+    body = math.ceil((dense - shape.vocab_params) / 16)
+    assert off["params"] == plain["params"] - (math.ceil(shape.vocab_params / 16) + X // 16) * 4
+    assert off["params"] >= body * 4 + X // 8 * 2  # fp32 layer shards, the bf16 slice
+    assert off["host"] == 2 * plain["optimizer"]  # states + masters + gradient buffers
+
+
+# ------------------------------------------------------------ the real runtime --
+def overrides(mode, E, S, offload):
+    return ["workload.scale=tiny", "model.family=qwen3_moe", "model.dtype=bfloat16",
+            "walker.policy=recompute", f"train.sharding={mode}", "optimizer.lr=1e-3",
+            "optimizer.max_grad_norm=0.5", f"train.expert_parallel={E}",
+            f"train.shard_size={S}", f"train.offload={offload}"]
+
+
+def runtime_bytes(rank, world, cases):
+    """One step of each case on this rank: its state_bytes() and the bytes of AdamW's step
+    counters."""
+    import torch
+
+    from dta.config.schema import load_config
+    from tests.test_sharding import _step, _worker
+
+    torch.set_num_threads(1)
+    out = []
+    for case in cases:
+        cfg = load_config(None, overrides(*case))
+        w = _worker(cfg, rank, world)
+        stats = _step(w, cfg, 0, rank, world)
+        steps = sum(v.numel() * v.element_size() for st in w.core.optimizer.state.values()
+                    for k, v in st.items() if k == "step" and torch.is_tensor(v))
+        out.append({"state_bytes": stats["state_bytes"], "steps": steps})
+    return out
+
+
+def _compare(world, cases, results):
+    shape = ModelShape.of(_tiny().config)
+    for i, (mode, E, S, offload) in enumerate(cases):
+        got = results[0][i]  # rank 0: the largest chunks
+        sb, steps = got["state_bytes"], got["steps"]
+        want = model_state(shape, world, mode, compute_bytes=C, expert_parallel=E,
+                           shard_size=S, offload=offload)
+        where = "host" if offload == "optimizer" else "optimizer"
+        assert sb["params"] == want["params"], (mode, E, S, offload, sb, want)
+        assert sb[where] - steps == want[where], (mode, E, S, offload, sb, want)
+        assert sb["optimizer" if where == "host" else "host"] == 0
+        assert 0 < sb["grads"] <= want["grads"], (mode, E, S, offload, sb, want)
+        print(f"{mode} E={E} S={S} offload={offload} on {world}: runtime {sb} "
+              f"(step counters {steps}), planner {want}")
+
+
+TWO = [(m, 2, 2, o) for m in ("replicate", "zero1", "fsdp") for o in ("none", "optimizer")]
+FOUR = [("zero1", 2, 2, "none"), ("fsdp", 2, 2, "optimizer"), ("fsdp", 2, 4, "none")]
+
+
+@pytest.mark.slow
+def test_planner_equals_the_runtime_on_two_ranks():
+    from experiments.local_ranks import run_ranks
+
+    _compare(2, TWO, run_ranks(runtime_bytes, 2, TWO, timeout=900.0))
+
+
+@pytest.mark.slow
+def test_planner_equals_the_runtime_with_shard_groups_and_expert_replicas_on_four_ranks():
+    """W = 4, E = 2, S = 2: the expert slices' state over their 2 replicas ({0, 2}, {1, 3}),
+    the dense part over the shard groups ({0, 1}, {2, 3})."""
+    from experiments.local_ranks import run_ranks
+
+    _compare(4, FOUR, run_ranks(runtime_bytes, 4, FOUR, timeout=900.0))
