@@ -94,7 +94,7 @@ def train_step(eng, cfg, k, rank, world, cp) -> dict:
     ``loss_weight_fn``)."""
     import functools
 
-    from dta.config.schema import loss_kwargs
+    from dta.config.loss import loss_kwargs
     from dta.losses import make_loss
     from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree

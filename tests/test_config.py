@@ -7,7 +7,8 @@ import os
 import pytest
 import yaml
 
-from dta.config.schema import ConfigError, as_dict, from_dict, load_config, loss_kwargs
+from dta.config.loss import loss_kwargs
+from dta.config.schema import ConfigError, as_dict, from_dict, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml"))

@@ -128,7 +128,7 @@ def test_the_optimizer_steps_host_tensors_of_its_own():
 def test_offload_changes_no_bit_in_one_process(master):
     """replicate on one rank, offloaded or not: the same parameters bit for bit after two
     steps (without masters: float64; with fp32 masters: bf16 compute)."""
-    from dta.config.schema import loss_kwargs
+    from dta.config.loss import loss_kwargs
     from dta.losses import batch_totals, make_loss
     from dta_cli.batches import BatchSource
     from runtime.engine import EngineCore, ModelSpec, build_model, settle

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dta.config.schema import load_config, loss_kwargs
+from dta.config.loss import loss_kwargs
+from dta.config.schema import load_config
 from dta.losses import make_loss
 from dta.model.models import build_model, make_truly_float64
 from dta.train import accumulate_gradients

@@ -428,20 +428,6 @@ def validate_config(cfg) -> None:
                           "local instance)")
 
 
-def loss_kwargs(cfg) -> dict[str, Any]:
-    """Keyword arguments of ``dta.losses.make_loss`` for the configured loss."""
-    lc = cfg.loss
-    if lc.name == "nll":
-        return {}
-    return dict(eps_clip=float(lc.eps_clip),
-                eps_clip_high=None if lc.eps_clip_high is None else float(lc.eps_clip_high),
-                dual_clip=None if lc.dual_clip is None else float(lc.dual_clip),
-                decoupled=bool(lc.decoupled),
-                behav_imp_weight_cap=(None if lc.behav_imp_weight_cap is None
-                                      else float(lc.behav_imp_weight_cap)),
-                entropy_coef=float(lc.entropy_coef))
-
-
 def as_dict(cfg) -> dict:
     out = OmegaConf.to_container(cfg, resolve=True)
     if not isinstance(out, dict):

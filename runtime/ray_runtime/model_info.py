@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dta.config.schema import loss_kwargs
+from dta.config.loss import loss_kwargs
 from dta.losses import make_loss
 from dta.paths import check_path
 from runtime.errors import TrainingError

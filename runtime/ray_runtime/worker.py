@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dta.batch import Batch
-from dta.config.schema import loss_kwargs
+from dta.config.loss import loss_kwargs
 from dta.losses import Totals, batch_totals, make_loss
 from dta.options import WalkOptions
 from dta.train import forward_logprobs
