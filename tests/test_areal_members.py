@@ -288,7 +288,7 @@ def test_dcp_checkpoint_is_verified_before_it_is_read(model_dir, single, tmp_pat
     path = tmp_path / "dcp"
     meta = SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True)
     engine.save(meta)
-    (ckpt,) = path.glob("step-*")  # runtime/dcp.py's layout: one folder per step, + latest
+    (ckpt,) = path.glob("step-*")  # runtime/checkpoints/sharded.py's layout: one folder per step, + latest
     assert (ckpt / "manifest.json").is_file() and (path / "latest").is_file()
     engine.load(meta)  # intact: loads
     (shard,) = ckpt.glob("*.distcp")

@@ -33,9 +33,9 @@ LAYERS = {
     "dta.verify": 7,
     "dta.fidelity": 8,
     "dta": 9,  # dta/__init__.py: the public names, re-exported lazily
-    # the runtime: storage and errors, then DCP and sharding, then the runtimes and adapters
+    # the runtime: errors and every line of saving and resuming (checkpoint files, DCP, the
+    # logical view, resharding), then sharding, then the runtimes and adapters
     "runtime.errors": 0, "runtime.checkpoints": 0,
-    "runtime.dcp": 1,
     "runtime.sharding": 2,
     "runtime.engine": 3,  # the engine core every front door adapts to
     "runtime.ray_runtime": 4, "runtime.areal": 4, "runtime.verl": 4,

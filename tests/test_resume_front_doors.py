@@ -5,7 +5,7 @@ under fsdp with context parallelism 2 (``fsdp:d1c2``, 2 ranks) and one under rep
 (``fsdp:d1``, one process) load it and train the next batch: their parameters and AdamW
 state equal the uninterrupted zero1 run's (float64, relative L2 <= 1e-12, step counts
 equal). The Ray worker's and verl's checkpoints go through the same core
-(``runtime.engine.checkpoint``): tests/test_resume_layouts.py."""
+(``runtime.checkpoints.engine``): tests/test_resume_layouts.py."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""Resuming under another layout (issue 48; runtime/sharding/logical.py, reshard.py): float64,
+"""Resuming under another layout (issue 48; runtime/checkpoints/logical.py, reshard.py): float64,
 the τ²-airline tiny model, local gloo ranks as the Ray worker runs them (``DFSWorker``).
 
 A run saves at step 2 under one layout -- fsdp on 4 ranks with context parallelism 2, zero1

@@ -6,7 +6,7 @@
   touched, from a replicated checkpoint (``model.pt``) and from a DCP one (the logical view);
 - a sharded checkpoint in the format before 2026-12-05 (zero1's flat tensors, fsdp's
   DTensors and flat vocabulary) still resumes through the engine core, into the exact saved
-  state; an AReaL-style DCP load of it (``runtime.dcp.load_sharded`` with the logical view)
+  state; an AReaL-style DCP load of it (``runtime.checkpoints.sharded.load_sharded`` with the logical view)
   is refused in one line naming the format;
 - a replica keeping fp32 masters under bf16 compute saves the masters (model.pt) and resumes
   them exactly, bit-identical to the uninterrupted run;
@@ -44,8 +44,8 @@ def trained(w) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A full run and a LoRA run after one step: their replicated checkpoints and their
-    logical DCP ones (the replica's view saved by ``runtime.dcp.save_sharded``)."""
-    from runtime.dcp import save_sharded
+    logical DCP ones (the replica's view saved by ``runtime.checkpoints.sharded.save_sharded``)."""
+    from runtime.checkpoints.sharded import save_sharded
 
     root = tmp_path_factory.mktemp("refusals")
     out = {}
@@ -61,7 +61,7 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("source", ["full", "full-dcp"])
 def test_a_full_checkpoint_is_refused_by_lora_sgd_and_another_size(saved, source):
-    from runtime.dcp import ShardedCheckpointError
+    from runtime.checkpoints.sharded import ShardedCheckpointError
 
     cases = [(LORA, r"saved by a full run and this run trains LoRA adapters.*LoRA <-> full"),
              (["optimizer.name=sgd"], r"optimizer state \['exp_avg', 'exp_avg_sq', 'step'\] "
@@ -82,7 +82,7 @@ def test_a_full_checkpoint_is_refused_by_lora_sgd_and_another_size(saved, source
 
 @pytest.mark.parametrize("source", ["lora", "lora-dcp"])
 def test_a_lora_checkpoint_resumes_lora_and_is_refused_by_full(saved, source):
-    from runtime.dcp import ShardedCheckpointError
+    from runtime.checkpoints.sharded import ShardedCheckpointError
 
     _, w = worker()
     with pytest.raises(ShardedCheckpointError,
@@ -98,11 +98,10 @@ def test_a_lora_checkpoint_resumes_lora_and_is_refused_by_full(saved, source):
 def write_previous(path: str, w, sharding: str) -> None:
     """A replica's state in the sharded format before 2026-12-05 (what zero1's
     ``FlatShardsState`` / fsdp's ``DTensorParamsState`` wrote, here as whole tensors):
-    published with its meta.json and manifest, as ``runtime.dcp.save_sharded`` did."""
+    published with its meta.json and manifest, as ``runtime.checkpoints.sharded.save_sharded`` did."""
     import torch.distributed.checkpoint as dcp
 
     from runtime.checkpoints.checkpoint import write_manifest
-    from runtime.sharding.fsdp import _vocab_params
 
     mode, opt = w.core.sharding, w.optimizer
     named = list(zip(mode.names, mode.stepped))
@@ -118,7 +117,7 @@ def write_previous(path: str, w, sharding: str) -> None:
     if sharding == "zero1":
         flat("zero1", named)
     else:
-        vocab = {n for n, _ in _vocab_params(w.model)}
+        vocab = {n for n, _ in mode.vocab_params()}
         flat("vocab", [(n, p) for n, p in named if n in vocab])
         for n, p in named:
             if n not in vocab:
@@ -136,7 +135,7 @@ def write_previous(path: str, w, sharding: str) -> None:
 
 @pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
 def test_the_previous_sharded_format_still_resumes(tmp_path, sharding):
-    from runtime.dcp import ShardedCheckpointError, load_sharded
+    from runtime.checkpoints.sharded import ShardedCheckpointError, load_sharded
 
     cfg, w = worker()
     _step(w, cfg, 0, 0, 1)
@@ -212,7 +211,7 @@ def test_an_engine_without_optimizer_loads_and_saves_the_weights_alone(saved, tm
     """AReaL's reference model (no optimizer, replicated): a trained run's checkpoint, either
     format, gives it the weights (its optimizer state is not read); its own DCP view is the
     weights alone."""
-    from runtime.dcp import save_sharded
+    from runtime.checkpoints.sharded import save_sharded
     from runtime.engine import EngineCore
     from runtime.ray_runtime.worker import build_replica
     from tests.workers import settings_for

@@ -235,7 +235,7 @@ def test_dcp_checkpoint_is_checksummed_and_found_for_resume(tmp_path):
     runtime's resume finds it, and a flipped byte in a shard is refused naming the file
     before DCP reads anything."""
     from runtime.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_meta
-    from runtime.dcp import load_sharded, save_sharded
+    from runtime.checkpoints.sharded import load_sharded, save_sharded
 
     state = {"w": torch.arange(64, dtype=torch.float64)}
     path = save_sharded(str(tmp_path), 3, state, meta={"run_id": "r1"})

@@ -1,4 +1,4 @@
-"""Re-sharding (runtime.sharding.reshard): a DCP checkpoint written by 2 gloo ranks (zero1,
+"""Re-sharding (runtime.checkpoints.reshard): a DCP checkpoint written by 2 gloo ranks (zero1,
 fsdp) resumed by one replica, by 3 ranks, or by 2 ranks of the other mode, and a 1-rank
 checkpoint resumed by 2 sharded ranks, hold exactly the saved parameters, and their next
 step equals the original run's (float64 <= 1e-12). A checkpoint that is not this run's
@@ -40,7 +40,7 @@ def save_at_two(rank, world, directory):
         out[f"{mode}->{other}"] = {"meta": meta, "loaded": loaded, "after": state(w)["model"]}
     # two replicas write the logical view with DCP (as AReaL's dcp does): each whole tensor
     # is held by both ranks and written once
-    from runtime.dcp import save_sharded
+    from runtime.checkpoints.sharded import save_sharded
 
     cfg = load_config(None, overrides("replicate", "float64", "retain"))
     w = _worker(cfg, rank, world)

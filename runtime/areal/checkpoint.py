@@ -10,7 +10,7 @@ mapped onto the engine core's state:
   weights, FSDP's shards and the masters).
 * ``dcp``: the core's checkpoint as DCP in every mode (``EngineCore.save(dcp=True)``: the
   weights the optimizer steps -- the fp32 masters where kept, so a resumed run continues
-  bit-identically -- and the optimizer state, every rank its part; ``runtime/dcp.py``:
+  bit-identically -- and the optimizer state, every rank its part; ``runtime/checkpoints/sharded.py``:
   atomic, a SHA-256 manifest verified before DCP reads anything) with AReaL's LR scheduler
   as its ``extra_state`` (FSDPEngine does not save it, so its schedule restarts on
   recovery), in the folder AReaL names -- what AReaL's ``RecoverHandler`` writes and reads::
@@ -133,7 +133,7 @@ class CheckpointMixin:
             raise ValueError(f"checkpoint {final!r} is a {saved.get('kind')!r} checkpoint, not "
                              f"a DTATrainEngine recover checkpoint ({DCP_KIND})")
         # the core's state is its layout-free view: written under any actor.dta.sharding,
-        # world size or allocation, it loads under this engine's (runtime.sharding.reshard)
+        # world size or allocation, it loads under this engine's (runtime.checkpoints.reshard)
         self.core.load(final, extra_state=extra)
 
     def _load_hf(self, meta: SaveLoadMeta):

@@ -22,7 +22,7 @@ an optimizer factory, the compute dtype and the device -- and its batches into a
    of a non-finite one (``runtime.engine.step``);
 4. checkpoints (DCP where sharded; a front door's own state -- its LR scheduler -- in them as
    ``extra_state``), Hugging Face export, the full state dict and the
-   parameter norm (``runtime.engine.checkpoint``); the whole weights in the compute dtype
+   parameter norm (``runtime.checkpoints.engine``); the whole weights in the compute dtype
    for a rollout's weight update, and whole tensors loaded back (:meth:`named_full_tensors`,
    :meth:`full_state_dict`, :meth:`load_full_state`).
 
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-import runtime.engine.checkpoint as checkpoint
+import runtime.checkpoints.engine as checkpoint
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
 from runtime.engine.layout import (
@@ -390,7 +390,7 @@ class EngineCore:
     def save(self, directory: str, step: int, meta: dict, *, run_id: str | None = None,
              keep_last: int | None = None, extra_state: dict | None = None,
              dcp: bool = False) -> str:
-        """Checkpoint ``step`` under ``directory`` (``runtime.engine.checkpoint``); every
+        """Checkpoint ``step`` under ``directory`` (``runtime.checkpoints.engine``); every
         rank may call it: replicated, rank 0 writes the whole state (the others only return
         its path); sharded -- or ``dcp``: replicated state as DCP too -- every rank writes
         its part. ``extra_state``: a front door's own objects (name -> ``state_dict()`` /

@@ -93,7 +93,7 @@ class Trainer:
 
     def latest_checkpoint(self) -> str | None:
         if self.sharded:
-            from runtime.dcp import latest_sharded
+            from runtime.checkpoints.sharded import latest_sharded
             return latest_sharded(self.cfg.train.checkpoint_dir)
         return ckpt.latest_checkpoint(self.cfg.train.checkpoint_dir)
 

@@ -152,11 +152,11 @@ class Sharding:
         raise NotImplementedError
 
     # ------------------------------------------------------------- checkpoints --
-    # One layout-independent view of the training state (runtime.sharding.logical): a mode
+    # One layout-independent view of the training state (runtime.checkpoints.logical): a mode
     # declares what this rank holds of each trained parameter; saving, loading under any
     # other layout and re-cutting are generic.
     def held(self) -> list:
-        """This rank's pieces of the trained parameters (:class:`runtime.sharding.logical.
+        """This rank's pieces of the trained parameters (:class:`runtime.checkpoints.logical.
         Held`: a box or a flat range of the whole parameter, and what the optimizer steps
         for it)."""
         raise NotImplementedError
@@ -168,13 +168,20 @@ class Sharding:
                  self.experts.holds(p) else tuple(p.shape))
                 for n, p in self.model.named_parameters() if p.requires_grad]
 
+    def vocab_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trained embedding and LM-head weights (tied: once), in the model's order:
+        what fsdp keeps as flat shards (and how its checkpoints before 2026-12-05 held them)."""
+        m = self.model
+        ids = {id(m.get_input_embeddings().weight), id(m.get_output_embeddings().weight)}
+        return [(n, p) for n, p in m.named_parameters() if id(p) in ids and p.requires_grad]
+
     def logical_loaded(self) -> None:
         """After a load wrote this rank's pieces: derive the rest (gather the compute
         weights, cast the masters into the model)."""
 
     def sharded_state(self) -> dict:
-        """DCP's view (``runtime.dcp.save_sharded`` / ``load_sharded``): the logical state,
+        """DCP's view (``runtime.checkpoints.sharded.save_sharded`` / ``load_sharded``): the logical state,
         loaded in place under any layout."""
-        from runtime.sharding.logical import KEY, LogicalState
+        from runtime.checkpoints.logical import KEY, LogicalState
 
         return {KEY: LogicalState(self)}

@@ -83,7 +83,7 @@ class ExpertPart:
 
     def held_box(self, name: str, p, stepped):
         """A replica's slice as its box of the whole tensor (rows ``first..stop`` of dim 0)."""
-        from runtime.sharding.logical import Held
+        from runtime.checkpoints.logical import Held
 
         first = self.ep.slice_of(p)[0]
         return Held(name, self.whole_shape(p), stepped, offsets=(first,) + (0,) * (p.dim() - 1))
@@ -92,7 +92,7 @@ class ExpertPart:
         """The slices' flat shards (:meth:`flat`) as flat ranges of the whole tensors: a
         slice is rows ``first..stop`` of dim 0, so its element k is the whole tensor's
         ``first x row + k``."""
-        from runtime.sharding.logical import Held
+        from runtime.checkpoints.logical import Held
 
         out = []
         for h in flat.held():

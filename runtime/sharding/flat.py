@@ -220,7 +220,7 @@ class FlatShards:
     def held(self) -> list:
         """This rank's pieces for the logical view (:mod:`.logical`): per piece, the flat
         range of its parameter and the master view the optimizer steps."""
-        from runtime.sharding.logical import Held
+        from runtime.checkpoints.logical import Held
 
         return [Held(self.names[pc.index], tuple(self.params[pc.index].shape), mp,
                      start=pc.start) for mp, pc in zip(self.master_params, self.pieces)]

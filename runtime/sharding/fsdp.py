@@ -59,12 +59,6 @@ from runtime.sharding.hsdp import dense_part, shard_mesh, sum_step_over_replicas
 from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
 
 
-def _vocab_params(model) -> list[tuple[str, torch.nn.Parameter]]:
-    ids = {id(model.get_input_embeddings().weight): None,
-           id(model.get_output_embeddings().weight): None}
-    return [(n, p) for n, p in model.named_parameters() if id(p) in ids and p.requires_grad]
-
-
 @register("fsdp")
 class FSDP(Sharding):
     holds_frozen = False  # every weight is trained (its vocabulary shards need gradients)
@@ -92,7 +86,7 @@ class FSDP(Sharding):
         self.offload = layout is not None and layout.offload == "optimizer"
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=built)
         decoder = model.get_decoder()
-        vocab = _vocab_params(model)
+        vocab = self.vocab_params()
         self.vocab = FlatShards(vocab, group=self.group, compute_dtype=self.compute_dtype,
                                 offload=self.offload)
         self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
@@ -273,7 +267,7 @@ class FSDP(Sharding):
     def held(self) -> list:
         """The layers' DTensor shards (one box each; offloaded: their host copies), the
         vocabulary's flat pieces and the expert slices' flat ranges."""
-        from runtime.sharding.logical import held_dtensor
+        from runtime.checkpoints.logical import held_dtensor
 
         return [held_dtensor(n, h) for n, h in zip(self.names, self.stepped)] + \
             self.vocab.held() + (

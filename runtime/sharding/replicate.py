@@ -187,7 +187,7 @@ class Replicate(Sharding):
         """Every rank holds every trained parameter whole: what it steps (the masters where
         kept, the host copies offloaded) as one box at the origin; an expert slice is its box
         of the whole tensor."""
-        from runtime.sharding.logical import Held
+        from runtime.checkpoints.logical import Held
 
         out = []
         for n, p, s in zip(self.names, self.params, self.stepped):

@@ -1,12 +1,12 @@
 """The dta engine's checkpoints: the engine core's one scheme (``EngineCore.save`` / ``load``,
-``runtime.engine.checkpoint``) with verl's LR scheduler as its ``extra_state``::
+``runtime.checkpoints.engine``) with verl's LR scheduler as its ``extra_state``::
 
     <local_path>/step-<global_step>/   the core's checkpoint; meta.json: kind, layout, the
                                        LR scheduler's state
 
 Replicated state (``replicate``) is written by rank 0 (tensors only, a SHA-256 manifest,
 atomic: ``runtime.checkpoints``); sharded state (``zero1`` / ``fsdp``) by every rank with DCP
-(``runtime.dcp``). A loaded engine continues bit-identically. ``max_ckpt_to_keep`` keeps the
+(``runtime.checkpoints.sharded``). A loaded engine continues bit-identically. ``max_ckpt_to_keep`` keeps the
 newest steps (the core's ``keep_last``).
 """
 from __future__ import annotations

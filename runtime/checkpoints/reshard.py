@@ -27,8 +27,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from runtime.checkpoints.checkpoint import check_owner, read_meta, verify_manifest
-from runtime.dcp import LOGICAL, ShardedCheckpointError
-from runtime.sharding.logical import STEP, load_whole
+from runtime.checkpoints.logical import STEP, load_whole
+from runtime.checkpoints.sharded import LOGICAL, ShardedCheckpointError
 
 __all__ = ["layout", "load"]
 
@@ -49,7 +49,7 @@ def layout(path: str) -> dict:
 def load(core, path: str) -> dict:
     """The checkpoint ``path`` into the engine core's model and optimizer under its layout
     (every rank of a sharded or replicated group calls this); returns its meta."""
-    from runtime.dcp import load_sharded
+    from runtime.checkpoints.sharded import load_sharded
 
     saved = layout(path)
     mode = core.sharding
@@ -111,7 +111,7 @@ def _replicated_whole(path: str, weights: dict, opt: dict, mode) -> dict:
 
 
 def mode_state_keys(mode) -> tuple[str, ...]:
-    from runtime.sharding.state import state_keys
+    from runtime.checkpoints.optimizer_state import state_keys
 
     return state_keys(mode.optimizer)
 
@@ -144,8 +144,6 @@ def _previous_format(path: str, mode, sharding: str) -> dict[str, torch.Tensor]:
     masters and states flat over the trained parameters in the model's order (``zero1.*``),
     fsdp's layers as ``fsdp.param.<name>`` / ``fsdp.optim.<name>.<key>`` and its
     vocabulary weights flat (``vocab.*``), per-parameter step counts."""
-    from runtime.sharding.fsdp import _vocab_params
-
     saved = _read_whole(path)
     shapes = dict(mode.logical_shapes())
     keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")
@@ -172,7 +170,7 @@ def _previous_format(path: str, mode, sharding: str) -> dict[str, torch.Tensor]:
     if sharding == "zero1":
         flat("zero1", list(shapes))
     elif sharding == "fsdp":
-        vocab = [n for n, _ in _vocab_params(mode.model)]
+        vocab = [n for n, _ in mode.vocab_params()]
         flat("vocab", vocab)
         for n in shapes:
             if n in vocab:

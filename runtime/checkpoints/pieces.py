@@ -15,7 +15,7 @@ boxes up by their offsets. A box held by several ranks (replicas) is written onc
 ``dedup_save_plans``), and DCP's own check that the saved boxes tile every tensor exactly
 (``_validate_global_plan``) stands.
 
-Pure torch: no model, no sharding mode (:mod:`runtime.sharding.logical` builds these from a mode).
+Pure torch: no model, no sharding mode (:mod:`runtime.checkpoints.logical` builds these from a mode).
 """
 from __future__ import annotations
 

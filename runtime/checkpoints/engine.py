@@ -5,10 +5,10 @@
   keeping fp32 masters writes the masters as its weights);
 - sharded state (``zero1`` / ``fsdp``), or replicated state asked as DCP (``dcp=True``,
   AReaL's recover format): every rank writes its pieces of the one logical view
-  (``runtime.sharding.logical``: per parameter by name and whole shape, the stepped weights
-  and the optimizer state) with DCP (``runtime.dcp.save_sharded``);
+  (``runtime.checkpoints.logical``: per parameter by name and whole shape, the stepped weights
+  and the optimizer state) with DCP (``runtime.checkpoints.sharded.save_sharded``);
 - either loads under any layout -- another world size, mode or context-parallel size --
-  every rank keeping its pieces (``runtime.sharding.reshard``); a checkpoint of another
+  every rank keeping its pieces (``runtime.checkpoints.reshard``); a checkpoint of another
   model, LoRA <-> full or another optimizer is refused in one line before a parameter is
   touched;
 - a front door's own state beside the core's (``extra_state``: name -> an object with
@@ -40,7 +40,7 @@ def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = No
     every rank calls it and writes its pieces (rank 0 then applies ``keep_last``)."""
     if core.layout.sharded or dcp:
         from runtime.checkpoints.checkpoint import prune
-        from runtime.dcp import save_sharded
+        from runtime.checkpoints.sharded import save_sharded
 
         path = save_sharded(directory, step, core.sharding.sharded_state(),
                             meta={"layout": core.layout.record(), **meta,
@@ -59,7 +59,7 @@ def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = No
 
 def load(core, path: str) -> dict:
     """Load ``path`` into the core under its layout (every rank calls it); returns its meta."""
-    from runtime.sharding.reshard import load as load_any
+    from runtime.checkpoints.reshard import load as load_any
 
     return load_any(core, path)
 

@@ -14,7 +14,7 @@ slice; a replica's whole tensor: ``offsets`` of its origin) or a *flat range* (z
 fsdp's vocabulary flat shards: elements ``[start, start + n)`` of the row-major parameter,
 held 1-D). Everything else is generic: the optimizer state is the optimizer's own
 (``optimizer.state[held.stepped]``), DCP re-cuts the logical tensors for the loading ranks
-(:mod:`runtime.dcp.pieces`), and after a load the mode derives the rest (:meth:`Sharding.
+(:mod:`runtime.checkpoints.pieces`), and after a load the mode derives the rest (:meth:`Sharding.
 logical_loaded`: the compute weights regathered, the masters cast into the model).
 
 How a new layout plugs in: declare its pieces. Expert parallelism -- rank r holds experts
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.dcp import CheckedState, ShardedCheckpointError
-from runtime.dcp.pieces import LogicalTensor
+from runtime.checkpoints.pieces import LogicalTensor
+from runtime.checkpoints.sharded import CheckedState, ShardedCheckpointError
 
 __all__ = ["Held", "held_dtensor", "LogicalState", "View", "load_whole", "check_fits", "KEY",
            "STEP"]
@@ -84,7 +84,7 @@ def _has_step(optimizer) -> bool:
 def _state_keys(optimizer) -> tuple[str, ...]:
     """The optimizer's per-parameter state tensors; none without an optimizer (an engine
     that only infers, e.g. AReaL's reference model: its view is the weights alone)."""
-    from runtime.sharding.state import state_keys
+    from runtime.checkpoints.optimizer_state import state_keys
 
     return () if optimizer is None else state_keys(optimizer)
 
@@ -109,7 +109,7 @@ class View:
     rank holds nothing of has empty ones."""
 
     def __init__(self, mode):
-        from runtime.sharding.state import ensure_state
+        from runtime.checkpoints.optimizer_state import ensure_state
 
         self.sharding, self.optimizer = mode, mode.optimizer
         self.keys = _state_keys(self.optimizer)
@@ -214,7 +214,7 @@ def _names(keys, prefix: str) -> set[str]:
 
 def check_fits(what: str, saved: dict[str, tuple], wanted: dict[str, tuple], *,
                optimizer: bool = True) -> None:
-    """One line (:class:`runtime.dcp.ShardedCheckpointError`) when the checkpoint ``what``
+    """One line (:class:`runtime.checkpoints.sharded.ShardedCheckpointError`) when the checkpoint ``what``
     (its logical tensors' shapes, ``saved``) is not this run's state (``wanted``). Without
     an ``optimizer`` the checkpoint's optimizer state is not read (only its weights)."""
     have, need = _names(saved, "model."), _names(wanted, "model.")

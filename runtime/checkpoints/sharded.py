@@ -13,13 +13,13 @@ renames the directory to its final name and replaces ``latest``; a crash at any 
 no half checkpoint under a final name. ``state`` maps names to tensors (plain tensors are
 saved once, DTensors as their shards) or to objects with ``state_dict()`` /
 ``load_state_dict()`` -- above all a sharding mode's logical view
-(``Sharding.sharded_state()``, :mod:`runtime.sharding.logical`: every parameter and its
+(``Sharding.sharded_state()``, :mod:`runtime.checkpoints.logical`: every parameter and its
 optimizer state by name at its whole shape, each rank its pieces), which DCP re-cuts on
-load for any world size and mode (the planners of :mod:`runtime.dcp.pieces`).
+load for any world size and mode (the planners of :mod:`runtime.checkpoints.pieces`).
 ``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json.
 meta.json records ``"logical": 1`` for a checkpoint holding the logical view; one written
 by the previous sharded format (per-mode entries, before 2026-12-05) is refused by
-``load_sharded`` in one line (the engine core still reads it: ``runtime.sharding.reshard``).
+``load_sharded`` in one line (the engine core still reads it: ``runtime.checkpoints.reshard``).
 
 Trusted like every other checkpoint (``runtime.checkpoints.checkpoint``): rank 0 writes the
 folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, and
@@ -54,7 +54,7 @@ from runtime.checkpoints.checkpoint import (
     write_manifest,
 )
 from runtime.checkpoints.files import _fsync_dir
-from runtime.dcp.pieces import LoadPlanner, SavePlanner
+from runtime.checkpoints.pieces import LoadPlanner, SavePlanner
 
 LATEST = "latest"
 META = "meta.json"
@@ -102,7 +102,7 @@ def _one_process_quiet():
 
 class CheckedState(Stateful):
     """A state entry checked against the checkpoint before it is loaded: the training
-    state's logical view (``runtime.sharding.logical.LogicalState``), which loads at any
+    state's logical view (``runtime.checkpoints.logical.LogicalState``), which loads at any
     world size and mode. ``check`` refuses (one line) a checkpoint that is not this run's."""
 
     def check(self, path: str, metadata, key: str) -> None:
