@@ -77,11 +77,13 @@ from runtime.checkpoints.files import (  # noqa: F401
 )
 from runtime.checkpoints.folders import RUN_FILE, foreign_folder
 
-LATEST = "latest"
+LATEST = "latest"  # the newest complete checkpoint's name (every format)
+META = "meta.json"  # a checkpoint's step, run and settings (every format)
 _STEP = re.compile(r"^step-(\d{6,})$")
 
 
 def step_name(step: int) -> str:
+    """A checkpoint's folder name (every format): ``step-000003``."""
     return f"step-{int(step):06d}"
 
 
@@ -334,8 +336,9 @@ def latest_checkpoint(directory: str | None) -> str | None:
 
 
 def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json (every format); unreadable: :class:`CheckpointError`."""
     try:
-        with open(os.path.join(path, "meta.json")) as f:
+        with open(os.path.join(path, META)) as f:
             return json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None

@@ -12,9 +12,9 @@ state): every rank loads the pieces it holds now. The sources (:func:`layout`):
   every rank reads the files whole and keeps its pieces; a replicated run also gets the
   optimizer's hyperparameters (``param_groups``), the model's buffers and the RNG state back,
   as a replica always did;
-- ``dcp-v1`` -- the sharded format before 2026-12-05 (zero1's flat tensors, fsdp's DTensors
-  and vocabulary): read whole on every rank (DCP without a process group) and cut into the
-  pieces, so it too resumes under any layout (each rank reads all of it once).
+- ``dcp-v1`` -- the sharded format DTA 0.1.0 wrote before 2026-12-05 (zero1's flat tensors,
+  fsdp's DTensors and vocabulary), read by the one legacy reader (:mod:`.legacy`): whole on
+  every rank and cut into the pieces, so it too resumes under any layout.
 
 Refused in one line, before a parameter is touched (:func:`.logical.check_fits`): a
 checkpoint of another model or size, LoRA <-> full, another optimizer's state.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from runtime.checkpoints.checkpoint import check_owner, read_meta, verify_manifest
 from runtime.checkpoints.logical import STEP, load_whole
@@ -58,7 +57,9 @@ def load(core, path: str) -> dict:
     if saved["format"] == "replicated":
         _load_replicated(core, path)
     else:
-        load_whole(mode, _previous_format(path, mode, saved["sharding"]), what=repr(path))
+        from runtime.checkpoints.legacy import read_dcp_v1
+
+        load_whole(mode, read_dcp_v1(path, mode, saved["sharding"]), what=repr(path))
     return saved["meta"]
 
 
@@ -118,75 +119,3 @@ def mode_state_keys(mode) -> tuple[str, ...]:
 
 def _adam(mode) -> bool:
     return type(mode.optimizer).__name__ in ("AdamW", "Adam")
-
-
-# ------------------------------------------------------- the previous sharded format --
-def _read_whole(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint, whole, in this process (no process group)."""
-    import warnings
-
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = dcp.FileSystemReader(path).read_metadata()  # a pickle: the manifest is verified
-    out = {}
-    for fqn, item in md.state_dict_metadata.items():
-        if not isinstance(item, TensorStorageMetadata):
-            raise ShardedCheckpointError(f"checkpoint {path!r}: entry {fqn!r} is not a tensor")
-        out[fqn] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    return out
-
-
-def _previous_format(path: str, mode, sharding: str) -> dict[str, torch.Tensor]:
-    """The logical tensors of a checkpoint in the sharded format before 2026-12-05: zero1's
-    masters and states flat over the trained parameters in the model's order (``zero1.*``),
-    fsdp's layers as ``fsdp.param.<name>`` / ``fsdp.optim.<name>.<key>`` and its
-    vocabulary weights flat (``vocab.*``), per-parameter step counts."""
-    saved = _read_whole(path)
-    shapes = dict(mode.logical_shapes())
-    keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")
-            if any(f.endswith(f".{k}") for f in saved)]
-    whole: dict[str, torch.Tensor] = {}
-
-    def flat(prefix: str, names: list[str]) -> None:
-        total = sum(_numel(shapes[n]) for n in names)
-        master = saved.get(f"{prefix}.master")
-        if master is None or master.numel() != total:
-            raise ShardedCheckpointError(
-                f"checkpoint {path!r} (train.sharding={sharding}, the format before "
-                f"2026-12-05) does not fit this run: {prefix}.master holds "
-                f"{None if master is None else master.numel()} elements, this model {total}")
-        steps, a = saved[f"{prefix}.steps"], 0
-        for i, n in enumerate(names):
-            k = _numel(shapes[n])
-            whole[f"model.{n}"] = master[a:a + k].view(shapes[n])
-            for key in keys:
-                whole[f"optim.{n}.{key}"] = saved[f"{prefix}.{key}"][a:a + k].view(shapes[n])
-            whole[f"optim.{n}.{STEP}"] = steps[i].to(torch.float64)
-            a += k
-
-    if sharding == "zero1":
-        flat("zero1", list(shapes))
-    elif sharding == "fsdp":
-        vocab = [n for n, _ in mode.vocab_params()]
-        flat("vocab", vocab)
-        for n in shapes:
-            if n in vocab:
-                continue
-            if f"fsdp.param.{n}" in saved:
-                whole[f"model.{n}"] = saved[f"fsdp.param.{n}"]
-            for key in (*keys, STEP):
-                if f"fsdp.optim.{n}.{key}" in saved:
-                    whole[f"optim.{n}.{key}"] = saved[f"fsdp.optim.{n}.{key}"]
-    else:
-        raise ShardedCheckpointError(f"checkpoint {path!r}: unknown sharding {sharding!r}")
-    return whole
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

@@ -19,7 +19,7 @@ load for any world size and mode (the planners of :mod:`runtime.checkpoints.piec
 ``load_sharded(path, state)`` fills ``state`` in place (every rank) and returns meta.json.
 meta.json records ``"logical": 1`` for a checkpoint holding the logical view; one written
 by the previous sharded format (per-mode entries, before 2026-12-05) is refused by
-``load_sharded`` in one line (the engine core still reads it: ``runtime.checkpoints.reshard``).
+``load_sharded`` in one line (the engine core still reads it: ``runtime.checkpoints.legacy``).
 
 Trusted like every other checkpoint (``runtime.checkpoints.checkpoint``): rank 0 writes the
 folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, and
@@ -48,25 +48,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from runtime.checkpoints.checkpoint import (
-    latest_checkpoint,
+    META,
+    CheckpointError,
     publish,
+    read_meta,
+    step_name,
     verify_manifest,
     write_manifest,
 )
 from runtime.checkpoints.files import _fsync_dir
 from runtime.checkpoints.pieces import LoadPlanner, SavePlanner
 
-LATEST = "latest"
-META = "meta.json"
 LOGICAL = 1  # meta.json's "logical": the version of the logical view it holds
 
 
-class ShardedCheckpointError(RuntimeError):
-    pass
-
-
-def step_name(step: int) -> str:
-    return f"step-{int(step):06d}"
+class ShardedCheckpointError(CheckpointError):
+    """A sharded checkpoint that does not fit this run (a :class:`CheckpointError`)."""
 
 
 def _rank() -> int:
@@ -175,20 +172,6 @@ def _own_error(exc: BaseException) -> Exception | None:
     return inner if isinstance(inner, Exception) else None
 
 
-def latest_sharded(directory: str | None) -> str | None:
-    """The newest complete sharded checkpoint in ``directory``, or None: complete means
-    published with its manifest, exactly as for the replicated format."""
-    return latest_checkpoint(directory)
-
-
-def read_meta(path: str) -> dict:
-    try:
-        with open(os.path.join(path, META)) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ShardedCheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
-
-
 def load_sharded(path: str, state: dict, *, group=None) -> dict:
     """Load ``path`` into ``state`` in place (every rank calls this); returns its meta.
     The manifest is verified first: nothing is read from an unverified folder. A logical
@@ -201,6 +184,7 @@ def load_sharded(path: str, state: dict, *, group=None) -> dict:
     if _logical(state) and meta.get("logical") != LOGICAL:
         raise ShardedCheckpointError(
             f"checkpoint {path!r} holds the sharded state in the format before 2026-12-05 "
+            "(written by DTA 0.1.0 before c7cfbfa: runtime.checkpoints.legacy) "
             f"(per mode, train.sharding={meta.get('sharding')} on {meta.get('world_size')} "
             "ranks), not the logical view this DTA loads here; resume it through the engine "
             "core (dta train / verl), or with the DTA that wrote it")

@@ -7,7 +7,8 @@
 - :mod:`.model`: :class:`ModelSpec`, LoRA by one rule;
 - :mod:`.core`: :class:`EngineCore` (build, parallelize, shard, walk, reduce, clip, step,
   checkpoints, export);
-- :mod:`.step`: the one gradient reduction and the clip / skip rules.
+- :mod:`.step`: the one gradient reduction and the clip / skip rules;
+- :mod:`.weights`: the whole weights in the compute dtype and the Hugging Face export.
 
 docs/engine.md says what a front door provides.
 """

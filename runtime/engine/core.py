@@ -21,8 +21,8 @@ an optimizer factory, the compute dtype and the device -- and its batches into a
    one ``WalkOptions`` object, the one gradient reduction, the clip, the update or the skip
    of a non-finite one (``runtime.engine.step``);
 4. checkpoints (DCP where sharded; a front door's own state -- its LR scheduler -- in them as
-   ``extra_state``), Hugging Face export, the full state dict and the
-   parameter norm (``runtime.checkpoints.engine``); the whole weights in the compute dtype
+   ``extra_state``: ``runtime.checkpoints.engine``), Hugging Face export, the full state dict
+   and the parameter norm (``runtime.engine.weights``); the whole weights in the compute dtype
    for a rollout's weight update, and whole tensors loaded back (:meth:`named_full_tensors`,
    :meth:`full_state_dict`, :meth:`load_full_state`).
 
@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 import runtime.checkpoints.engine as checkpoint
+import runtime.engine.weights as weights
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
 from runtime.engine.layout import (
@@ -365,20 +366,20 @@ class EngineCore:
         """``(name, whole tensor in the compute dtype)`` per parameter, in the model's order
         (sharded: gathered, a collective per tensor: every rank iterates)."""
         self._require()
-        return checkpoint.named_full_tensors(self)
+        return weights.named_full_tensors(self)
 
     def full_state_dict(self, keep: bool = True) -> dict:
         """The model's state dict in the compute dtype on CPU, whole tensors (what a rollout
         serves; tied weights under both names). Every rank calls it; ``keep=False`` takes
         part in the gathers without holding the result (returns ``{}``)."""
         self._require()
-        return checkpoint.full_state_dict(self, keep=keep)
+        return weights.full_state_dict(self, keep=keep)
 
     def load_full_state(self, state: dict, *, what: str) -> None:
         """Whole tensors (e.g. a Hugging Face folder read on every rank) into the model, its
         shards and its masters; every parameter must be there (``what`` names the source)."""
         self._require()
-        checkpoint.load_full_state(self, state, what=what)
+        weights.load_full_state(self, state, what=what)
 
     def gradients(self) -> dict:
         """CPU copies of the model's gradients (replicated: after the step, reduced and
@@ -424,4 +425,4 @@ class EngineCore:
 
     def export_hf(self, path: str, *, merged: bool = False) -> str:
         self._require()
-        return checkpoint.export_hf(self, path, merged=merged)
+        return weights.export_hf(self, path, merged=merged)

@@ -92,9 +92,7 @@ class Trainer:
         return self.settings.layout.sharded
 
     def latest_checkpoint(self) -> str | None:
-        if self.sharded:
-            from runtime.checkpoints.sharded import latest_sharded
-            return latest_sharded(self.cfg.train.checkpoint_dir)
+        """The newest complete checkpoint (either format: published with its manifest)."""
         return ckpt.latest_checkpoint(self.cfg.train.checkpoint_dir)
 
     @property

@@ -1,0 +1,130 @@
+"""The engine core's whole weights and its Hugging Face export (not checkpoints: those are
+``runtime.checkpoints.engine``).
+
+- the model as a Hugging Face folder (``save_pretrained``, compute dtype; LoRA: the adapter
+  in PEFT format or merged weights), gathered where sharded;
+- the whole weights in the compute dtype, tensor by tensor or as a state dict (what a
+  rollout's weight update sends: FSDP's layers gathered, never the fp32 masters), and whole
+  tensors loaded back into the model, its shards and its masters.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["export_hf", "named_full_tensors", "full_state_dict", "load_full_state"]
+
+
+def export_hf(core, path: str, *, merged: bool = False) -> str:
+    """The model as a Hugging Face folder. Replicated: call it on one rank. Sharded: every
+    rank calls it (gathering the whole state is a collective) and rank 0 writes, in the
+    compute dtype (what a replicated run holds and exports)."""
+    from dta.model.lora import is_peft_model, save_adapter
+
+    rank0 = core.layout.rank == 0
+    if is_peft_model(core.model):  # the adapter in PEFT format, or merged weights
+        # zero1 keeps the gathered compute copy in the model itself: nothing to gather
+        if rank0:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            save_adapter(core.model, path, merged=merged)
+        return path
+    if not core.layout.sharded:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        core.model.save_pretrained(path)
+        return path
+    state = full_state_dict(core, keep=rank0)  # the gathers on every rank, held by rank 0
+    if rank0:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        core.model.save_pretrained(path, state_dict=state)
+    return path
+
+
+# ------------------------------------------------------------- whole tensors --
+def _experts(core):
+    from dta.model.expert_parallel import expert_parallel_of
+
+    return expert_parallel_of(core.model)
+
+
+def _whole(core, p: torch.Tensor, ep=None) -> torch.Tensor:
+    t = p.detach()
+    if hasattr(t, "full_tensor"):  # an FSDP2 DTensor: all-gather (a collective)
+        t = t.full_tensor()
+    elif ep is not None and ep.is_expert(p):  # an expert slice: gathered over its group
+        t = ep.full_tensor(t)
+    if t.is_floating_point() and t.dtype != core.compute_dtype:
+        t = t.to(core.compute_dtype)
+    return t
+
+
+def named_full_tensors(core):
+    """``(name, whole tensor in the compute dtype)`` per parameter (every rank iterates)."""
+    ep = _experts(core)
+    for name, p in core.model.named_parameters():
+        yield name, _whole(core, p, ep)
+
+
+@torch.no_grad()
+def full_state_dict(core, *, keep: bool = True) -> dict:
+    """The model's state dict, whole tensors in the compute dtype on CPU (tied weights under
+    both names); ``keep=False``: the gathers only, ``{}`` returned."""
+    by_id: dict[int, torch.Tensor | None] = {}
+    full: dict[str, torch.Tensor | None] = {}
+    ep = _experts(core)
+    for name, p in core.model.named_parameters(remove_duplicate=False):
+        if id(p) not in by_id:
+            t = _whole(core, p, ep)
+            by_id[id(p)] = t.cpu().clone() if keep else None
+        full[name] = by_id[id(p)]
+    if not keep:
+        return {}
+    for name, b in core.model.named_buffers():
+        full[name] = b.detach().cpu().clone()
+    return {k: full[k] for k in core.model.state_dict() if k in full}
+
+
+@torch.no_grad()
+def load_full_state(core, state: dict, *, what: str) -> None:
+    """Whole tensors into the model (FSDP's shards: this rank's part), then what the
+    optimizer steps from them (``Sharding.load_masters``: replicate's masters or host
+    copies, zero1's flat slices, fsdp's vocabulary slices and offloaded layer copies). Every
+    parameter must be in ``state``, and nothing else but the model's state-dict keys
+    (``what`` names the source in the error)."""
+    model = core.model
+    named = list(model.named_parameters())
+    missing = [n for n, _ in named if n not in state]
+    unexpected = sorted(set(state) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match the model: missing {missing[:5]}"
+                         f"{' …' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{' …' if len(unexpected) > 5 else ''}")
+    ep = _experts(core)
+
+    def whole_shape(p):
+        if ep is None or not ep.is_expert(p):
+            return tuple(p.shape)
+        return (ep.slice_of(p)[2], *p.shape[1:])
+
+    def piece(name, p):  # an expert slice: its experts of the whole tensor
+        if ep is None or not ep.is_expert(p):
+            return state[name]
+        first, stop, _ = ep.slice_of(p)
+        return state[name][first:stop]
+
+    for name, p in named:
+        if tuple(state[name].shape) != whole_shape(p):
+            raise ValueError(f"{what}: {name} has shape {tuple(state[name].shape)}, the model "
+                             f"{whole_shape(p)}")
+    for name, p in named:
+        src = piece(name, p).to(device=p.device, dtype=p.dtype)
+        if hasattr(p, "device_mesh"):  # FSDP2: this rank's shard of the whole tensor
+            from torch.distributed.tensor import distribute_tensor
+
+            src = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
+        p.copy_(src)
+    for name, b in model.named_buffers():
+        if name in state:
+            b.copy_(state[name].to(device=b.device, dtype=b.dtype))
+    # what the optimizer steps: masters, flat slices, host copies (an expert slice: its rows)
+    core.sharding.load_masters({n: piece(n, p) for n, p in named})
