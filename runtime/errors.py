@@ -14,6 +14,12 @@ class TrainingError(RuntimeError):
     pass
 
 
+class ShardingRefused(ValueError):
+    """The engine core's sharding mode refused what it was asked to hold (its dtypes, frozen
+    weights); the text starts with ``sharding=<mode>``. A front door catches it by this type
+    and adds the keys of its own config that chose the mode."""
+
+
 class StepFailed(TrainingError):
     """A step failed on one or more workers; ``.failures`` maps rank -> (kind, description)
     and ``.applied`` lists the ranks that applied the update before the failure."""

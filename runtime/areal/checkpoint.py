@@ -1,10 +1,10 @@
-"""``save`` / ``load`` of ``DTATrainEngine`` in AReaL's two formats, as ``FSDPEngine`` has them,
-mapped onto the engine core's state:
+"""AReaL's ``save`` / ``load`` (``SaveLoadMeta``) in its two formats, as ``FSDPEngine`` has them,
+translated onto the engine core's state (``DTATrainEngine.save`` / ``load`` call these):
 
 * ``hf``: the core's Hugging Face export (``EngineCore.export_hf``: ``save_pretrained`` in
   the compute dtype, gathered where sharded, written by rank 0; LoRA: the adapter folder with
   the base config and no tokenizer, as FSDPEngine) plus the tokenizer/processor when given;
-  ``with_optim`` adds ``optim_world_size_{W}_rank_{r}.pt`` (replicated only: sharded, the
+  ``with_optim`` adds ``optim_world_size_{W}_rank_{r}.pt`` (``runtime.checkpoints.hf``) (replicated only: sharded, the
   optimizer state is split over the ranks, use ``dcp``). Loading reads a local directory
   only (nothing is ever downloaded) into the core (``EngineCore.load_full_state``: the
   weights, FSDP's shards and the masters).
@@ -30,124 +30,62 @@ of the same errno (``runtime.errors.storage_failure``).
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 
-import torch
 from areal.api.io_struct import SaveLoadMeta
 
-from runtime.engine import comm
+from runtime.checkpoints.hf import (  # noqa: F401  (local_state_dict: AReaL's hf folders)
+    load_hf_into_core,
+    load_optimizer_file,
+    local_state_dict,
+    save_optimizer_file,
+)
 
-__all__ = ["CheckpointMixin", "load_hf_into_core", "load_hf_weights", "local_state_dict",
-           "local_tokenizer"]
+__all__ = ["save", "load", "check_format", "says", "dcp_extra", "local_state_dict"]
 
 DCP_KIND = "dta-areal-dcp"  # what AReaL's recover checkpoints are, in their meta.json
+NO_OPTIMIZER = "no optimizer: the engine's config has optimizer=None (inference only)"
 
 
-class CheckpointMixin:
-    """The checkpoint members of the engine (needs ``core``, ``groups``, ``rank``,
-    ``world_size``, ``use_lora``, ``lr_scheduler``, ``_require_model``,
-    ``_require_optimizer``, ``_offload_aware``)."""
+def optimizer_of(core):
+    """The core's optimizer, or the one-line refusal of an inference-only engine."""
+    if core.optimizer is None:
+        raise RuntimeError(NO_OPTIMIZER)
+    return core.optimizer
 
-    def _optim_path(self, path: str) -> str:
-        return os.path.join(path, f"optim_world_size_{self.world_size}_rank_{self.rank}.pt")
 
-    def save(self, meta: SaveLoadMeta):
-        """``hf`` or ``dcp`` (see the module doc)."""
-        self._require_model()
-        _check_format(meta.weight_format)
-        with self._offload_aware(), _says(f"saving the engine ({meta.weight_format}) to "
-                                          f"{str(meta.path)!r} on rank {self.rank}",
-                                          str(meta.path)):
-            if meta.weight_format == "dcp":
-                self._save_dcp(meta)
-            else:
-                self._save_hf(meta)
-        comm.barrier(self.groups.cpu)
+def save(core, meta: SaveLoadMeta, *, version: int, lr_scheduler, use_lora: bool) -> None:
+    """AReaL's ``save(meta)``: ``hf`` or ``dcp`` (see the module doc)."""
+    check_format(meta.weight_format)
+    with says(f"saving the engine ({meta.weight_format}) to {str(meta.path)!r} on rank "
+              f"{core.layout.rank}", str(meta.path)):
+        if meta.weight_format == "dcp":
+            save_dcp(core, meta, version, dcp_extra(core, meta, lr_scheduler))
+        else:
+            save_hf(core, meta, use_lora=use_lora)
 
-    def _dcp_extra(self, meta: SaveLoadMeta) -> dict | None:
-        """What AReaL's recover checkpoint holds beside the core's state: its LR scheduler."""
-        if meta.with_optim:
-            self._require_optimizer()
-        elif self.optimizer is not None:
-            raise ValueError(f"weight_format='dcp' with with_optim=False under "
-                             f"actor.dta.sharding={self.sharding}: the DCP state holds the "
-                             "weights the optimizer steps (the fp32 masters where kept) with "
-                             "the optimizer state; save weight_format='hf' for the weights "
-                             "alone")
-        return None if self.lr_scheduler is None else {"lr_scheduler": self.lr_scheduler}
 
-    def _save_dcp(self, meta: SaveLoadMeta):
-        self.core.save(str(meta.path), self.get_version(), {"kind": DCP_KIND}, keep_last=1,
-                       extra_state=self._dcp_extra(meta), dcp=True)
+def load(core, meta: SaveLoadMeta, *, lr_scheduler) -> None:
+    """AReaL's ``load(meta)``: ``hf`` reads the directory's safetensors (a local path only)
+    and the optimizer state when ``with_optim``; ``dcp`` restores what :func:`save` wrote, in
+    place."""
+    check_format(meta.weight_format)
+    with says(f"loading the engine ({meta.weight_format}) from {str(meta.path)!r} on rank "
+              f"{core.layout.rank}", str(meta.path)):
+        if meta.weight_format == "dcp":
+            load_dcp(core, meta, dcp_extra(core, meta, lr_scheduler))
+        else:
+            load_hf(core, meta)
 
-    def _check_hf(self, meta: SaveLoadMeta) -> None:
-        if self.core.layout.sharded and meta.with_optim:
-            raise ValueError(f"weight_format='hf' with with_optim=True under "
-                             f"actor.dta.sharding={self.sharding}: the optimizer state is "
-                             "sharded over the ranks; use weight_format='dcp'")
 
-    def _save_hf(self, meta: SaveLoadMeta):
-        self._check_hf(meta)
-        main = self.rank == 0
-        if main or self.core.layout.sharded:  # sharded: gathered on every rank's part
-            self.core.export_hf(meta.path)
-        if main:
-            os.makedirs(meta.path, exist_ok=True)
-            if self.use_lora:  # as FSDPEngine: the base config beside the adapter, no tokenizer
-                self.model.config.save_pretrained(meta.path)
-            if meta.tokenizer is not None and not self.use_lora:
-                meta.tokenizer.save_pretrained(meta.path)
-            if meta.processor is not None and not self.use_lora:
-                meta.processor.save_pretrained(meta.path)
-        if meta.with_optim:
-            self._require_optimizer()
-            from runtime.checkpoints.checkpoint import save_tensors  # a failed write names the file
-
-            os.makedirs(meta.path, exist_ok=True)
-            save_tensors(self.optimizer.state_dict(), self._optim_path(meta.path))
-
-    def load(self, meta: SaveLoadMeta):
-        """The inverse of :meth:`save`: ``hf`` reads the directory's safetensors (a local path
-        only) and the optimizer state when ``with_optim``; ``dcp`` restores what
-        :meth:`save` wrote in place."""
-        self._require_model()
-        _check_format(meta.weight_format)
-        with self._offload_aware(), _says(f"loading the engine ({meta.weight_format}) from "
-                                          f"{str(meta.path)!r} on rank {self.rank}",
-                                          str(meta.path)):
-            if meta.weight_format == "dcp":
-                self._load_dcp(meta)
-            else:
-                self._load_hf(meta)
-        comm.barrier(self.groups.cpu)
-
-    def _load_dcp(self, meta: SaveLoadMeta):
-        extra = self._dcp_extra(meta)
-        try:
-            final, saved = self.core.find_checkpoint(str(meta.path))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no DCP checkpoint under {str(meta.path)!r} (expected "
-                                    "step-*/meta.json written by save)") from None
-        if saved.get("kind") != DCP_KIND:
-            raise ValueError(f"checkpoint {final!r} is a {saved.get('kind')!r} checkpoint, not "
-                             f"a DTATrainEngine recover checkpoint ({DCP_KIND})")
-        # the core's state is its layout-free view: written under any actor.dta.sharding,
-        # world size or allocation, it loads under this engine's (runtime.checkpoints.reshard)
-        self.core.load(final, extra_state=extra)
-
-    def _load_hf(self, meta: SaveLoadMeta):
-        self._check_hf(meta)
-        load_hf_into_core(self.core, meta.path, what=f"checkpoint {meta.path!r}")
-        if meta.with_optim:
-            self._require_optimizer()
-            from runtime.checkpoints.checkpoint import load_tensors  # tensors only
-
-            self.optimizer.load_state_dict(load_tensors(self._optim_path(meta.path)))
+def check_format(weight_format: str) -> None:
+    if weight_format not in ("hf", "dcp"):
+        raise ValueError(f"unknown weight_format {weight_format!r}; DTATrainEngine saves and "
+                         "loads 'hf' and 'dcp'")
 
 
 @contextlib.contextmanager
-def _says(action: str, path: str):
+def says(action: str, path: str):
     """A storage failure inside as one line naming ``action`` (see the module doc)."""
     from runtime.errors import storage_failure
 
@@ -162,93 +100,66 @@ def _says(action: str, path: str):
         raise plain from exc
 
 
-def _check_format(weight_format: str) -> None:
-    if weight_format not in ("hf", "dcp"):
-        raise ValueError(f"unknown weight_format {weight_format!r}; DTATrainEngine saves and "
-                         "loads 'hf' and 'dcp'")
+def dcp_extra(core, meta: SaveLoadMeta, lr_scheduler) -> dict | None:
+    """What AReaL's recover checkpoint holds beside the core's state: its LR scheduler."""
+    if meta.with_optim:
+        optimizer_of(core)
+    elif core.optimizer is not None:
+        raise ValueError(f"weight_format='dcp' with with_optim=False under "
+                         f"actor.dta.sharding={core.layout.sharding}: the DCP state holds the "
+                         "weights the optimizer steps (the fp32 masters where kept) with "
+                         "the optimizer state; save weight_format='hf' for the weights "
+                         "alone")
+    return None if lr_scheduler is None else {"lr_scheduler": lr_scheduler}
 
 
-def local_tokenizer(path: str):
-    """The tokenizer saved in a local directory, or None (a weights-only directory: training
-    needs no tokenizer)."""
+def save_dcp(core, meta: SaveLoadMeta, version: int, extra: dict | None) -> None:
+    core.save(str(meta.path), version, {"kind": DCP_KIND}, keep_last=1, extra_state=extra,
+              dcp=True)
+
+
+def _check_hf(core, meta: SaveLoadMeta) -> None:
+    if core.layout.sharded and meta.with_optim:
+        raise ValueError(f"weight_format='hf' with with_optim=True under "
+                         f"actor.dta.sharding={core.layout.sharding}: the optimizer state is "
+                         "sharded over the ranks; use weight_format='dcp'")
+
+
+def save_hf(core, meta: SaveLoadMeta, *, use_lora: bool) -> None:
+    _check_hf(core, meta)
+    layout = core.layout
+    main = layout.rank == 0
+    if main or layout.sharded:  # sharded: gathered on every rank's part
+        core.export_hf(meta.path)
+    if main:
+        os.makedirs(meta.path, exist_ok=True)
+        if use_lora:  # as FSDPEngine: the base config beside the adapter, no tokenizer
+            core.model.config.save_pretrained(meta.path)
+        if meta.tokenizer is not None and not use_lora:
+            meta.tokenizer.save_pretrained(meta.path)
+        if meta.processor is not None and not use_lora:
+            meta.processor.save_pretrained(meta.path)
+    if meta.with_optim:
+        save_optimizer_file(optimizer_of(core), meta.path, layout.world, layout.rank)
+
+
+def load_dcp(core, meta: SaveLoadMeta, extra: dict | None) -> None:
     try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:
-        return None
-
-
-def local_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files of a local directory."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path!r} is not a local directory")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path!r}")
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
+        final, saved = core.find_checkpoint(str(meta.path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no DCP checkpoint under {str(meta.path)!r} (expected "
+                                "step-*/meta.json written by save)") from None
+    if saved.get("kind") != DCP_KIND:
+        raise ValueError(f"checkpoint {final!r} is a {saved.get('kind')!r} checkpoint, not "
+                         f"a DTATrainEngine recover checkpoint ({DCP_KIND})")
+    # the core's state is its layout-free view: written under any actor.dta.sharding,
+    # world size or allocation, it loads under this engine's (runtime.checkpoints.reshard)
+    core.load(final, extra_state=extra)
 
 
-def is_adapter_dir(path: str) -> bool:
-    """Whether ``path`` holds a PEFT adapter (``adapter_config.json``) rather than weights."""
-    return os.path.isfile(os.path.join(path, "adapter_config.json"))
-
-
-def load_adapter(model, path: str, *, what: str):
-    """A PEFT LoRA adapter folder into ``model``: a PEFT model gets its adapter weights
-    replaced in place (every key must match), a plain model is wrapped
-    (``PeftModel.from_pretrained``). Returns ``(model, state read)``."""
-    from peft import PeftModel, load_peft_weights, set_peft_model_state_dict
-
-    if not hasattr(model, "peft_config"):
-        model = PeftModel.from_pretrained(model, path, is_trainable=False)
-        return model, load_peft_weights(path, device="cpu")
-    state = load_peft_weights(path, device=str(next(model.parameters()).device))
-    result = set_peft_model_state_dict(model, state)
-    unexpected = list(getattr(result, "unexpected_keys", []) or [])
-    if unexpected or not state:
-        raise ValueError(f"{what} {path!r} does not match the model's adapters: unexpected "
-                         f"{sorted(unexpected)[:5]}{', empty' if not state else ''}")
-    return model, state
-
-
-def load_hf_into_core(core, path: str, *, what: str) -> None:
-    """An HF folder into the engine core (its weights, shards and masters): every parameter
-    must be there (a tied ``lm_head.weight`` may be absent), nothing else. A LoRA model takes
-    an adapter folder (:func:`load_adapter`, in place)."""
-    from dta.model.lora import is_peft_model
-
-    model = core.model
-    if is_peft_model(model):
-        if not is_adapter_dir(path):
-            raise ValueError(f"{what} holds no adapter_config.json: a LoRA model loads PEFT "
-                             "adapter folders")
-        load_adapter(model, path, what=what)
-        state = {n: p.detach() for n, p in model.named_parameters()}  # the masters from them
-    else:
-        state = local_state_dict(path)
-    core.load_full_state(state, what=what)
-
-
-def load_hf_weights(model, path: str, *, what: str) -> dict[str, torch.Tensor]:
-    """An HF weights folder into ``model`` in place; every key must match (a tied
-    ``lm_head.weight`` may be absent). ``what`` names the folder in the error. Returns the
-    state dict read. A PEFT model takes an adapter folder (:func:`load_adapter`)."""
-    if hasattr(model, "peft_config"):
-        if not is_adapter_dir(path):
-            raise ValueError(f"{what} {path!r} holds no adapter_config.json: a LoRA model "
-                             "loads PEFT adapter folders")
-        return load_adapter(model, path, what=what)[1]
-    state = local_state_dict(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = ({"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False)
-            else set())
-    if unexpected or set(missing) - tied:
-        raise ValueError(f"{what} {path!r} does not match the model: missing "
-                         f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    return state
+def load_hf(core, meta: SaveLoadMeta) -> None:
+    _check_hf(core, meta)
+    load_hf_into_core(core, meta.path, what=f"checkpoint {meta.path!r}")
+    if meta.with_optim:
+        layout = core.layout
+        load_optimizer_file(optimizer_of(core), meta.path, layout.world, layout.rank)

@@ -9,73 +9,69 @@ skipped update on a non-finite gradient norm. The difference is how the gradient
 every sequence is its own micro-batch and the batch is walked as one prefix tree
 (``runtime/areal/walks.py``), so a shared prefix is forwarded once.
 
-The gradient is the one FSDPEngine computes with one sequence per micro-batch (to floating
-point rounding; tests/test_areal.py checks it against FSDPEngine in float32 and against a
-per-sequence reference in float64). For token-decomposable losses (PPO/GRPO, SFT) it is also
-what any other micro-batching gives, and for sequence-level ones (GSPO) because each call sees
-whole sequences.
+The gradient is FSDPEngine's with one sequence per micro-batch (to rounding: tests/test_areal.py
+checks it against FSDPEngine in float32 and a per-sequence reference in float64). The model
+stays in eval mode (the walks need one deterministic forward: no dropout); AReaL's config
+rejects float64, ``DTAOptions(dtype="float64")`` overrides it for verification. The engine
+core (``runtime.engine``, docs/engine.md) builds, shards, walks, reduces (SUM: each rank's
+loss scaled by ``loss_weight_fn(mb) / Σ_all loss_weight_fn``), clips, steps and holds the state.
 
-The model always stays in eval mode: the two walks must run the same deterministic forward, so
-dropout is never active (``train(mode)`` records the mode only). AReaL's config rejects
-float64; ``DTAOptions(dtype="float64")`` overrides it for verification.
-
-It is an adapter of the engine core (``runtime.engine``, docs/engine.md): AReaL's config
-(``fsdp:dNcM`` + ``actor.dta``) and batch format are translated, and the core builds the model
-(LoRA by its one rule), shards it (replicate / zero1 / fsdp, fp32 masters under bf16
-compute), walks with the run's one ``WalkOptions``, reduces (SUM over the ranks: each rank's
-loss is scaled by ``loss_weight_fn(mb) / Σ_all loss_weight_fn``, the gradient FSDPEngine's
-× DP-size average gives), clips, steps or skips, and holds the state.
-
-The modules, one thing each: ``options.py`` (DTAOptions), ``parallel.py`` (AReaL's
-allocation as the core's layout, its groups, what AReaL asks of them), ``translate.py``
-(the config as the core's inputs), ``optimizer.py`` (AReaL's optimizer and LR scheduler),
-``walks.py`` (the DFS walks), ``checkpoint.py`` / ``dcp.py`` (save/load), ``rollout.py``
-(inference-engine connection, weight updates, versions), ``offload.py``, ``workers.py``
-(what AReaL's single controller calls on a worker).
+This class is the whole adapter: every AReaL member, each a translation into the core.
+The translations are pure functions, one module per kind: ``options.py`` (DTAOptions),
+``parallel.py`` (AReaL's allocation as the core's layout), ``translate.py`` (the config as
+the core's inputs), ``optimizer.py`` (AReaL's optimizer and LR scheduler), ``walks.py`` (the
+batches and losses as the core's walks), ``checkpoint.py`` (``SaveLoadMeta`` onto the core's
+checkpoints, ``runtime.checkpoints``), ``rollout.py`` (weight updates), ``convert.py``
+(AReaL's tensors). Colocated offload (``offload()`` / ``onload()``, AReaL's colocated
+rollout) is the sharding mode's own move of everything it holds (``Sharding.to``: every
+layout); ``actor.dta.offload=optimizer`` is another thing, the optimizer stepped in host
+memory (``runtime.sharding.offload``).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from areal.api.cli_args import TrainEngineConfig
 from areal.api.engine_api import TrainEngine
-from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec
+from areal.api.io_struct import DeviceRuntimeInfo, FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.utils import stats_tracker
 
-from runtime.areal import convert
-from runtime.areal.checkpoint import CheckpointMixin, local_tokenizer
-from runtime.areal.offload import OffloadMixin
+from runtime.areal import checkpoint as ckpt
+from runtime.areal import rollout, walks
 from runtime.areal.optimizer import build_lr_scheduler
 from runtime.areal.options import DTAOptions
-from runtime.areal.parallel import GroupsMixin
-from runtime.areal.rollout import RolloutMixin
-from runtime.areal.translate import make_core, requested_walk
-from runtime.areal.walks import WalksMixin
-from runtime.areal.workers import WorkerMixin
-from runtime.engine import comm, settle
+from runtime.areal.parallel import init_default_group, layout_of, strategy_of
+from runtime.areal.translate import check_config, make_core, requested_walk
+from runtime.checkpoints.hf import local_tokenizer
+from runtime.engine import ParallelLayout, ProcessGroups, comm, settle
+from runtime.engine.layout import build_groups
 
 __all__ = ["DTAOptions", "DTATrainEngine"]
 
 logger = logging.getLogger("DTATrainEngine")
 
 
-class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, WorkerMixin,
-                     GroupsMixin, TrainEngine):
+class DTATrainEngine(TrainEngine):
     """An AReaL ``TrainEngine`` that trains by depth-first prefix-tree walks (see module doc).
+    Built as ``FSDPEngine``: AReaL's ``TrainEngineConfig`` (or ``PPOActorConfig``) and
+    optional :class:`DTAOptions`, ``create_process_group()`` (initializing
+    ``torch.distributed`` when it is not; ``destroy`` ends what it began), then
+    ``initialize(None, FinetuneSpec(...))``. ``fsdp:dNcM``: N data-parallel groups of M
+    context-parallel ranks, the state held as ``actor.dta.sharding`` says (unset: ``fsdp``
+    over N > 1, as AReaL's ``fsdp:dN``)."""
 
-    Construct with AReaL's ``TrainEngineConfig`` (or ``PPOActorConfig``) and optional
-    :class:`DTAOptions`; then ``create_process_group()`` (optional for a single process) and
-    ``initialize(None, FinetuneSpec(...))`` as with ``FSDPEngine``. ``fsdp:dNcM``: N
-    data-parallel groups of M context-parallel ranks; the state is held as
-    ``actor.dta.sharding`` says (``replicate``, ``zero1``, ``fsdp``; unset: ``fsdp`` over
-    N > 1, as AReaL's ``fsdp:dN``). Like FSDPEngine, the engine initializes
-    ``torch.distributed`` when it is not (one process: a file-store group, nothing listens)
-    and destroys it in ``destroy``.
-    """
+    # AReaL (after 1.0.4) hands R3 routing to an engine with ``_r3_enabled`` through these
+    # attributes (areal/engine/r3/transport.py: PPOActor pops the keys from the batch and sets
+    # them around each forward / train_batch call); 1.0.4 leaves the keys in the batch.
+    _r3_enabled = True
+    _r3_pending_routed_experts = None
+    _r3_pending_valid = None
 
     def __init__(self, config: TrainEngineConfig, dta: DTAOptions | None = None):
         self.config = config
@@ -83,29 +79,23 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self.dta = dta or getattr(config, "dta", None) or DTAOptions()
         if isinstance(self.dta, dict):
             self.dta = DTAOptions(**self.dta)
-        if getattr(config, "is_critic", False):
-            raise NotImplementedError("DTATrainEngine trains actors / language models; critics "
-                                      "(is_critic=True) are not supported")
-        fsdp = getattr(config, "fsdp", None)
-        if fsdp is not None and bool(getattr(fsdp, "offload_params", False)):
-            raise NotImplementedError("fsdp.offload_params=True: DTATrainEngine keeps the "
-                                      "parameters on the device (actor.dta.offload=optimizer "
-                                      "keeps the optimizer state in host memory)")
-        self.use_lora = bool(getattr(config, "use_lora", False))
-        if self.use_lora and getattr(config, "peft_type", "lora") != "lora":
-            raise NotImplementedError(f"DTATrainEngine trains LoRA adapters only "
-                                      f"(peft_type={config.peft_type!r})")
+        self.use_lora = check_config(config)
         # the walk actor.dta asks for; settled for the layout once (create_process_group)
         self.walk = requested_walk(config, self.dta)
         self.settings = None
+        self.layout: ParallelLayout | None = None  # AReaL's allocation as the core's layout
+        self.groups = ProcessGroups()
+        self.own_global_group = False  # this engine initialized torch.distributed
         self.core = None  # the engine core (runtime.engine.EngineCore), made by initialize
-        self.lr_scheduler = None
-        self.tokenizer = None
+        self.lr_scheduler = self.tokenizer = None
         self.device = torch.device("cpu")
         self._version = 0
         self._initialized = False
         self._training = True
         self._last: dict[str, float] = {}
+        self.is_offload = False  # colocated: the mode's state parked in host memory
+        self._offload_depth = 0
+        self.rollout_engine = self.rollout_coordinator = self.weight_update_group = None
 
     @classmethod
     def from_pretrained(cls, model: str, experiment_name: str, trial_name: str, dp_size: int = 1,
@@ -127,9 +117,22 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
 
     # ------------------------------------------------------------------ lifecycle --
     def create_process_group(self, parallel_strategy=None):
-        """The layout and its groups (:class:`~runtime.areal.parallel.GroupsMixin`), and the
-        walk settled for it (what the sharding mode needs of the walk, put in once)."""
-        super().create_process_group(parallel_strategy)
+        """The layout (``parallel.layout_of``) and its groups, once, initializing
+        ``torch.distributed`` if needed (``env://`` when ``WORLD_SIZE`` > 1, else a
+        one-process file-store group: AReaL's loop, its rollout coordination and its RPC
+        workers all call collectives on the default group); then the walk settled for it."""
+        strategy = strategy_of(getattr(self.config, "backend", None), parallel_strategy)
+        if self.layout is None:
+            self.own_global_group = init_default_group() or self.own_global_group
+            self.layout = layout_of(
+                self.dta.sharding, world=comm.world_size(), rank=comm.rank(),
+                context_parallel=int(getattr(strategy, "context_parallel_size", 1) or 1),
+                data_parallel=getattr(strategy, "data_parallel_size", None),
+                where=getattr(self.config, "backend", None) or parallel_strategy,
+                trains=self.optimizer_config is not None,
+                expert_parallel=int(getattr(strategy, "expert_parallel_size", 1) or 1),
+                shard_size=self.dta.shard_size, offload=self.dta.offload)
+            self.groups = build_groups(self.layout)
         if self.settings is None or self.settings.layout is not self.layout:
             self.settings = settle(self.walk, self.layout)
             self.walk = self.settings.walk
@@ -175,7 +178,11 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self._destroy_groups()
+        if dist.is_initialized() and self.own_global_group:
+            comm.barrier(self.groups.cpu)
+            dist.destroy_process_group()
+            self.own_global_group = False
+        self.layout, self.groups = None, ProcessGroups()
 
     def train(self, mode: bool = True):
         """Records the mode. The model stays in eval mode: the DFS walks need one
@@ -184,17 +191,39 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self._training = bool(mode)
         return self
 
+    # ------------------------------------------------------- layout and groups --
+    def _layout(self) -> ParallelLayout:
+        return self.layout if self.layout is not None else ParallelLayout()
+
+    # what AReaL asks about the process groups, answered by the layout and its groups
+    rank = property(lambda self: self._layout().rank)
+    world_size = property(lambda self: self._layout().world)
+    sharding = property(lambda self: self._layout().sharding, doc="The sharding mode run.")
+    data_parallel_group = property(lambda self: self.groups.data)
+    data_parallel_rank = property(lambda self: self._layout().dp_rank)
+    data_parallel_world_size = property(lambda self: self._layout().data_parallel)
+    context_and_model_parallel_group = property(lambda self: self.groups.context)
+
+    def current_data_parallel_head(self) -> int:
+        return self._layout().head
+
+    def is_data_parallel_head(self) -> bool:
+        return self._layout().is_head
+
+    @property
+    def cpu_group(self):
+        if not self._initialized:
+            raise RuntimeError("the engine is not initialized: call initialize() first")
+        return self.groups.cpu
+
     # ------------------------------------------------------------------ optimizer --
     def optimizer_zero_grad(self):
         self._require_optimizer()
         self.core.zero_grad()
 
     def optimizer_step(self):
-        """The core's step: the one gradient reduction (a SUM over the ranks), the clip by
-        the global norm (``optimizer.gradient_clipping``), the step -- or, on a non-finite
-        norm, the gradients discarded and the step skipped. Returns ``{update_successful,
-        grad_norm, lr}`` like FSDPEngine. Replicated, the model's ``.grad`` hold the clipped
-        gradients afterwards (the masters', cast); sharded, they were reduce-scattered."""
+        """The core's step (the SUM over the ranks, the clip by ``gradient_clipping``, the
+        step or the skip of a non-finite norm): ``{update_successful, grad_norm, lr}``."""
         self._require_optimizer()
         norm, updated = self.core.optimizer_step(self.optimizer_config.gradient_clipping)
         return dict(update_successful=float(updated), grad_norm=float(norm),
@@ -206,6 +235,19 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self.lr_scheduler.step()
 
     # ------------------------------------------------------------ train / forward --
+    def _sequences(self, input_, device=None):
+        return walks.sequences(input_, routed=self._r3_pending_routed_experts,
+                               valid=self._r3_pending_valid, model_type=self._model_type(),
+                               device=device)
+
+    def _walk_loss(self, input_, loss_fn, loss_weight_fn, *, train: bool):
+        ids, mbs, routing, _ = self._sequences(input_, self.device)
+        scales = walks.loss_scales(mbs, loss_weight_fn, device=self.device,
+                                   group=self.groups.data)
+        losses, self._last = walks.walk_loss(self.core, self.config, ids, mbs, loss_fn, scales,
+                                             train=train, routing=routing, device=self.device)
+        return losses, len(mbs)
+
     def train_batch(self, input_, loss_fn: Callable[..., torch.Tensor],
                     loss_weight_fn: Callable[[dict[str, Any]], torch.Tensor]) -> dict[str, float]:
         """One optimizer step on the batch (see the module doc). Returns FSDPEngine's keys:
@@ -214,11 +256,9 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         self._require_optimizer()
         self._ensure_ready()
         self.core.zero_grad()
-        ids, mbs, routing, _ = self._sequences(input_, self.device)
-        scales = self._loss_scales(mbs, loss_weight_fn)
-        self._walk_loss(ids, mbs, loss_fn, scales, train=True, routing=routing)
+        _, n = self._walk_loss(input_, loss_fn, loss_weight_fn, train=True)
         stats = self.optimizer_step()
-        stats["num_micro_batches"] = len(mbs)
+        stats["num_micro_batches"] = n
         return stats
 
     @torch.no_grad()
@@ -228,42 +268,139 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         summed over data-parallel ranks (FSDPEngine.eval_batch)."""
         self._require_model()
         self._ensure_ready()
-        ids, mbs, routing, _ = self._sequences(input_, self.device)
-        scales = self._loss_scales(mbs, loss_weight_fn)
-        losses = self._walk_loss(ids, mbs, loss_fn, scales, train=False, routing=routing)
+        losses, _ = self._walk_loss(input_, loss_fn, loss_weight_fn, train=False)
         return comm.all_reduce(torch.stack(losses).sum(dtype=torch.float32), self.groups.data)
 
     @torch.no_grad()
     def forward_batch(self, input_, output_seqlens: list[int] | None = None,
                       aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat):
-        """Log-probs aligned as FSDPEngine's: ``out[i, t] = log p(ids[i, t+1] | ids[i, :t+1])``
-        for ``t < L_i - 1``; ``out[i, L_i - 1]`` is the log-prob of the wrap label (AReaL's roll
-        artefact with one sequence per micro-batch); padding is 0. Dict input gives a
-        ``[B, max L_i]`` tensor, list input a list of per-trajectory tensors."""
+        """Log-probs aligned as FSDPEngine's (:func:`runtime.areal.walks.forward_logprobs`):
+        dict input gives a ``[B, max L_i]`` tensor, list input one per trajectory."""
         self._require_model()
         self._ensure_ready()
         ids, _, routing, meta = self._sequences(input_)
-        lengths = [len(s) for s in ids]
-        if meta is not None:
-            inferred = [d["attention_mask"].shape[-1] for d in input_]
-            if output_seqlens is not None and output_seqlens != inferred:
-                raise ValueError(f"output_seqlens mismatch for list input: given {output_seqlens}, "
-                                 f"inferred {inferred} from attention_mask shapes.")
-            output_seqlens = inferred if len(inferred) == len(ids) else lengths
-        if output_seqlens is None:
-            output_seqlens = lengths
-        res = self._walk(ids, routing)
-        outputs = [convert.areal_view(lp, n) for lp, n in zip(res.logprobs, lengths)]
-        result = convert.pad_outputs(outputs, list(output_seqlens), aggregate_fn)
-        return result if meta is None else convert.split_batch(result, meta)
+        out, self._last = walks.forward_logprobs(self.core, self.config, input_, ids, routing,
+                                                 meta, output_seqlens, aggregate_fn)
+        return out
+
+    def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False):
+        """AReaL's micro-batch interface: forward only, no prefix sharing
+        (:func:`runtime.areal.walks.forward_backward`)."""
+        self._require_model()
+        walks.forward_backward(self.core, mb_list, process_output_fn, forward_only=forward_only,
+                               device=self.device)
+
+    # ------------------------------------------------------------------ save / load --
+    def save(self, meta: SaveLoadMeta):
+        """``hf`` or ``dcp`` (:func:`runtime.areal.checkpoint.save`)."""
+        self._require_model()
+        with self._offload_aware():
+            ckpt.save(self.core, meta, version=self.get_version(),
+                      lr_scheduler=self.lr_scheduler, use_lora=self.use_lora)
+        comm.barrier(self.groups.cpu)
+
+    def load(self, meta: SaveLoadMeta):
+        """The inverse of :meth:`save` (:func:`runtime.areal.checkpoint.load`)."""
+        self._require_model()
+        with self._offload_aware():
+            ckpt.load(self.core, meta, lr_scheduler=self.lr_scheduler)
+        comm.barrier(self.groups.cpu)
+
+    # ---------------------------------------------------- rollout and weight updates --
+    def connect_engine(self, engine, meta: WeightUpdateMeta):
+        """Connect the inference engine the rollouts run on and the weights go to (AReaL's
+        ``DistRolloutCoordinator`` on it; ``xccl``: the weight-update group)."""
+        from areal.infra.dist_rollout import DistRolloutCoordinator
+
+        rollout.check_update_type(meta)
+        self._ensure_groups()  # the coordinator's barriers need process groups
+        self.rollout_engine = engine
+        self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
+        if meta.type == "xccl" and self.weight_update_group is None:
+            self.weight_update_group, self._weight_update_address = \
+                rollout.init_weight_update_group(engine, meta, rank=self.rank)
+        comm.barrier(self.groups.cpu)
+
+    def _check_connected(self):
+        if self.rollout_engine is None or self.rollout_coordinator is None:
+            raise RuntimeError("no inference engine connected: call connect_engine(engine, "
+                               "meta) before rollout_batch / prepare_batch / update_weights")
+
+    def rollout_batch(self, data, workflow, workflow_kwargs=None, group_size: int = 1):
+        """AReaL's synchronous rollout of ``data`` on the connected inference engine."""
+        self._check_connected()
+        return self.rollout_coordinator.rollout_batch(
+            data, workflow=workflow, workflow_kwargs=workflow_kwargs, group_size=group_size)
+
+    def prepare_batch(self, dataloader, workflow, workflow_kwargs=None, should_accept_fn=None,
+                      group_size: int = 1, dynamic_bs: bool = False):
+        """The next training batch from the connected inference engine (AReaL's
+        staleness-controlled ``prepare_batch``)."""
+        self._check_connected()
+        return self.rollout_coordinator.prepare_batch(
+            dataloader, workflow=workflow, workflow_kwargs=workflow_kwargs,
+            should_accept_fn=should_accept_fn, group_size=group_size, dynamic_bs=dynamic_bs)
+
+    def update_weights(self, meta: WeightUpdateMeta):
+        """Push the current weights to the connected inference engine (``disk`` or ``xccl``:
+        :mod:`runtime.areal.rollout`)."""
+        self._check_connected()
+        self._require_model()
+        with self._offload_aware():
+            rollout.update(self, meta)
+
+    def set_version(self, version: int):
+        self._version = int(version)
+
+    def get_version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------ colocated offload --
+    def offload(self) -> None:
+        """Everything the sharding mode holds on the accelerator -- parameters, gradients,
+        masters, optimizer state, under every layout -- to host memory (``Sharding.to``),
+        so the colocated rollout can use the accelerator (AReaL's ``enable_offload``)."""
+        self._require_model()
+        if not self.is_offload:
+            self.core.sharding.to("host")
+            self.is_offload = True
+        comm.barrier(self.groups.cpu)
+
+    def onload(self) -> None:
+        """Everything :meth:`offload` moved back to the device."""
+        self._require_model()
+        if self.is_offload:
+            self.core.sharding.to("device")
+            self.is_offload = False
+        comm.barrier(self.groups.cpu)
+
+    @contextlib.contextmanager
+    def _offload_aware(self):
+        """Onload for the duration of an operation that needs the weights, and offload again
+        after it if the engine was offloaded (re-entrant: only the outermost call moves)."""
+        if not self.is_offload and self._offload_depth == 0:
+            yield
+            return
+        self._offload_depth += 1
+        if self._offload_depth == 1:
+            self.onload()
+        try:
+            yield
+        finally:
+            self._offload_depth -= 1
+            if self._offload_depth == 0:
+                self.offload()
+
+    def _ensure_ready(self):
+        """Onload an offloaded engine before it computes (as FSDPEngine._ensure_ready)."""
+        if self.is_offload:
+            self.onload()
 
     # ------------------------------------------------------------------ stats / misc --
     def export_stats(self) -> dict[str, float]:
-        """``stats_tracker.export_all`` (what loss functions recorded), plus the last batch's
-        tree statistics: ``tree_token_ratio`` (total tokens / unique prefix-tree tokens),
-        ``tree_total_tokens``, ``tree_unique_tokens``, ``tree_sequences``, ``tree_depth``,
-        ``dta_forwarded_tokens`` (what the walks forwarded) and ``dta_loss`` (last train or
-        eval batch, this rank)."""
+        """``stats_tracker.export_all`` plus the last batch's tree statistics
+        (``tree_token_ratio``, ``tree_*_tokens``, ``tree_sequences``, ``tree_depth``,
+        ``dta_forwarded_tokens``, ``dta_loss``: :func:`runtime.areal.walks.walk`)."""
         out = stats_tracker.export_all(reduce_group=self.groups.data)
         out.update(self._last)
         return out
@@ -272,25 +409,47 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
         return DeviceRuntimeInfo.get_current()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's whole weights in the compute dtype, on CPU (the state the rollout
-        receives). Sharded, they are gathered: every rank calls it, each gets them."""
+        """The whole weights in the compute dtype, on CPU (sharded: gathered, every rank)."""
         self._require_model()
         return self.core.full_state_dict()
 
     def param_norm(self) -> float:
-        """L2 norm of the parameters the optimizer steps (the fp32 masters where there are
-        any; sharded: a collective)."""
+        """L2 norm of what the optimizer steps (the fp32 masters where kept; a collective)."""
         self._require_model()
         return self.core.param_norm()
+
+    # what AReaL's single controller calls on a worker beyond the ABC (areal 1.0.4,
+    # infra/controller/train_controller.py: at the end of every step, and the perf tracer)
+    def clear_batches(self, shard_ids: list[str]) -> None:
+        """Drop the given RTensor shards from this worker's client-side fetch buffer."""
+        from areal.infra.rpc.rtensor import clear_fetch_buffer
+
+        clear_fetch_buffer(shard_ids)
+
+    def fetch_buffer_stats(self) -> dict[str, int]:
+        """``{"num_entries": n}`` of this worker's fetch buffer (the controller's leak check)."""
+        from areal.infra.rpc.rtensor import fetch_buffer_stats
+
+        return fetch_buffer_stats()
+
+    def save_perf_tracer(self, step: int | None = None, force: bool = False) -> None:
+        from areal.utils import perf_tracer
+
+        perf_tracer.save(step=step, force=force)
+
+    def config_perf_tracer(self, config, rank: int, role: str) -> None:
+        from areal.utils import perf_tracer
+
+        if not perf_tracer.is_configured():
+            perf_tracer.configure(config, rank=rank, role=role)
 
     # ------------------------------------------------------------------- helpers --
     def _model_type(self) -> str:
         return getattr(self.model.config, "model_type", "") if self.model is not None else ""
 
-    def _ensure_ready(self):
-        """Onload an offloaded engine before it computes (as FSDPEngine._ensure_ready)."""
-        if self.is_offload:
-            self.onload()
+    def _ensure_groups(self) -> None:
+        if self.layout is None:
+            self.create_process_group()
 
     def _require_model(self):
         if self.core is None:
@@ -299,5 +458,4 @@ class DTATrainEngine(WalksMixin, CheckpointMixin, RolloutMixin, OffloadMixin, Wo
     def _require_optimizer(self):
         self._require_model()
         if self.optimizer is None:
-            raise RuntimeError("no optimizer: the engine's config has optimizer=None "
-                               "(inference only)")
+            raise RuntimeError(ckpt.NO_OPTIMIZER)

@@ -25,10 +25,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from runtime.engine import LayoutError, ParallelLayout, ProcessGroups, comm
-from runtime.engine.layout import build_groups
+from runtime.engine import LayoutError, ParallelLayout
 
-__all__ = ["GroupsMixin", "init_default_group", "layout_of", "strategy_of"]
+__all__ = ["init_default_group", "layout_of", "strategy_of"]
 
 _REFUSED = ("tensor_parallel_size", "pipeline_parallel_size")
 # ParallelLayout field -> how AReaL spells it
@@ -108,89 +107,3 @@ def init_default_group() -> bool:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     return True
-
-
-class GroupsMixin:
-    """``create_process_group`` and what AReaL's ``TrainEngine`` asks about process groups,
-    answered by the layout (``self.layout``) and its groups (``self.groups``). Before
-    ``create_process_group`` the groups are ``None`` and the rank is 0 of 1."""
-
-    layout: ParallelLayout | None = None
-    groups: ProcessGroups = ProcessGroups()
-    own_global_group = False
-
-    def create_process_group(self, parallel_strategy=None):
-        """The layout and its groups (once), initializing ``torch.distributed`` if needed:
-        ``env://`` when ``WORLD_SIZE`` > 1, else a one-process file-store group (AReaL's loop,
-        its rollout coordination and its RPC workers all call collectives on the default
-        group); the engine owns a group it initialized."""
-        strategy = strategy_of(getattr(self.config, "backend", None), parallel_strategy)
-        if self.layout is not None:
-            return
-        if init_default_group():
-            self.own_global_group = True
-        self.layout = layout_of(
-            self.dta.sharding, world=comm.world_size(), rank=comm.rank(),
-            context_parallel=int(getattr(strategy, "context_parallel_size", 1) or 1),
-            data_parallel=getattr(strategy, "data_parallel_size", None),
-            where=getattr(self.config, "backend", None) or parallel_strategy,
-            trains=self.optimizer_config is not None,
-            expert_parallel=int(getattr(strategy, "expert_parallel_size", 1) or 1),
-            shard_size=self.dta.shard_size, offload=self.dta.offload)
-        self.groups = build_groups(self.layout)
-
-    def _ensure_groups(self) -> None:
-        if self.layout is None:
-            self.create_process_group()
-
-    def _destroy_groups(self) -> None:
-        if dist.is_initialized() and self.own_global_group:
-            comm.barrier(self.groups.cpu)
-            dist.destroy_process_group()
-            self.own_global_group = False
-        self.layout, self.groups = None, ProcessGroups()
-
-    def _layout(self) -> ParallelLayout:
-        return self.layout if self.layout is not None else ParallelLayout()
-
-    @property
-    def rank(self) -> int:
-        return self._layout().rank
-
-    @property
-    def world_size(self) -> int:
-        return self._layout().world
-
-    @property
-    def sharding(self) -> str:
-        """The sharding mode the engine runs (resolved: ``actor.dta.sharding`` or its
-        default)."""
-        return self._layout().sharding
-
-    @property
-    def data_parallel_group(self):
-        return self.groups.data
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self._layout().dp_rank
-
-    @property
-    def data_parallel_world_size(self) -> int:
-        return self._layout().data_parallel
-
-    def current_data_parallel_head(self) -> int:
-        return self._layout().head
-
-    def is_data_parallel_head(self) -> bool:
-        return self._layout().is_head
-
-    @property
-    def context_and_model_parallel_group(self):
-        return self.groups.context
-
-    @property
-    def cpu_group(self):
-        if not self._initialized:
-            raise RuntimeError("the engine is not initialized: call initialize() first")
-        return self.groups.cpu

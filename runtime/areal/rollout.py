@@ -1,5 +1,5 @@
-"""The rollout side of AReaL's ``TrainEngine`` API on ``DTATrainEngine``, as ``FSDPEngine``
-does it (areal 1.0.4, ``engine/fsdp_engine.py:560-1690``):
+"""The rollout side of AReaL's ``TrainEngine`` API (what ``DTATrainEngine``'s members call), as
+``FSDPEngine`` does it (areal 1.0.4, ``engine/fsdp_engine.py:560-1690``):
 
 * ``connect_engine(engine, meta)`` keeps the inference engine, builds AReaL's own
   ``DistRolloutCoordinator`` on it, and for ``meta.type == "xccl"`` sets up the weight-update
@@ -30,7 +30,10 @@ from areal.api.io_struct import ParamSpec, SaveLoadMeta, WeightUpdateMeta
 
 from runtime.engine import comm
 
-__all__ = ["RolloutMixin", "broadcast_bucket", "param_buckets"]
+__all__ = ["WEIGHT_UPDATES", "broadcast_bucket", "param_buckets", "init_weight_update_group",
+           "update", "update_from_disk", "update_from_distributed"]
+
+WEIGHT_UPDATES = ("disk", "xccl")
 
 _GROUP_NAME = "update_weight_group"
 
@@ -57,158 +60,121 @@ def broadcast_bucket(tensors, group) -> None:
         comm.broadcast(tensor, src=0, group=group)
 
 
-class RolloutMixin:
-    """``connect_engine``, ``update_weights``, ``rollout_batch``, ``prepare_batch``,
-    ``set_version`` / ``get_version`` (needs ``core``, ``groups``, ``rank``, ``config``,
-    ``tokenizer``, ``save``, ``_require_model``, ``_offload_aware``)."""
+def check_update_type(meta: WeightUpdateMeta) -> None:
+    if meta.type not in WEIGHT_UPDATES:
+        raise ValueError(f"weight update type {meta.type!r} is not supported by "
+                         "DTATrainEngine; use 'disk' or 'xccl'")
 
-    _version = 0
-    rollout_engine = None
-    rollout_coordinator = None
-    weight_update_group = None
 
-    # ------------------------------------------------------------------ connection --
-    def connect_engine(self, engine, meta: WeightUpdateMeta):
-        """Connect the inference engine the rollouts run on and the weights go to."""
-        from areal.infra.dist_rollout import DistRolloutCoordinator
+def update(engine, meta: WeightUpdateMeta) -> None:
+    """``engine.update_weights(meta)``: ``disk`` or ``xccl`` (see the module doc)."""
+    check_update_type(meta)
+    if meta.type == "disk":
+        update_from_disk(engine.rollout_engine, meta, rank=engine.rank, save=engine.save,
+                         tokenizer=engine.tokenizer, experiment=engine.config.experiment_name,
+                         trial=engine.config.trial_name, version=engine.get_version(),
+                         cpu_group=engine.groups.cpu)
+        return
+    if engine.weight_update_group is None and engine.rank == 0:
+        raise RuntimeError("xccl weight update without a weight-update group: "
+                           "connect_engine(engine, meta) with an xccl meta first")
+    update_from_distributed(engine.core, engine.rollout_engine, meta, rank=engine.rank,
+                            group=engine.weight_update_group,
+                            address=engine._weight_update_address, cpu_group=engine.groups.cpu,
+                            use_lora=engine.use_lora)
 
-        if meta.type not in ("disk", "xccl"):
-            raise ValueError(f"weight update type {meta.type!r} is not supported by "
-                             "DTATrainEngine; use 'disk' or 'xccl'")
-        self._ensure_groups()  # the coordinator's barriers need process groups
-        self.rollout_engine = engine
-        self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
-        if meta.type == "xccl" and self.weight_update_group is None:
-            self._init_weight_update_group(meta)
-        comm.barrier(self.groups.cpu)
 
-    def _check_connected(self):
-        if self.rollout_engine is None or self.rollout_coordinator is None:
-            raise RuntimeError("no inference engine connected: call connect_engine(engine, "
-                               "meta) before rollout_batch / prepare_batch / update_weights")
+def update_from_disk(rollout_engine, meta: WeightUpdateMeta, *, rank: int, save, tokenizer,
+                     experiment: str, trial: str, version: int, cpu_group) -> None:
+    """``disk``: the inference engine loads ``meta.path`` while ``save`` (the engine's own,
+    ``hf``) writes it; rank 0 publishes AReaL's name-resolve record (see the module doc)."""
+    from areal.utils import name_resolve, names
 
-    def rollout_batch(self, data, workflow, workflow_kwargs=None, group_size: int = 1):
-        """AReaL's synchronous rollout of ``data`` on the connected inference engine."""
-        self._check_connected()
-        return self.rollout_coordinator.rollout_batch(
-            data, workflow=workflow, workflow_kwargs=workflow_kwargs, group_size=group_size)
+    if meta.path is None:
+        raise ValueError("a disk weight update needs WeightUpdateMeta.path")
+    main = rank == 0
+    fut = None
+    if main:
+        rollout_engine.pause_generation()
+        fut = rollout_engine.update_weights_from_disk(meta)
+    save(SaveLoadMeta(path=meta.path, weight_format="hf", with_optim=False,
+                      tokenizer=tokenizer))
+    if main:
+        key = names.update_weights_from_disk(experiment, trial, version)
+        # replace: a resumed run publishes the version of the run it resumes again
+        name_resolve.add(key, str(datetime.now().timestamp()), keepalive_ttl=120,
+                         replace=True)
+        fut.result()
+        rollout_engine.continue_generation()
+    comm.barrier(cpu_group)
 
-    def prepare_batch(self, dataloader, workflow, workflow_kwargs=None, should_accept_fn=None,
-                      group_size: int = 1, dynamic_bs: bool = False):
-        """The next training batch from the connected inference engine (AReaL's
-        staleness-controlled ``prepare_batch``)."""
-        self._check_connected()
-        return self.rollout_coordinator.prepare_batch(
-            dataloader, workflow=workflow, workflow_kwargs=workflow_kwargs,
-            should_accept_fn=should_accept_fn, group_size=group_size, dynamic_bs=dynamic_bs)
 
-    # ----------------------------------------------------------------- weight update --
-    def update_weights(self, meta: WeightUpdateMeta):
-        """Push the current weights to the connected inference engine (``disk`` or
-        ``xccl``, see the module doc)."""
-        self._check_connected()
-        self._require_model()
-        with self._offload_aware():
-            if meta.type == "disk":
-                self._update_weights_from_disk(meta)
-            elif meta.type == "xccl":
-                if self.weight_update_group is None and self.rank == 0:
-                    raise RuntimeError("xccl weight update without a weight-update group: "
-                                       "connect_engine(engine, meta) with an xccl meta first")
-                self._update_weights_from_distributed(meta)
-            else:
-                raise ValueError(f"weight update type {meta.type!r} is not supported by "
-                                 "DTATrainEngine; use 'disk' or 'xccl'")
+def init_weight_update_group(rollout_engine, meta: WeightUpdateMeta, *, rank: int):
+    """The NCCL group {trainer rank 0} ∪ inference workers, as FSDPEngine builds it (one
+    group; inference pipeline parallelism is refused): ``(group or None, (address, port))``."""
+    from areal.engine.core.distributed import init_custom_process_group
+    from areal.infra.platforms import current_platform
+    from areal.utils.constants import DIST_GROUP_DEFAULT_TIMEOUT
+    from areal.utils.network import find_free_ports, format_host_for_url, gethostip
 
-    def _update_weights_from_disk(self, meta: WeightUpdateMeta):
-        from areal.utils import name_resolve, names
+    alloc = meta.gen_allocation
+    if alloc is None:
+        raise ValueError("an xccl WeightUpdateMeta needs gen_allocation (the inference "
+                         "engine's allocation): use WeightUpdateMeta.from_fsdp_xccl")
+    if alloc.parallel.pp_size > 1:
+        raise NotImplementedError(f"xccl weight update to an inference engine with "
+                                  f"pipeline parallelism {alloc.parallel.pp_size} > 1")
+    meta.nccl_master_address = gethostip()
+    meta.nccl_master_port = find_free_ports(1)[0]
+    meta.nccl_group_name = _GROUP_NAME
+    address = (meta.nccl_master_address, meta.nccl_master_port)
+    group = None
+    if rank == 0:
+        fut = rollout_engine.init_weights_update_group(meta)
+        host = format_host_for_url(meta.nccl_master_address)
+        group = init_custom_process_group(
+            backend=current_platform.communication_backend,
+            world_size=alloc.parallel.world_size + 1,
+            init_method=f"tcp://{host}:{meta.nccl_master_port}", rank=0,
+            group_name=_GROUP_NAME, timeout=DIST_GROUP_DEFAULT_TIMEOUT)
+        fut.result()
+    return group, address
 
-        if meta.path is None:
-            raise ValueError("a disk weight update needs WeightUpdateMeta.path")
-        main = self.rank == 0
-        fut = None
-        if main:
-            self.rollout_engine.pause_generation()
-            fut = self.rollout_engine.update_weights_from_disk(meta)
-        self.save(SaveLoadMeta(path=meta.path, weight_format="hf", with_optim=False,
-                               tokenizer=self.tokenizer))
-        if main:
-            key = names.update_weights_from_disk(self.config.experiment_name,
-                                                 self.config.trial_name, self.get_version())
-            # replace: a resumed run publishes the version of the run it resumes again
-            name_resolve.add(key, str(datetime.now().timestamp()), keepalive_ttl=120,
-                             replace=True)
+
+def update_from_distributed(core, rollout_engine, meta: WeightUpdateMeta, *, rank: int, group,
+                            address, cpu_group, use_lora: bool) -> None:
+    """``xccl``: the whole weights (sharded: gathered, every rank takes part) broadcast by
+    rank 0 bucket by bucket, each announced with its ``ParamSpec`` list first."""
+    if use_lora:
+        raise NotImplementedError("DTATrainEngine with use_lora=True updates the inference "
+                                  "engine's adapter by disk (weight_update_mode=disk)")
+    main = rank == 0
+    meta.nccl_master_address, meta.nccl_master_port = address
+    meta.nccl_group_name = _GROUP_NAME
+    if main:
+        rollout_engine.pause_generation()
+    comm.barrier(cpu_group)
+    named = ((n, export_tensor(t)) for n, t in core.named_full_tensors())
+    if main:
+        for bucket in param_buckets(named, meta.weight_chunked_mem_mb * 1024 * 1024):
+            specs = [ParamSpec(name=n, shape=tuple(t.shape),
+                               dtype=str(t.dtype).split("torch.")[1]) for n, t in bucket]
+            fut = rollout_engine.update_weights_from_distributed(meta, specs)
+            broadcast_bucket([t for _, t in bucket], group)
             fut.result()
-            self.rollout_engine.continue_generation()
-        comm.barrier(self.groups.cpu)
+    else:
+        for _ in named:  # the gathers rank 0 makes
+            pass
+    comm.barrier(cpu_group)
+    if main:
+        rollout_engine.continue_generation()
 
-    def _init_weight_update_group(self, meta: WeightUpdateMeta):
-        """The NCCL group {trainer rank 0} ∪ inference workers, as FSDPEngine builds it
-        (one group; inference pipeline parallelism is refused)."""
-        from areal.engine.core.distributed import init_custom_process_group
-        from areal.infra.platforms import current_platform
-        from areal.utils.constants import DIST_GROUP_DEFAULT_TIMEOUT
-        from areal.utils.network import find_free_ports, format_host_for_url, gethostip
 
-        alloc = meta.gen_allocation
-        if alloc is None:
-            raise ValueError("an xccl WeightUpdateMeta needs gen_allocation (the inference "
-                             "engine's allocation): use WeightUpdateMeta.from_fsdp_xccl")
-        if alloc.parallel.pp_size > 1:
-            raise NotImplementedError(f"xccl weight update to an inference engine with "
-                                      f"pipeline parallelism {alloc.parallel.pp_size} > 1")
-        meta.nccl_master_address = gethostip()
-        meta.nccl_master_port = find_free_ports(1)[0]
-        meta.nccl_group_name = _GROUP_NAME
-        self._weight_update_address = (meta.nccl_master_address, meta.nccl_master_port)
-        if self.rank == 0:
-            fut = self.rollout_engine.init_weights_update_group(meta)
-            host = format_host_for_url(meta.nccl_master_address)
-            self.weight_update_group = init_custom_process_group(
-                backend=current_platform.communication_backend,
-                world_size=alloc.parallel.world_size + 1,
-                init_method=f"tcp://{host}:{meta.nccl_master_port}", rank=0,
-                group_name=_GROUP_NAME, timeout=DIST_GROUP_DEFAULT_TIMEOUT)
-            fut.result()
+def export_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor (the compute dtype) as the inference engine receives it: on the
+    accelerator the collective runs on."""
+    from areal.infra.platforms import current_platform
 
-    def _update_weights_from_distributed(self, meta: WeightUpdateMeta):
-        if self.use_lora:
-            raise NotImplementedError("DTATrainEngine with use_lora=True updates the inference "
-                                      "engine's adapter by disk (weight_update_mode=disk)")
-        main = self.rank == 0
-        meta.nccl_master_address, meta.nccl_master_port = self._weight_update_address
-        meta.nccl_group_name = _GROUP_NAME
-        if main:
-            self.rollout_engine.pause_generation()
-        comm.barrier(self.groups.cpu)
-        # whole tensors (sharded: gathered, every rank takes part); rank 0 sends
-        named = ((n, self._export_tensor(t)) for n, t in self.core.named_full_tensors())
-        if main:
-            for bucket in param_buckets(named, meta.weight_chunked_mem_mb * 1024 * 1024):
-                specs = [ParamSpec(name=n, shape=tuple(t.shape),
-                                   dtype=str(t.dtype).split("torch.")[1]) for n, t in bucket]
-                fut = self.rollout_engine.update_weights_from_distributed(meta, specs)
-                broadcast_bucket([t for _, t in bucket], self.weight_update_group)
-                fut.result()
-        else:
-            for _ in named:  # the gathers rank 0 makes
-                pass
-        comm.barrier(self.groups.cpu)
-        if main:
-            self.rollout_engine.continue_generation()
-
-    def _export_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A whole tensor (the compute dtype) as the inference engine receives it: on the
-        accelerator the collective runs on."""
-        from areal.infra.platforms import current_platform
-
-        if tensor.device.type == "cpu" and torch.cuda.is_available():
-            tensor = tensor.to(current_platform.device_type)
-        return tensor
-
-    # ----------------------------------------------------------------------- versions --
-    def set_version(self, version: int):
-        self._version = int(version)
-
-    def get_version(self) -> int:
-        return self._version
+    if tensor.device.type == "cpu" and torch.cuda.is_available():
+        tensor = tensor.to(current_platform.device_type)
+    return tensor

@@ -256,7 +256,7 @@ class SmokeInferenceEngine(InferenceEngine):
     def _load_from_disk(self, meta: WeightUpdateMeta, version: int) -> float:
         from areal.utils import name_resolve, names
 
-        from runtime.areal.checkpoint import is_adapter_dir, load_adapter, load_hf_weights
+        from runtime.checkpoints.hf import is_adapter_dir, load_adapter, load_hf_weights
 
         key = names.update_weights_from_disk(self.config.experiment_name,
                                              self.config.trial_name, version)

@@ -22,8 +22,27 @@ from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
 from runtime.areal.optimizer import optimizer_factory
 from runtime.engine import EngineCore, LoraSpec, ModelSpec, RunSettings, build_model, policy_of
+from runtime.errors import ShardingRefused
 
-__all__ = ["model_spec", "requested_walk", "make_core"]
+__all__ = ["check_config", "model_spec", "requested_walk", "make_core"]
+
+
+def check_config(config) -> bool:
+    """Refuse what the engine does not do (a critic, FSDP2's parameter offload, a PEFT type
+    other than LoRA); returns whether it trains LoRA adapters (``use_lora``)."""
+    if getattr(config, "is_critic", False):
+        raise NotImplementedError("DTATrainEngine trains actors / language models; critics "
+                                  "(is_critic=True) are not supported")
+    fsdp = getattr(config, "fsdp", None)
+    if fsdp is not None and bool(getattr(fsdp, "offload_params", False)):
+        raise NotImplementedError("fsdp.offload_params=True: DTATrainEngine keeps the "
+                                  "parameters on the device (actor.dta.offload=optimizer "
+                                  "keeps the optimizer state in host memory)")
+    use_lora = bool(getattr(config, "use_lora", False))
+    if use_lora and getattr(config, "peft_type", "lora") != "lora":
+        raise NotImplementedError(f"DTATrainEngine trains LoRA adapters only "
+                                  f"(peft_type={config.peft_type!r})")
+    return use_lora
 
 
 def model_spec(config) -> ModelSpec:
@@ -55,10 +74,8 @@ def make_core(config, dta, settings: RunSettings, groups, device: torch.device) 
                           make_optimizer=optimizer_factory(oc) if oc is not None
                           else (lambda params: None),
                           compute_dtype=compute, device=device, master_dtype=masters)
-    except ValueError as exc:  # the mode's refusal, with the keys that chose it
-        if not str(exc).startswith("sharding="):
-            raise
-        raise ValueError(f"actor.dta.sharding={layout.sharding} (dtype={config.dtype}, "
+    except ShardingRefused as exc:  # the mode's refusal, with the keys that chose it
+        raise ShardingRefused(f"actor.dta.sharding={layout.sharding} (dtype={config.dtype}, "
                          f"optimizer_dtype={config.optimizer_dtype}"
                          f"{', use_lora=True' if spec.lora else ''}): {exc}") from None
     core.model.eval()

@@ -37,6 +37,7 @@ from typing import ClassVar
 import torch
 
 from dta.planning.memory import SHARDINGS as PRICED
+from runtime.errors import ShardingRefused
 
 __all__ = ["Sharding", "register", "sharding_class", "registered"]
 
@@ -94,7 +95,7 @@ class Sharding:
         keeps masters only when asked (:mod:`.replicate`)."""
         kept = master_dtype_for(compute) if cls.sharded else compute
         if masters is not None and masters != kept:
-            raise ValueError(f"sharding={cls.name} keeps {kept} master weights for "
+            raise ShardingRefused(f"sharding={cls.name} keeps {kept} master weights for "
                              f"{compute} compute, not {masters}")
         return kept
 
@@ -138,6 +139,24 @@ class Sharding:
     def masters_loaded(self) -> None:
         """The masters were loaded in place (a checkpoint): the model's weights from them."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ residence --
+    def to(self, where: str, *, fresh: bool = False) -> None:
+        """``"host"``: every tensor the mode holds on an accelerator -- parameters, gradients,
+        masters, optimizer state, flat shards, FSDP2's shards -- to host memory (a colocated
+        rollout takes the accelerator); ``"device"``: what went, back where it was. Views stay
+        views, every layout alike (:mod:`.residence`). ``fresh``: copy every storage, even
+        one already in place (a CPU-only machine's host is its device)."""
+        from runtime.sharding import residence
+
+        if where not in ("host", "device"):
+            raise ValueError(f"Sharding.to({where!r}): 'host' or 'device'")
+        parked = getattr(self, "_parked", None)
+        if where == "host" and parked is None:
+            self._parked = residence.offload(self, fresh=fresh)
+        elif where == "device" and parked is not None:
+            self._parked = None
+            residence.onload(parked, fresh=fresh)
 
     # --------------------------------------------------------------- reporting --
     def state_bytes(self) -> dict:
