@@ -10,6 +10,7 @@ core walks a host framework's loss (AReaL's, verl's) through :func:`walk_batch` 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -47,13 +48,16 @@ class StepResult:
     sent_bytes: int = 0  # what the context-parallel exchange sent (0 without one)
 
 
-def validate_for_model(batch: Batch, model, loss=None, *, aux_loss: bool = False) -> None:
-    """The batch fits the model (vocabulary, positions, the loss's fields, replayed routing;
-    with the router aux loss every token's routing): raises before anything is touched."""
+def validate_for_model(batch: Batch, model, loss=None, *, aux_loss: bool = False,
+                       recompute=()) -> None:
+    """The batch fits the model (vocabulary, positions, the loss's fields but those the walk
+    fills, ``recompute``; replayed routing; with the router aux loss every token's routing):
+    raises before anything is touched."""
     cfg = model.config
     batch.validate(vocab_size=cfg.vocab_size,
                    max_positions=getattr(cfg, "max_position_embeddings", None),
-                   required=loss.fields if loss is not None else ())
+                   required=[f for f in (loss.fields if loss is not None else ())
+                             if f not in recompute])
     check_routing(batch, MoERouters(model), aux_loss=aux_loss)  # fits the model's MoE layers
 
 
@@ -86,7 +90,7 @@ def _accumulate(model, batch, loss, reduction, totals, options, record, progress
 def walk_batch(walker: Walker, batch: Batch, loss: TokenLoss | SequenceLoss | None = None, *,
                train: bool, reduction: str = "token_mean", totals: Totals | None = None,
                minmax: bool = False, record: bool = False, progress=None,
-               counted: list[int] | None = None) -> StepResult:
+               counted: list[int] | None = None, recompute: tuple[str, ...] = ()) -> StepResult:
     """One batch, one prefix tree, every walk it needs: the one step of every front door.
 
     - ``train`` with a token loss: the training walk (``record``: its log-probs too);
@@ -100,6 +104,9 @@ def walk_batch(walker: Walker, batch: Batch, loss: TokenLoss | SequenceLoss | No
     (``vocab_min`` / ``vocab_max``). The batch must be validated for the model (the caller's
     :func:`validate_for_model`). ``counted``: per sequence, how many leading tokens the tree
     stats count (default all: a host's wrap label appended for the walk is not its token).
+    ``recompute``: batch fields set to the current policy's log-probs (AReaL's
+    ``recompute_logprob``, a decoupled loss's proximal log-probs) by the forward walk of the
+    same tree, before the loss sees the batch (:func:`with_logprobs`).
     The gradient is accumulated into ``.grad`` (not cleared first)."""
     from dta.model.context_parallel import context_parallel_of
 
@@ -109,16 +116,23 @@ def walk_batch(walker: Walker, batch: Batch, loss: TokenLoss | SequenceLoss | No
     sent = cp.sent_bytes if cp is not None else 0
     tree = PrefixTree(batch.input_ids, min_shared=walker.options.min_shared)
     out = StepResult(0.0, None, tree.stats(counted))
+    fwd = None
+    if recompute:  # the current policy's log-probs, walked on this very tree
+        with torch.no_grad():
+            fwd = walker.forward(tree, batch, minmax=minmax, progress=None if train else progress)
+        batch = with_logprobs(batch, recompute, fwd.logprobs)
+        out.forwarded_tokens += fwd.tokens
     if train and not isinstance(loss, SequenceLoss):
         res = walker.train(tree, Objective(batch, loss, reduction, totals), record=record,
                            progress=progress)
         out.loss, out.logprobs, out.entropy = res.loss, res.logprobs, res.entropy
     else:
-        res = fwd = walker.forward(tree, batch, minmax=minmax,
-                                   progress=None if train else progress)
+        if fwd is None:
+            fwd = walker.forward(tree, batch, minmax=minmax, progress=None if train else progress)
+            out.forwarded_tokens += fwd.tokens
+        res = fwd
         out.logprobs, out.entropy = fwd.logprobs, fwd.entropy
         out.vocab_min, out.vocab_max = fwd.vocab_min, fwd.vocab_max
-        out.forwarded_tokens += fwd.tokens
         outputs = {"vocab_min": fwd.vocab_min, "vocab_max": fwd.vocab_max} if minmax else None
         if train:
             with torch.enable_grad():
@@ -135,6 +149,12 @@ def walk_batch(walker: Walker, batch: Batch, loss: TokenLoss | SequenceLoss | No
         out.forwarded_tokens += res.tokens + res.recomputed_tokens
     out.sent_bytes = cp.sent_bytes - sent if cp is not None else 0
     return out
+
+
+def with_logprobs(batch: Batch, names, logprobs) -> Batch:
+    """``batch`` with each field of ``names`` set to ``logprobs`` (per sequence, float64)."""
+    lps = [lp.detach().double().cpu().numpy() for lp in logprobs]
+    return dataclasses.replace(batch, fields={**batch.fields, **{n: lps for n in names}})
 
 
 def forward_logprobs(model, batch: Batch, *, minmax: bool = False, self_check: bool = True,

@@ -151,11 +151,12 @@ def test_simulate_scaling_projects_and_plots(tmp_path, capsys):
 
 def test_decoupled_loss_recomputes_the_proximal_logprobs():
     from dta.reference import sequence_logprobs
+    from dta.train import checked_walker, walk_batch
     from runtime.ray_runtime.worker import (
         build_replica,
-        fill_recomputed,
         make_training_loss,
         recompute_fields,
+        to_recompute,
     )
 
     cfg = load_config(os.path.join(ROOT, "configs", "tau2-airline-grpo.yaml"),
@@ -164,14 +165,28 @@ def test_decoupled_loss_recomputes_the_proximal_logprobs():
     assert loss.decoupled and recompute_fields(cfg, loss) == ("prox_logprobs",)
     batch = BatchSource(cfg, 512).batch(0)
     assert "prox_logprobs" not in batch.fields
+    assert to_recompute(batch, ("prox_logprobs",)) == ("prox_logprobs",)
     model = build_replica(cfg)
-    filled = fill_recomputed(model, batch, ("prox_logprobs",), walk_options(cfg))
+    seen = {}
+
+    def record(lp, ent, fields):  # the batch the loss sees
+        seen[int(fields["seq"][0])] = fields["prox_logprobs"], fields["old_logprobs"]
+        return lp.sum() * 0.0
+
+    from dta.losses import SequenceLoss
+
+    walker = checked_walker(model, walk_options(cfg))
+    tagged = Batch(batch.input_ids, {**batch.fields, "seq": [np.full(len(s), float(i))
+                                                             for i, s in enumerate(batch.input_ids)]})
+    walk_batch(walker, tagged, SequenceLoss(record, ("seq", "prox_logprobs", "old_logprobs")),
+               train=False, recompute=("prox_logprobs",))
     with torch.no_grad():
         for i in (0, len(batch) - 1):
             ref, _ = sequence_logprobs(model, batch.input_ids[i])
-            got = filled.fields["prox_logprobs"][i]
+            got = seen[i][0].double().numpy()
             assert np.abs(got[1:] - ref[1:].double().numpy()).max() < 1e-4
-    assert filled.fields["old_logprobs"] is batch.fields["old_logprobs"]  # behaviour kept
+            old = torch.as_tensor(batch.fields["old_logprobs"][i]).to(seen[i][1].dtype)
+            assert torch.equal(seen[i][1], old)  # the batch's own, kept
 
 
 # ---------------------------------------------------------------------- with Ray --

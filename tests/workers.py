@@ -59,8 +59,10 @@ def state(w) -> dict:
 
 
 def gradients(w) -> dict:
-    """CPU copies of worker ``w``'s last step's (reduced, possibly clipped) gradients."""
-    return w.core.gradients()
+    """CPU copies of worker ``w``'s last step's (reduced, possibly clipped) gradients: the
+    model's ``.grad`` (replicated: after the step, reduced and clipped)."""
+    return {n: p.grad.detach().cpu().clone() for n, p in w.core.model.named_parameters()
+            if p.grad is not None}
 
 
 def digest(w) -> float:
@@ -97,8 +99,9 @@ def trainer_state(trainer, rank: int) -> dict:
 
 
 def trainer_gradients(trainer, rank: int) -> dict:
-    def read(w):
-        return w.core.gradients()
+    def read(w):  # local: pickled by value, as gradients() reads them
+        return {n: p.grad.detach().cpu().clone() for n, p in w.core.model.named_parameters()
+                if p.grad is not None}
 
     return trainer.call(f"reading worker {rank}'s gradients", read, [rank])[0]
 

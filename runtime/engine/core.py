@@ -52,6 +52,7 @@ from runtime.engine.layout import (
 )
 from runtime.engine.resolve import check_walk
 from runtime.engine.step import optimizer_step
+from runtime.errors import ShardingRefused
 
 __all__ = ["EngineCore", "StepOutcome"]
 
@@ -104,7 +105,7 @@ class EngineCore:
                              "full training only")
         if not sharding_class(layout.sharding).holds_frozen and any(
                 not p.requires_grad for p in self.model.parameters()):
-            raise ValueError(f"sharding={layout.sharding} trains every weight; this model "
+            raise ShardingRefused(f"sharding={layout.sharding} trains every weight; this model "
                              "has frozen ones (a LoRA base): use replicate or zero1 (the "
                              "adapters' gradients and optimizer state are small)")
         self.sharding = None  # the sharding mode, made by parallelize()
@@ -230,7 +231,8 @@ class EngineCore:
 
     def walk_sequences(self, batch, loss=None, *, train: bool, reduction: str = "token_mean",
                        totals=None, temperature: float | None = None, adapters: bool = True,
-                       minmax: bool = False, counted: list[int] | None = None, progress=None):
+                       minmax: bool = False, counted: list[int] | None = None, progress=None,
+                       recompute: tuple[str, ...] = ()):
         """Every walk of ``batch`` (a ``dta.batch.Batch``) on one prefix tree, with the run's
         walk settings (``dta.train.walk_batch``, what DTA's own step runs): ``train`` adds
         the loss's gradient into ``.grad``; a ``dta.losses.SequenceLoss`` -- a host
@@ -240,7 +242,9 @@ class EngineCore:
         ``adapters``: as :meth:`walker`; ``minmax``: the logits' vocabulary min / max too
         (handed to the loss as ``vocab_min`` / ``vocab_max``); ``counted``: the tokens of
         each sequence the tree stats count (a host's wrap label appended for the walk is
-        not its own). The batch is validated for the model first. Inside
+        not its own); ``recompute``: batch fields set to the current policy's log-probs by
+        the forward walk of the same tree first (one tree for both walks). The batch is
+        validated for the model first. Inside
         :meth:`walk_session` (fsdp outside a step: the ranks' calls matched). Returns a
         ``dta.train.StepResult``: log-probs, entropy (and min / max), the loss, the walked
         tree's stats, the tokens forwarded and the context-parallel bytes sent."""
@@ -250,13 +254,13 @@ class EngineCore:
         if train and not adapters:
             raise ValueError("walk_sequences(train=True, adapters=False): the walk trains the "
                              "LoRA adapters; their base is walked for log-probs only")
-        validate_for_model(batch, self.model, loss,
+        validate_for_model(batch, self.model, loss, recompute=recompute,
                            aux_loss=train and self.walk.router_aux_coef > 0)
         walker = self.walker(temperature, adapters=adapters)
         with self.walk_session(), torch.set_grad_enabled(train):
             return walk_batch(walker, batch, loss, train=train, reduction=reduction,
                               totals=totals, minmax=minmax, counted=counted,
-                              progress=progress)
+                              progress=progress, recompute=tuple(recompute))
 
     @torch.no_grad()
     def logprobs(self, batch, *, minmax: bool = False):
@@ -291,12 +295,12 @@ class EngineCore:
             self.sync.begin()
 
     def accumulate(self, batch, loss, *, totals=None, reduction: str = "token_mean",
-                   progress=None):
+                   progress=None, recompute: tuple[str, ...] = ()):
         """Add ``batch``'s loss gradient into ``.grad`` by one walk with the run's walk
         settings (:meth:`walk_sequences`); returns (``dta.train.StepResult``, bytes the
         context-parallel exchange sent)."""
         res = self.walk_sequences(batch, loss, train=True, totals=totals, reduction=reduction,
-                                  progress=progress)
+                                  progress=progress, recompute=recompute)
         return res, res.sent_bytes
 
     def optimizer_step(self, max_grad_norm) -> tuple[float, bool]:
@@ -311,13 +315,14 @@ class EngineCore:
         return optimizer_step(mode, max_grad_norm)
 
     def train_step(self, batch, loss, *, totals, max_grad_norm, reduction: str = "token_mean",
-                   progress=None, prepare: Callable | None = None,
+                   progress=None, recompute: tuple[str, ...] = (),
                    before_reduce: Callable | None = None) -> StepOutcome:
         """One optimizer update from this rank's share ``batch`` (None: nothing to walk) of
         a global batch whose normalizers are ``totals``. A global batch without a trained
         token changes nothing (every rank sees the same totals: no collective is entered).
-        ``prepare(batch) -> batch`` runs after the gradients are cleared (e.g. log-probs
-        of the current policy); ``before_reduce()`` between the walk and the reduction."""
+        ``recompute``: batch fields set to the current policy's log-probs (after the
+        gradients are cleared) on the training walk's own tree (:meth:`walk_sequences`);
+        ``before_reduce()`` between the walk and the reduction."""
         self._require()
         t0 = time.perf_counter()
         out = StepOutcome()
@@ -328,10 +333,9 @@ class EngineCore:
         ep = self._experts()
         ep_sent = ep.sent_bytes if ep is not None else 0
         if batch is not None and len(batch):
-            if prepare is not None:
-                batch = prepare(batch)
             res, out.sent_bytes = self.accumulate(batch, loss, totals=totals,
-                                                  reduction=reduction, progress=progress)
+                                                  reduction=reduction, progress=progress,
+                                                  recompute=recompute)
             out.walk, out.sequences = res.walk, len(batch)
             out.loss = float(res.loss) if self.reporting.counts_loss else 0.0
             out.tree = res.tree if self.reporting.counts_tree else None
@@ -380,12 +384,6 @@ class EngineCore:
         shards and its masters; every parameter must be there (``what`` names the source)."""
         self._require()
         weights.load_full_state(self, state, what=what)
-
-    def gradients(self) -> dict:
-        """CPU copies of the model's gradients (replicated: after the step, reduced and
-        clipped)."""
-        return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()
-                if p.grad is not None}
 
     # ------------------------------------------------------------ checkpoints --
     def save(self, directory: str, step: int, meta: dict, *, run_id: str | None = None,

@@ -28,7 +28,6 @@ from dta.batch import Batch
 from dta.config.loss import loss_kwargs
 from dta.losses import Totals, batch_totals, make_loss
 from dta.options import WalkOptions
-from dta.train import forward_logprobs
 from runtime.engine import EngineCore, LoraSpec, ModelSpec, RunSettings, build_model
 from runtime.ray_runtime.host import interface_of, node_id, node_ip, peak_memory, reset_peak_memory
 from runtime.sharding.common import optimizer_factory
@@ -74,20 +73,13 @@ def recompute_fields(cfg, loss) -> tuple[str, ...]:
     return tuple(out)
 
 
-def fill_recomputed(model, batch: Batch, names, walk: WalkOptions) -> Batch:
-    """Set ``names`` of ``batch`` to the model's current log-probs (no graph), walked with
-    the run's walk settings."""
-    missing = [n for n in names if n not in batch.fields or n == "old_logprobs"]
-    if not missing:
-        return batch
-    with torch.no_grad():
-        res = forward_logprobs(model, batch, options=walk)
-    lps = [np.asarray(lp.detach().double().cpu()) for lp in res.logprobs]
-    fields = dict(batch.fields)
-    for n in missing:
-        fields[n] = lps
-    return Batch(batch.input_ids, fields, batch.weight, batch.group_id,
-                 routed_experts=batch.routed_experts)
+def to_recompute(batch: Batch | None, names) -> tuple[str, ...]:
+    """Which of ``names`` the step fills with the current policy's log-probs: those the batch
+    lacks, and ``old_logprobs`` always (``actor.recompute_logprob``). The core walks them on
+    the training walk's own tree (``EngineCore.train_step(recompute=...)``)."""
+    if batch is None:
+        return ()
+    return tuple(n for n in names if n not in batch.fields or n == "old_logprobs")
 
 
 def parse_fault(spec: str | dict | None) -> dict | None:
@@ -235,8 +227,7 @@ class DFSWorker:
             None if batch is None else _writable(batch), self.loss, totals=totals,
             reduction=str(self.cfg.walker.reduction),
             max_grad_norm=self.cfg.optimizer.max_grad_norm, progress=reporter,
-            prepare=lambda b: fill_recomputed(self.core.model, b, self.recompute,
-                                              self.core.walk),
+            recompute=to_recompute(batch, self.recompute),
             before_reduce=(lambda: os._exit(1)) if fault else None)  # fault injection
         if reporter is not None:
             reporter.flush()
