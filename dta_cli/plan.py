@@ -179,7 +179,7 @@ def _listing(values, fmt="{:,.0f}", limit=16) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dta.planning import PACKERS, PlanningError, balance, build_tree, pack
+    from dta.planning import PACKERS, PlanningError, balance, bin_pack, build_tree
 
     if args.capacity is None and args.workers is None and not args.input:
         print("dta plan: give --capacity N (packing) and/or --workers W (balancing), or "
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         out.update(_sharing(args, records, tree))
         plan_ms = 0.0
         if args.capacity is not None:
-            p = pack(tree, args.capacity, args.method, groups=groups)
+            p = bin_pack(tree, args.capacity, args.method, groups=groups)
             plan_ms += p.plan_ms
             print(f"packing ({p.method}, capacity {p.capacity:,}): {p.n_bins} bins, lower bound "
                   f"{p.lower_bound} (gap {p.gap:+.1%}), planned in {p.plan_ms:.1f} ms")

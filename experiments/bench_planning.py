@@ -52,7 +52,7 @@ def _time(fn, repeat=1):
 
 
 def bench_batch(label, seqs, masks, groups, capacity, workers, art_sharing):
-    from dta.planning import PACKERS, CostModel, TreeIndex, balance, build_tree, pack
+    from dta.planning import PACKERS, CostModel, TreeIndex, balance, bin_pack, build_tree
 
     build_ms, build_cpu, tree = _time(lambda: build_tree(seqs, masks, art_sharing=art_sharing))
     st = tree.stats()
@@ -60,7 +60,8 @@ def bench_batch(label, seqs, masks, groups, capacity, workers, art_sharing):
                unique=st.unique_tokens, nodes=st.nodes, build_ms=build_ms, build_cpu_ms=build_cpu,
                index_ms=_time(lambda: TreeIndex(tree), repeat=3)[0])
     for m in PACKERS:
-        ms, cpu, p = _time(lambda: pack(tree, capacity, m, groups=groups), 1 if m == "bfd" else 5)
+        ms, cpu, p = _time(lambda: bin_pack(tree, capacity, m, groups=groups),
+                           1 if m == "bfd" else 5)
         row[m] = dict(bins=p.n_bins, plan_ms=ms, plan_cpu_ms=cpu, gap=round(p.gap, 4))
         row["lower_bound"] = p.lower_bound
     ms, cpu, a = _time(lambda: balance(tree, workers, CostModel.from_config(QWEN3_1P7B)), 3)

@@ -14,15 +14,15 @@ from dta.planning import (
     PlanningError,
     TreeIndex,
     balance,
+    bin_pack,
     build_tree,
     features,
     flops,
     flops_unpacked,
     ideal_speedup,
     lower_bound,
-    pack,
 )
-from dta.planning.packing import art_order
+from dta.planning.binpack import art_order
 from dta.tree import PrefixTree, _sort_exact, _sort_order
 
 ROW = 131_072
@@ -94,13 +94,13 @@ QWEN3_1P7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28
 def test_art_example_exact_rows():
     seqs, masks, groups = art_batch()
     tree = build_tree(seqs, masks, art_sharing=True)  # 11,999 shared group-prefix tokens
-    inorder = pack(tree, ROW, "inorder", groups=groups)
+    inorder = bin_pack(tree, ROW, "inorder", groups=groups)
     assert inorder.bin_tokens == [120_113, 125_105, 23_096]
-    bfd = pack(tree, ROW, "bfd", groups=groups)
+    bfd = bin_pack(tree, ROW, "bfd", groups=groups)
     assert bfd.bin_tokens == [130_105, 122_114]
     # bfd: the long group with 3 short A; medium, 5 short A and all of short B.
     assert sorted(len(b) for b in bfd.bins) == [11, 21]
-    ours = pack(tree, ROW, "dfs", groups=groups)
+    ours = bin_pack(tree, ROW, "dfs", groups=groups)
     assert ours.n_bins == 2 and max(ours.bin_tokens) <= ROW
     assert inorder.lower_bound == bfd.lower_bound == ours.lower_bound == 2
     # ART duplicates the last prompt token in each of the 8 rollouts of the 4 groups.
@@ -140,7 +140,7 @@ def test_bfd_is_arts_algorithm(seed):
     seqs, masks, groups = tau2_batch(3, seed)
     tree = build_tree(seqs, masks, art_sharing=seed % 2 == 0)
     cap = int(max(tree.lengths) * 1.7)
-    assert pack(tree, cap, "bfd", groups=groups).bins == \
+    assert bin_pack(tree, cap, "bfd", groups=groups).bins == \
         [sorted(b) for b in art_reference(tree, cap, groups)]
 
 
@@ -155,7 +155,7 @@ def test_tau2_packing_and_balancing():
         ix = TreeIndex(tree)
         # 32K / 24K-token budgets (AReaL's tree micro-batches) at 1/16 of the lengths
         cap = max(2048 if seed % 2 else 1536, int(ix.lengths.max()))
-        ours, bfd = pack(ix, cap, "dfs", groups=groups), pack(ix, cap, "bfd", groups=groups)
+        ours, bfd = bin_pack(ix, cap, "dfs", groups=groups), bin_pack(ix, cap, "bfd", groups=groups)
         assert ours.n_bins <= bfd.n_bins, (seed, len(seqs), ours.n_bins, bfd.n_bins)
         assert ours.n_bins >= ours.lower_bound >= -(-ix.unique_tokens // cap)
         gaps.append(ours.gap)
@@ -174,7 +174,7 @@ def test_packings_are_valid_partitions():
     tree = build_tree(seqs, masks)
     ix = TreeIndex(tree)
     for method in PACKERS:
-        p = pack(ix, 1500, method, groups=groups)
+        p = bin_pack(ix, 1500, method, groups=groups)
         assert sorted(s for b in p.bins for s in b) == list(range(len(seqs)))
         assert p.bin_tokens == [ix.union_tokens(b) for b in p.bins]
         assert max(p.bin_tokens) <= 1500 and p.n_bins >= p.lower_bound
@@ -207,7 +207,7 @@ def test_lower_bound_never_exceeds_optimum(seed):
     ix = TreeIndex(PrefixTree(seqs))
     cap = int(max(ix.lengths) + rng.integers(0, 40))
     best = brute_min_bins(ix, cap)
-    assert lower_bound(ix, cap) <= best <= pack(ix, cap, "dfs").n_bins
+    assert lower_bound(ix, cap) <= best <= bin_pack(ix, cap, "dfs").n_bins
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -219,7 +219,7 @@ def test_plans_on_odd_trees(seed):
     ix = TreeIndex(tree)
     cap = int(ix.lengths.max() * rng.uniform(1, 3))
     for method in PACKERS:
-        p = pack(ix, cap, method)
+        p = bin_pack(ix, cap, method)
         assert sorted(s for b in p.bins for s in b) == list(range(len(seqs)))
         assert p.bin_tokens == [ix.union_tokens(b) for b in p.bins]
         assert max(p.bin_tokens) <= cap and p.n_bins >= p.lower_bound
@@ -273,13 +273,13 @@ def test_bad_input_errors():
         build_tree([])
     for cap in (0, -3, 2.5):
         with pytest.raises(PlanningError, match="capacity"):
-            pack(tree, cap)
+            bin_pack(tree, cap)
     with pytest.raises(PlanningError) as e:
-        pack(tree, 10)
+        bin_pack(tree, 10)
     assert "sequence 1 (12 tokens)" in str(e.value) and "sequence 2 (33 tokens)" in str(e.value)
     assert "sequence 0" not in str(e.value)
     with pytest.raises(PlanningError, match="unknown packing method"):
-        pack(tree, 40, "worst-fit")
+        bin_pack(tree, 40, "worst-fit")
     for w in (0, -1, 1.5):
         with pytest.raises(PlanningError, match="workers"):
             balance(tree, w)
@@ -300,7 +300,7 @@ def test_cli_plan_json(tmp_path, capsys):
                  "--workers", "4", "--model", "tokens", "--art-sharing", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     tree = build_tree(seqs, masks, art_sharing=True)
-    expect = pack(tree, 1024, "bfd", groups=groups)
+    expect = bin_pack(tree, 1024, "bfd", groups=groups)
     assert out["bins"] == expect.n_bins and out["bin_tokens"] == expect.bin_tokens
     assert out["lower_bound"] == expect.lower_bound and out["plan_ms"] > 0
     assert out["duplicated_tokens"] >= 0 and 1 <= out["imbalance"] <= 1.05

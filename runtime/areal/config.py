@@ -6,7 +6,9 @@ The PPO knobs come from the resolved ``loss`` section (which follows ``actor.*``
 explicitly), the rest of the actor keys from ``actor``. ``loss.behav_imp_weight_cap`` — the
 pre-1.0 AReaL key — becomes 1.0.4's ``rejection_sampling: {metric: ratio, upper: cap}``
 (token level, action mask: the tokens above the cap are dropped, as DTA's PPO loss does).
-``train.sharding`` becomes ``DTAOptions.sharding`` (``auto``: unset, so the engine shards as
+``train.sharding``, ``shard_size``, ``offload`` and ``expert_parallel`` become
+``DTAOptions`` and the allocation as ``dta train`` takes them (:func:`layout_keys`: an ``auto``
+priced by the memory model; ``train.sharding=auto`` alone: unset, so the engine shards as
 ``fsdp:dN`` means when N > 1).
 """
 from __future__ import annotations
@@ -88,10 +90,51 @@ def actor_config_from_dta(cfg, *, experiment_name: str = "dta", trial_name: str 
         mask_no_eos_with_zero=bool(actor.mask_no_eos_with_zero),
         discount=float(actor.discount), gae_lambda=float(actor.gae_lambda), adv_norm=adv_norm,
         kl_ctl=float(actor.kl_ctl), kl_estimator=str(actor.kl_estimator))
-    shard = cfg.train.shard_size
+    layout = layout_keys(cfg, backend)
+    config.backend = layout.pop("backend")
     options = DTAOptions.of(walk_options(cfg), dtype=None if dtype in _AREAL_DTYPES else dtype,
-                            sharding=None if cfg.train.sharding == "auto" else
-                            str(cfg.train.sharding),
-                            shard_size=None if shard is None else int(shard),
-                            offload=str(cfg.train.offload))
+                            **layout)
     return config, options
+
+
+def layout_keys(cfg, backend: str) -> dict:
+    """``train.sharding`` / ``shard_size`` / ``offload`` / ``expert_parallel`` as ``dta
+    train`` takes them, on the world of AReaL's ``backend``: an ``auto`` among the last three
+    is priced by the memory model as ``dta train`` prices it (``runtime.engine.
+    resolve_run_config``, the model's config read from ``model.path``), which also settles
+    an ``auto`` mode; otherwise ``train.sharding=auto`` stays unset (the engine shards as
+    ``fsdp:dN`` means). Expert parallelism lives in AReaL's allocation: ``fsdp:dN`` with
+    ``train.expert_parallel=E`` > 1 becomes ``archon:dNeE`` (AReaL's fsdp parser has no
+    ``e``); an allocation that states another ``e`` > 1 is refused naming both. Returns DTAOptions' ``sharding``, ``shard_size``,
+    ``offload`` and the ``backend``."""
+    from dta.options import AUTO
+    from runtime.areal.parallel import strategy_of
+
+    t = cfg.train
+    strategy = strategy_of(backend)
+    dp = int(getattr(strategy, "data_parallel_size", 1) or 1)
+    cp = int(getattr(strategy, "context_parallel_size", 1) or 1)
+    given_e = int(getattr(strategy, "expert_parallel_size", 1) or 1)
+    sharding, shard, offload, E = str(t.sharding), t.shard_size, str(t.offload), \
+        t.expert_parallel
+    if AUTO in (shard, offload, E):
+        from omegaconf import OmegaConf
+        from transformers import AutoConfig
+
+        from runtime.engine import resolve_run_config
+
+        hf = AutoConfig.from_pretrained(str(cfg.model.path), local_files_only=True)
+        world = OmegaConf.merge(cfg, {"ray": {"num_workers": dp * cp},
+                                      "train": {"context_parallel": cp}})
+        layout = resolve_run_config(world, hf).layout
+        sharding, shard, offload, E = (layout.sharding, layout.shard_size, layout.offload,
+                                       layout.expert_parallel)
+    E = int(E)
+    if E not in (1, given_e) and given_e != 1:
+        raise ValueError(f"config key 'train.expert_parallel' is {E}, the AReaL allocation "
+                         f"{backend!r} states e{given_e}: give one")
+    if E not in (1, given_e):
+        backend = f"archon:d{dp}{f'c{cp}' if cp > 1 else ''}e{E}"
+    return {"sharding": None if sharding == AUTO else sharding,
+            "shard_size": None if shard is None else int(shard), "offload": offload,
+            "backend": backend}

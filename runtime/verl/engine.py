@@ -47,6 +47,7 @@ import runtime.verl.batch as vb
 from dta.losses import SequenceLoss
 from dta.model.lora import is_peft_model, merged_weights
 from runtime.engine import EngineCore, build_model, comm
+from runtime.errors import ShardingRefused
 from runtime.verl.checkpoint import load_checkpoint, save_checkpoint
 from runtime.verl.config import check_engine_config, dtypes, model_spec, settings_of, sharding_keys
 
@@ -101,11 +102,9 @@ class DTAEngine(BaseEngine):
                                    compute_dtype=self.dtype,
                                    master_dtype=self.master_dtype if trains else None,
                                    device=self.device)  # forward only: no masters
-        except ValueError as exc:  # the sharding mode's refusal, with the keys that chose it
-            if not str(exc).startswith("sharding="):
-                raise
+        except ShardingRefused as exc:  # the sharding mode's refusal, with the keys that chose it
             keys = sharding_keys(self.engine_config, self.model_config, self.settings.layout)
-            raise ValueError(f"{keys}: {exc}") from None
+            raise ShardingRefused(f"{keys}: {exc}") from None
         self.core.parallelize()
         if trains:
             from verl.workers.engine.fsdp.transformer_impl import FSDPEngine

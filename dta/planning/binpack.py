@@ -1,4 +1,4 @@
-"""Packing a global prefix tree into fixed budgets (bins of ``capacity`` unique tokens).
+"""BinPacking a global prefix tree into fixed budgets (bins of ``capacity`` unique tokens).
 
 The items are sequences (leaves of the global tree). A bin's cost is the number of unique
 tokens of the union of its sequences' root paths, so a shared prefix is paid once per bin
@@ -34,7 +34,7 @@ from dta.tree import PrefixTree
 
 
 @dataclass
-class Packing:
+class BinPacking:
     """Result of :func:`pack`. ``bins`` hold sequence ids; ``bin_tokens`` their unique tokens."""
 
     bins: list[list[int]]
@@ -295,8 +295,8 @@ PACKERS: dict[str, Packer] = {
 
 
 # ---------------------------------------------------------------------------- entry --
-def pack(tree: PrefixTree | TreeIndex, capacity: int, method: str = "dfs",
-         groups: Sequence | None = None) -> Packing:
+def bin_pack(tree: PrefixTree | TreeIndex, capacity: int, method: str = "dfs",
+         groups: Sequence | None = None) -> BinPacking:
     """Pack the sequences of ``tree`` into bins of at most ``capacity`` unique tokens.
 
     groups: optional group label per sequence (used by ``bfd``'s ordering, as in ART).
@@ -316,4 +316,4 @@ def pack(tree: PrefixTree | TreeIndex, capacity: int, method: str = "dfs",
     placed = np.sort(np.concatenate([np.asarray(b, dtype=np.int64) for b in bins]))
     if not np.array_equal(placed, np.arange(ix.n_seq)) or max(bin_tokens) > capacity:
         raise AssertionError(f"packer {method!r} produced an invalid packing")
-    return Packing(bins, bin_tokens, lb, method, plan_ms, capacity)
+    return BinPacking(bins, bin_tokens, lb, method, plan_ms, capacity)
