@@ -78,7 +78,7 @@ class SmokeInferenceEngine(InferenceEngine):
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.dtype, local_files_only=True).to(self.device).eval()
         if self.lora_path is not None:
-            from runtime.areal.checkpoint import load_adapter
+            from runtime.checkpoints.hf import load_adapter
 
             self.model, _ = load_adapter(self.model, self.lora_path, what="initial adapter")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smoke-weights")
