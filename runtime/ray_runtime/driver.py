@@ -32,6 +32,7 @@ from dta.planning.workers import WorkerPlan, assign_workers, default_cost_model
 from dta.tree import PrefixTree
 from runtime.checkpoints import checkpoint as ckpt
 from runtime.engine import RunSettings, resolve_run_config
+from runtime.engine.resolve import check_run_config
 from runtime.errors import StepFailed, TrainingError, WorkerError
 from runtime.ray_runtime.actors import WorkerGroup, start_workers
 from runtime.ray_runtime.cluster import ClusterHandle, start_or_join
@@ -51,6 +52,10 @@ class Trainer:
         self.fault = parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
         self.log = log or (lambda msg: None)
         self.vocab_size, self.max_positions, self.hf_config = model_limits(cfg)
+        try:  # every parallel setting against the model's config: before Ray, before folders
+            check_run_config(cfg, self.hf_config)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
         # the run's resolved settings (layout and walk; auto decided by the memory model on
         # the first batch): built once in resolve_sharding, handed to every worker unchanged
         self._settings: RunSettings | None = None
