@@ -31,13 +31,16 @@ error within seconds.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import secrets
 import shutil
+import signal
 import socket
 import stat
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -185,12 +188,27 @@ class ClusterHandle:
         """Processes of the local instance (this process and its descendants)."""
         return process_tree() if self.local else []
 
+    def broken(self) -> bool:
+        """Whether the local instance lost its GCS or raylet (a SIGTERM to the driver's
+        process group reaches them): then no Ray call would return; the shutdown kills what
+        is left (:mod:`.reaper`). A joined cluster: False."""
+        if not self.local or self.reused:
+            return False
+        names = set()
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    names.add(child.name())
+            except psutil.Error:
+                continue
+        return not {"raylet", "gcs_server"} <= names
+
     def shutdown(self) -> None:
         import ray
 
         if self.reused:
             return
-        if ray.is_initialized():
+        if ray.is_initialized() and not self.broken():
             ray.shutdown()
         if self.watcher is not None:  # what ray.shutdown() left of the instance
             from runtime.ray_runtime.reaper import stop_watcher
@@ -210,6 +228,23 @@ class ClusterHandle:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+@contextlib.contextmanager
+def keep_signal_handlers():
+    """The driver's own SIGTERM/SIGINT handlers (a Python function: ``dta train``'s stop)
+    again after ``ray.init``, which installs Ray's -- a Python SIGTERM handler that exits,
+    and the core worker's native one that prints a stack dump and aborts. Python's
+    ``signal.signal`` puts its own C handler back in place of the native one."""
+    main = threading.current_thread() is threading.main_thread()
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} \
+        if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(sig, handler)
 
 
 def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | None = None,
@@ -235,8 +270,9 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
             _loopback_only()  # the client stays on loopback too
             kw["_node_ip_address"] = "127.0.0.1"
         try:
-            info = ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver,
-                            **kw)
+            with keep_signal_handlers():
+                info = ray.init(address=address, namespace=namespace,
+                                log_to_driver=log_to_driver, **kw)
         except ConnectionError as exc:
             raise ClusterError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
         except Exception as exc:
@@ -270,10 +306,12 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
     watcher = start_watcher(token, [d for d in (temp_dir if owned else None, auth_dir) if d])
     os.environ[MARKER] = token
     try:
-        info = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                        object_store_memory=object_store, namespace=namespace,
-                        _temp_dir=temp_dir, num_cpus=num_cpus, log_to_driver=log_to_driver,
-                        configure_logging=True, logging_level="WARNING")
+        with keep_signal_handlers():
+            info = ray.init(address="local", _node_ip_address="127.0.0.1",
+                            include_dashboard=False, object_store_memory=object_store,
+                            namespace=namespace, _temp_dir=temp_dir, num_cpus=num_cpus,
+                            log_to_driver=log_to_driver, configure_logging=True,
+                            logging_level="WARNING")
     except Exception:
         stop_watcher(watcher)  # and what a failed start left
         if owned:

@@ -21,6 +21,7 @@ source from its caller.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Callable
 
@@ -157,8 +158,8 @@ class Trainer:
             self._start_workers()
             self.timings["workers_start_s"] = time.perf_counter() - t1
             self.cluster.tighten()  # the workers' session folders too
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(at_once=isinstance(exc, KeyboardInterrupt))
             raise
         return self
 
@@ -175,14 +176,21 @@ class Trainer:
             self.group.kill()
             self.group = None
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """Stop the workers (asked to shut down, up to 30 s; ``at_once``: killed, as after a
+        stop signal: a worker in its step would not answer) and the private Ray."""
         import ray
 
+        if self.cluster is not None and self.cluster.broken():  # no Ray call would return
+            if self.group is not None and self.group.group_dir:
+                shutil.rmtree(self.group.group_dir, ignore_errors=True)
+            self.group = None  # the shutdown reaps the workers
         if self.workers and ray.is_initialized():
-            try:
-                ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
-            except Exception:
-                pass
+            if not at_once:
+                try:
+                    ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+                except Exception:
+                    pass
             self._kill_workers()
         if self.cluster is not None:
             self.cluster.shutdown()
@@ -191,8 +199,8 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self.start() if self.cluster is None else self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(at_once=kind is not None and issubclass(kind, KeyboardInterrupt))
 
     # ------------------------------------------------------------------- batches --
     def validate(self, batch: Batch) -> Batch:
