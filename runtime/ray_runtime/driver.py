@@ -37,7 +37,7 @@ from runtime.engine.resolve import check_run_config
 from runtime.errors import StepFailed, TrainingError, WorkerError
 from runtime.ray_runtime.actors import WorkerGroup, start_workers
 from runtime.ray_runtime.cluster import ClusterHandle, start_or_join
-from runtime.ray_runtime.failures import call_workers, failure_message, gather
+from runtime.ray_runtime.failures import call_workers, explain, failure_message, gather
 from runtime.ray_runtime.model_info import model_limits, required_fields
 from runtime.ray_runtime.stats import StepStats, step_stats
 from runtime.ray_runtime.worker import FAULT_ENV, parse_fault
@@ -245,8 +245,9 @@ class Trainer:
             part = batch.subset(ids) if ids else None
             refs[w.step.remote(step, part, totals, board)] = rank
         try:
+            full: dict = {}
             results, failures = gather(refs, float(self.cfg.ray.step_timeout_s),
-                                       on_tick=None if bar is None else bar.tick)
+                                       on_tick=None if bar is None else bar.tick, full=full)
         finally:
             if bar is not None:
                 bar.close()
@@ -255,7 +256,9 @@ class Trainer:
             message, culprit, verb, applied = failure_message(step, results, failures,
                                                               self.infos, last)
             self.broken = f"step {step}, worker {culprit} {verb}"
-            raise StepFailed(message, step, failures, applied)
+            error = StepFailed(message, step, failures, applied)
+            error.full = full
+            raise error
         stats = step_stats(step, batch, tree.stats(), plan, results, time.perf_counter() - t0)
         self.completed_steps = step + 1
         self.history.append(stats)
@@ -320,6 +323,14 @@ class Trainer:
                 directory, self.completed_steps, meta, self.run_id, keep))[0]
         except WorkerError as exc:
             last = self.latest_checkpoint()
+            name = ckpt.step_name(self.completed_steps)
+            if last is not None and os.path.basename(last) == name:  # written, then the failure
+                _, line = explain(f"finishing checkpoint {name} (saved complete in "
+                                  f"{directory!r})", exc.failures, self.infos)
+                error = WorkerError(f"{line}; resume from it with train.resume=true",
+                                    exc.action, exc.failures)
+                error.full = getattr(exc, "full", None)
+                raise error from exc.__cause__
             raise exc.extend(f"the newest complete checkpoint is still {last!r} (resume from "
                              "it with train.resume=true)" if last else
                              "no checkpoint was written") from exc.__cause__

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Callable, Protocol
 
@@ -192,6 +193,7 @@ def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, logs: Claim | None,
                           progress=progress, log=log, on_step=on_step,
                           resume_command=resume_command)
     except (KeyboardInterrupt, TrainingError) as exc:
+        _log_full(exc, t.log_dir or t.checkpoint_dir)
         if isinstance(exc, Interrupted) or (stop.stop_now is None and stop.received is None):
             raise
         if stop.stop_now is None and isinstance(exc, KeyboardInterrupt):
@@ -269,6 +271,23 @@ def _steps(cfg, trainer: Trainer, stop: _StopSignals, source: BatchSourceLike, s
     if metrics is not None:
         out["metrics_log"] = metrics.paths
     return out
+
+
+def _log_full(exc: BaseException, folder: str | None) -> None:
+    """The workers' whole error texts (what the one line leaves out: gloo's paths, Ray's
+    advice) appended to ``failures.log`` in the run's log folder, named in the line."""
+    full = getattr(exc, "full", None)
+    if not full or not folder:
+        return
+    path = os.path.join(os.path.abspath(str(folder)), "failures.log")
+    try:
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {exc.args[0]}\n")
+            for rank in sorted(full):
+                f.write(f"worker {rank}:\n{full[rank]}\n")
+    except OSError:
+        return
+    exc.args = (f"{exc.args[0]} (the workers' whole errors: {path})",)
 
 
 def _resume(t, command: str | None) -> str:
