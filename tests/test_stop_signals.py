@@ -124,3 +124,83 @@ def test_past_the_grace_period_the_run_stops_at_once(tmp_path):
     step, newest = int(m.group(1)), m.group(2)  # the signal came in a step or in its save
     assert newest in (os.path.join(d, f"step-{k:06d}") for k in (step, step - 1)), line
     assert os.path.isdir(newest), line
+
+
+# ------------------------------------------------------------------ dta submit --
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_ray_job_stop_saves_the_step_and_the_printed_submit_resumes(tmp_path):
+    """`dta jobs stop` (Ray's job stop: SIGTERM to the entrypoint, SIGKILL after
+    RAY_JOB_STOP_WAIT_TIME_S, which `dta submit` sets to train.stop_grace_s + 30): the job's
+    log ends with the stop line naming the `dta submit` that resumes it, which does."""
+    import shutil
+    import tempfile
+
+    from tests.test_runtime import _free_port, _kill, _started_processes
+
+    temp_dir = tempfile.mkdtemp(prefix="dta-head-", dir="/tmp")
+    token = os.path.join(temp_dir, "auth_token")
+    with open(token, "w") as f:
+        f.write("ab" * 32)
+    os.chmod(token, 0o600)
+    bindir = os.path.dirname(sys.executable)
+    env = {k: v for k, v in _env().items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN_PATH=token, RAY_USAGE_STATS_ENABLED="0",
+               PATH=bindir + os.pathsep + env.get("PATH", ""))
+    dash = _free_port()
+    head = subprocess.Popen(
+        [os.path.join(bindir, "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
+         f"--port={_free_port()}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={_free_port()}",
+         f"--ray-client-server-port={_free_port()}", f"--temp-dir={temp_dir}", "--num-cpus=2",
+         f"--object-store-memory={100 * 2 ** 20}", "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    started = []
+    address = f"http://127.0.0.1:{dash}"
+    dta = [sys.executable, "-m", "dta_cli"]
+    d = str(tmp_path / "ck")
+    try:
+        out, _ = head.communicate(timeout=180)
+        assert head.returncode == 0, out[-3000:]
+        started = _started_processes(head.pid, temp_dir)
+        sub = subprocess.run(dta + ["submit", "--address", address, "--no-wait", *RUN[1:],
+                                    f"train.checkpoint_dir={d}"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert sub.returncode == 0, sub.stdout[-3000:] + sub.stderr[-3000:]
+        job = re.search(r"submitted job (\S+)", sub.stdout).group(1)
+        end = time.monotonic() + 400
+        while _rows(d) < 2:
+            assert time.monotonic() < end, "the job did not train within 400 s"
+            time.sleep(0.5)
+        stop = subprocess.run(dta + ["jobs", "stop", job, "--address", address], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, stop.stderr
+        end = time.monotonic() + 120
+        while True:
+            status = subprocess.run(dta + ["jobs", "status", job, "--address", address],
+                                    env=env, capture_output=True, text=True, timeout=60)
+            if "STOPPED" in status.stdout or time.monotonic() > end:
+                break
+            time.sleep(1)
+        assert "STOPPED" in status.stdout, status.stdout
+        logs = subprocess.run(dta + ["jobs", "logs", job, "--address", address], env=env,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "received at time" not in logs, logs[-3000:]
+        m = re.search(r"dta train: stopped by SIGTERM after step (\d+) \(\d+ steps this run\): "
+                      r"step \d+ saved in (\S+); resume with: (dta submit .*)", logs)
+        assert m, logs[-3000:]
+        step, command = int(m.group(1)), m.group(3)
+        assert os.path.isdir(m.group(2)) and command.endswith("train.resume=true"), command
+        again = subprocess.run(dta + shlex.split(command)[1:] + [f"train.steps={step + 1}",
+                                                                  "--timeout", "400"],
+                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+        assert again.returncode == 0 and "SUCCEEDED" in again.stdout, again.stdout[-3000:]
+        assert f"(step {step})" in again.stdout, again.stdout[-3000:]  # resumed from it
+    finally:
+        if head.poll() is None:
+            head.kill()
+        _kill(started + _started_processes(head.pid, temp_dir))
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -210,6 +210,14 @@ class ClusterHandle:
             return
         if ray.is_initialized() and not self.broken():
             ray.shutdown()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """What :meth:`shutdown` does without a Ray call (from another thread, while a Ray
+        call of the main thread does not return): the watcher kills the instance's
+        processes, the private folders go."""
+        if self.reused:
+            return
         if self.watcher is not None:  # what ray.shutdown() left of the instance
             from runtime.ray_runtime.reaper import stop_watcher
 

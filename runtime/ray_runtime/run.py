@@ -73,14 +73,16 @@ class _StopSignals:
     raises into a KeyboardInterrupt: the reason travels here, not in the exception).
     Installed after Ray's own SIGTERM handler (``cluster.start_or_join`` keeps ours)."""
 
-    def __init__(self, grace_s: float = 30.0):
+    def __init__(self, grace_s: float = 30.0, broken: Callable[[], bool] | None = None,
+                 abandon: Callable[[int, str], None] | None = None):
         self.grace_s = float(grace_s)
         self.received: int | None = None
         self.stop_now: tuple[int, str] | None = None
         self.armed = False
         self._previous = {}
-        self._timer: threading.Timer | None = None
         self._expired = False
+        self._done = threading.Event()
+        self.broken, self.abandon = broken, abandon  # see _watch
 
     def _handler(self, signum, frame):
         if self.stop_now is not None:
@@ -90,9 +92,7 @@ class _StopSignals:
             print(f"\ndta train: {signal.Signals(signum).name} received: finishing the current "
                   f"step, then saving and stopping (within train.stop_grace_s="
                   f"{self.grace_s:g} s; again to stop at once)", file=sys.stderr, flush=True)
-            self._timer = threading.Timer(self.grace_s, self._expire)
-            self._timer.daemon = True
-            self._timer.start()
+            threading.Thread(target=self._watch, name="dta-stop", daemon=True).start()
             return
         if self._expired:
             why = f"train.stop_grace_s={self.grace_s:g} s passed"
@@ -103,11 +103,29 @@ class _StopSignals:
         self.stop_now = (int(self.received or signum), why)
         raise KeyboardInterrupt
 
-    def _expire(self):
+    def _watch(self):
+        """After the first signal: at the grace period's end, stop at once (the handler, in
+        the main thread). Where the main thread does not get there -- a Ray call that does
+        not return, the private Ray's own processes gone (a SIGTERM to the whole process
+        group reaches them) -- ``abandon`` ends the process (one line, the instance reaped)."""
         import _thread
 
-        self._expired = True
-        _thread.interrupt_main(int(self.received))  # the handler runs in the main thread
+        signum, end = int(self.received), time.monotonic() + self.grace_s
+        while not self._done.wait(0.5):
+            if self.broken is not None and self.broken():
+                why = "it reached the private Ray's own processes too"
+                wait = 5.0
+                break
+            if time.monotonic() > end:
+                self._expired = True
+                _thread.interrupt_main(signum)  # the handler runs in the main thread
+                why = f"train.stop_grace_s={self.grace_s:g} s passed; a Ray call did not return"
+                wait = 15.0
+                break
+        else:
+            return
+        if not self._done.wait(wait) and self.abandon is not None:
+            self.abandon(signum, why)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -116,8 +134,7 @@ class _StopSignals:
         return self
 
     def __exit__(self, *exc):
-        if self._timer is not None:
-            self._timer.cancel()
+        self._done.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -186,7 +203,15 @@ def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, logs: Claim | None,
     trainer.resolve_sharding(first)  # the run's settings, once (auto: by the memory model)
     log_dir = t.log_dir or t.checkpoint_dir
     metrics = MetricsLog(log_dir, run_id=trainer.run_id) if log_dir else None
-    stop = _StopSignals(float(t.stop_grace_s))
+    def abandon(signum: int, why: str) -> None:
+        print(f"\ndta train: {_at_once(trainer, t, signum, why, resume_command)[0]}",
+              file=sys.stderr, flush=True)
+        if trainer.cluster is not None:
+            trainer.cluster.abandon()
+        os._exit(128 + signum)
+
+    stop = _StopSignals(float(t.stop_grace_s), abandon=abandon,
+                        broken=lambda: trainer.cluster is not None and trainer.cluster.broken())
     try:
         with stop, trainer:
             return _steps(cfg, trainer, stop, source, start, first, resume_path, metrics,
@@ -202,12 +227,18 @@ def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, logs: Claim | None,
         # group, it reached the workers and the private Ray too)
         signum, why = stop.stop_now or (stop.received, "the signal reached the workers: "
                                         f"{str(exc).split(';')[0]}")
-        last = trainer.latest_checkpoint() if t.checkpoint_dir else None
-        where = (f"the newest complete checkpoint is {last}; {_resume(t, resume_command)}"
-                 if last else "no checkpoint was written")
-        raise Interrupted(f"stopped at once by {signal.Signals(signum).name} ({why}) during "
-                          f"step {trainer.completed_steps}: {where}", signum, last,
-                          trainer.completed_steps, at_once=True) from None
+        message, last = _at_once(trainer, t, signum, why, resume_command)
+        raise Interrupted(message, signum, last, trainer.completed_steps, at_once=True) from None
+
+
+def _at_once(trainer: Trainer, t, signum: int, why: str, resume_command: str | None
+             ) -> tuple[str, str | None]:
+    """The line of a run stopped at once, and the newest complete checkpoint."""
+    last = trainer.latest_checkpoint() if t.checkpoint_dir else None
+    where = (f"the newest complete checkpoint is {last}; {_resume(t, resume_command)}"
+             if last else "no checkpoint was written")
+    return (f"stopped at once by {signal.Signals(signum).name} ({why}) during step "
+            f"{trainer.completed_steps}: {where}", last)
 
 
 def _steps(cfg, trainer: Trainer, stop: _StopSignals, source: BatchSourceLike, start: int,
