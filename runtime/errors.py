@@ -124,6 +124,8 @@ def brief(text: str, limit: int = 120) -> str:
     text = _DECORATION.sub("", plain(text)).split("Exception raised from")[0]
     text = re.sub(r"\bGLHF!?", "", "".join(ch for ch in text if ch.isascii()))
     text = " ".join(text.split()).rstrip(". ")
+    first = text.split(". ")[0]  # the first sentence says it; gloo's advice follows
+    text = first if len(first) >= 20 else text
     return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
