@@ -31,16 +31,13 @@ error within seconds.
 """
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import secrets
 import shutil
-import signal
 import socket
 import stat
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -238,28 +235,14 @@ class ClusterHandle:
         self.shutdown()
 
 
-@contextlib.contextmanager
-def keep_signal_handlers():
-    """The driver's own SIGTERM/SIGINT handlers (a Python function: ``dta train``'s stop)
-    again after ``ray.init``, which installs Ray's -- a Python SIGTERM handler that exits,
-    and the core worker's native one that prints a stack dump and aborts. Python's
-    ``signal.signal`` puts its own C handler back in place of the native one."""
-    main = threading.current_thread() is threading.main_thread()
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} \
-        if main else {}
-    try:
-        yield
-    finally:
-        for sig, handler in kept.items():
-            if callable(handler) and handler is not signal.default_int_handler:
-                signal.signal(sig, handler)
-
-
 def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | None = None,
                   verify_loopback: bool = True) -> ClusterHandle:
     """Join ``address`` (argument, else ``ray_cfg.address``), or start a private local
-    instance on 127.0.0.1 when neither is given. Reuses an already-initialized Ray."""
+    instance on 127.0.0.1 when neither is given. Reuses an already-initialized Ray. The
+    driver's own signal handlers stay in place (:func:`.signals.keep_signal_handlers`)."""
     import ray
+
+    from runtime.ray_runtime.signals import keep_signal_handlers
 
     address = address or (ray_cfg.address if ray_cfg is not None else None)
     namespace = getattr(ray_cfg, "namespace", None) or "dta"
