@@ -16,6 +16,7 @@ clusters through an SSH tunnel; never disable token auth on a reachable port.
 """
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -177,6 +178,20 @@ def ship_paths(cfg, cwd: str | None = None):
     return cfg
 
 
+RESUME_ENV = "DTA_RESUME_COMMAND"  # the job's stop line names the command that resumes it
+
+
+def resume_command(args) -> str:
+    """The ``dta submit`` that continues the job's run (``train.resume=true``)."""
+    argv = ["dta", "submit", "--address", args.address]
+    if args.config:
+        argv += ["--config", os.path.abspath(args.config)]
+    if args.python != "python":
+        argv += ["--python", args.python]
+    argv += [o for o in args.overrides if o.split("=", 1)[0].lstrip("+~") != "train.resume"]
+    return shlex.join(argv + ["train.resume=true"])
+
+
 def run_submit(args) -> int:
     from dta.config.keys import check_dta_train
     from dta.config.schema import to_yaml
@@ -200,8 +215,12 @@ def run_submit(args) -> int:
             f.write(to_yaml(cfg))
         entrypoint = " ".join([shlex.quote(args.python), "-m", "dta_cli.train", "--config",
                                CONFIG_NAME, "--address", "auto", "--no-progress"])
-        runtime_env = {"working_dir": workdir,
-                       "env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}}
+        runtime_env = {"working_dir": workdir, "env_vars": {
+            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+            # Ray's job stop sends SIGTERM, then SIGKILL after this (default 3 s): the run's
+            # grace to finish its step and save, and a margin to disconnect
+            "RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(float(cfg.train.stop_grace_s)) + 30),
+            RESUME_ENV: resume_command(args)}}
         job_id = _submit(client, entrypoint=entrypoint, runtime_env=runtime_env,
                          submission_id=args.job_id, metadata={"tool": "dta", "command": "train"})
     finally:

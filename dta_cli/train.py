@@ -84,6 +84,25 @@ def _size(n: int) -> str:
     return _gib(n) if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
+def resume_command(args) -> str:
+    """The command line that continues this run (the line a stop signal ends it with); in a
+    job of ``dta submit``, the submit command it set."""
+    import os
+    import shlex
+
+    from dta_cli.jobs import RESUME_ENV
+
+    if os.environ.get(RESUME_ENV):
+        return os.environ[RESUME_ENV]
+    argv = ["dta", "train"]
+    if args.config:
+        argv += ["--config", args.config]
+    if args.address:
+        argv += ["--address", args.address]
+    argv += [o for o in args.overrides if o.split("=", 1)[0].lstrip("+~") != "train.resume"]
+    return shlex.join(argv + ["train.resume=true"])
+
+
 def run(args) -> int:
     from dta.config.schema import to_yaml
     from dta_cli.common import load_run_config
@@ -112,7 +131,8 @@ def run(args) -> int:
     try:
         source = BatchSource(cfg, model_limits(cfg)[0])
         summary = run_training(cfg, source, address=args.address,
-                               progress=not args.no_progress)
+                               progress=not args.no_progress,
+                               resume_command=resume_command(args))
     except Interrupted as exc:
         print(f"dta train: {exc}", file=sys.stderr)
         return exc.exit_code

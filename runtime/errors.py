@@ -14,7 +14,11 @@ class TrainingError(RuntimeError):
     pass
 
 
-class ShardingRefused(ValueError):
+class LayoutError(ValueError):
+    """A layout that cannot run: one line naming the front door's key."""
+
+
+class ShardingRefused(LayoutError):
     """The engine core's sharding mode refused what it was asked to hold (its dtypes, frozen
     weights); the text starts with ``sharding=<mode>``. A front door catches it by this type
     and adds the keys of its own config that chose the mode."""
@@ -94,8 +98,45 @@ def describe(exc: BaseException) -> str:
             raised = [m for line in text.splitlines() if (m := _RAISED.match(line.strip()))]
             if raised:
                 return f"{raised[-1].group(1)}: {raised[-1].group(2)[:400]} (while starting)"
-        return first_line(exc)  # "The actor died unexpectedly before finishing this task."
+        return how_it_died(text)
     return f"{type(exc).__name__}: {first_line(exc)}"
+
+
+_EXIT = re.compile(r"Worker exit type: (\w+)\s+Worker exit detail: (.*?)(?:\. |\.$|$)", re.S)
+
+
+def how_it_died(text: str) -> str:
+    """How a worker process ended, as far as Ray knows, from its actor-death text: killed
+    by Ray's memory monitor (out of memory), an exit code, or gone without a word (a signal
+    such as SIGKILL, the kernel's OOM killer, a crash). One short clause."""
+    text = plain(text)
+    if re.search(r"out of memory|low on memory|OutOfMemory|memory monitor", text, re.I):
+        return "killed by Ray's memory monitor: the node ran out of memory"
+    found = _EXIT.search(text)
+    if not found:
+        return first_line(text)
+    kind, detail = found.group(1), " ".join(found.group(2).split())
+    code = re.search(r"exit code (-?\d+)", detail)
+    if "connection error code" in detail or "End of file" in detail:
+        return ("its process was killed or crashed (a signal such as SIGKILL, the kernel's "
+                f"OOM killer, a segfault; Ray: {kind})")
+    if code:
+        return f"its process exited with code {code.group(1)} (Ray: {kind})"
+    return f"{detail[:160]} (Ray: {kind})"
+
+
+_DECORATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp|py):\d+\]\s*")
+
+
+def brief(text: str, limit: int = 120) -> str:
+    """A failure's text for the one line: no framework source paths (gloo's
+    ``[.../pair.cc:537]``), no emoji or other non-ASCII decoration, one short clause."""
+    text = _DECORATION.sub("", plain(text)).split("Exception raised from")[0]
+    text = re.sub(r"\bGLHF!?", "", "".join(ch for ch in text if ch.isascii()))
+    text = " ".join(text.split()).rstrip(". ")
+    first = text.split(". ")[0]  # the first sentence says it; gloo's advice follows
+    text = first if len(first) >= 20 else text
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
 _OS_ERROR_TEXT = re.compile(r"(?:I/O error: )?([^:]+?) \(os error (\d+)\)")  # safetensors' text

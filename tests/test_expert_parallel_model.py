@@ -161,8 +161,8 @@ def test_a_frozen_base_is_refused_with_expert_parallel():
         return m
 
     layout = ParallelLayout.make(world=2, expert_parallel=2)
-    with pytest.raises(ValueError, match="expert_parallel=2 is not supported with frozen "
-                                         "weights"):
+    with pytest.raises(ValueError, match="bad expert-parallel size 2: needs every weight "
+                                         "trained; this model has frozen ones"):
         EngineCore(frozen, layout=layout, walk=settle(WalkOptions(), layout).walk,
                    make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
                    compute_dtype="float32")

@@ -120,6 +120,8 @@ class TrainConfig:
     checkpoint_every: int = 1  # steps between checkpoints (0: only after the last step)
     keep_last: int = 2  # checkpoints kept (older ones deleted); 0: keep all
     resume: bool = False  # continue the run in checkpoint_dir (an error if there is none)
+    # SIGTERM/SIGINT finish the step and save; past this (or on a second signal): stop at once
+    stop_grace_s: float = 30.0
     skip_nonfinite: bool = False  # a non-finite gradient skips the update: go on (else: error)
     log_dir: Optional[str] = None  # per-step metrics.jsonl/.csv; default: checkpoint_dir
     export_hf: Optional[str] = None  # save_pretrained the trained model here at the end
@@ -354,6 +356,8 @@ _RANGES: dict[str, tuple] = {
     "train.steps": (lambda v: v >= 1, ">= 1"),
     "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
     "train.keep_last": (lambda v: v >= 0, ">= 0 (0: keep all)"),
+    "train.stop_grace_s": (lambda v: v > 0, "> 0 (seconds a stop signal waits for the step "
+                                            "and its save)"),
     "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
     "train.context_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
         v, bool) and v >= 1), "an integer >= 1 (ranks per tree; 1: off) or auto"),

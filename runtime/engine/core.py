@@ -52,7 +52,6 @@ from runtime.engine.layout import (
 )
 from runtime.engine.resolve import check_walk
 from runtime.engine.step import optimizer_step
-from runtime.errors import ShardingRefused
 
 __all__ = ["EngineCore", "StepOutcome"]
 
@@ -98,16 +97,9 @@ class EngineCore:
         masters = resolve_dtype(master_dtype) if master_dtype is not None else None
         stored = sharding_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
         self.model = build(stored).to(self.device)
-        if layout.expert_parallel > 1 and any(not p.requires_grad
-                                              for p in self.model.parameters()):
-            raise ValueError(f"expert_parallel={layout.expert_parallel} is not supported with "
-                             "frozen weights (a LoRA base): expert parallelism is tested on "
-                             "full training only")
-        if not sharding_class(layout.sharding).holds_frozen and any(
-                not p.requires_grad for p in self.model.parameters()):
-            raise ShardingRefused(f"sharding={layout.sharding} trains every weight; this model "
-                             "has frozen ones (a LoRA base): use replicate or zero1 (the "
-                             "adapters' gradients and optimizer state are small)")
+        # the layout against the model (the driver ran the same check before Ray started)
+        layout.check_model(self.model.config, frozen=any(not p.requires_grad
+                                                         for p in self.model.parameters()))
         self.sharding = None  # the sharding mode, made by parallelize()
         self.groups = ProcessGroups()
         self.reporting = Reporting()

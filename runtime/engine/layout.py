@@ -33,12 +33,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
+from runtime.errors import LayoutError, ShardingRefused
+
 __all__ = ["ParallelLayout", "LayoutError", "ProcessGroups", "Reporting", "build_groups",
-           "reporting_of"]
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run: one line naming the front door's key."""
+           "reporting_of", "check_model_fit"]
 
 
 KEYS = {"world": "world size", "context_parallel": "context-parallel size",
@@ -55,6 +53,8 @@ class ParallelLayout:
     expert_parallel: int = 1
     shard_size: int | None = None  # None: the world (plain sharding)
     offload: str = "none"
+    # (field, the front door's key) pairs: how its errors name a setting (make's spelling)
+    keys: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         from dta.planning.state import OFFLOADS
@@ -104,12 +104,19 @@ class ParallelLayout:
         try:
             return cls(world=world, context_parallel=context_parallel, sharding=sharding,
                        rank=rank, expert_parallel=expert_parallel, shard_size=shard_size,
-                       offload=offload)
+                       offload=offload, keys=tuple((spelling or {}).items()))
         except LayoutError as exc:
             msg = str(exc)
             for field, key in (spelling or {}).items():
                 msg = msg.replace(f"bad {KEYS[field]}:", f"bad value for {key}:", 1)
             raise LayoutError(msg) from None
+
+    def check_model(self, config, *, frozen: bool = False) -> None:
+        """This layout against the model (:func:`check_model_fit`), errors naming the front
+        door's keys."""
+        check_model_fit(config, expert_parallel=self.expert_parallel,
+                        context_parallel=self.context_parallel, sharding=self.sharding,
+                        frozen=frozen, keys=dict(self.keys))
 
     def at(self, rank: int) -> "ParallelLayout":
         """This layout as rank ``rank`` holds it."""
@@ -222,6 +229,76 @@ class ParallelLayout:
                 "data_parallel": self.data_parallel, "sharding": self.sharding,
                 "expert_parallel": self.expert_parallel, "shard_size": self.shard_size,
                 "offload": self.offload}
+
+
+# ------------------------------------------------------------ against the model --
+def check_model_fit(config, *, expert_parallel=1, context_parallel=1, sharding=None,
+                    frozen: bool = False, keys: Mapping[str, str] | None = None) -> None:
+    """The one rule of what a model can hold, read from its config (no weights): the driver
+    calls it before Ray starts, every rank's engine core before it parallelizes. A setting
+    that is not an integer yet (``auto``) or None is not checked. Raises
+    :class:`LayoutError`, one line naming the key (``keys``: field -> the front door's key),
+    its value and the model's number (``config`` None: no model known, nothing checked):
+
+    - expert parallelism E > 1 needs routed experts, E dividing their number, and every
+      weight trained (not a LoRA base);
+    - context parallelism C > 1 needs the attention's query heads grouped evenly over its
+      K/V heads and, on a hybrid model, at most a Gated DeltaNet layer's value heads (split
+      over the group) grouped evenly over its key heads;
+    - a sharding mode that holds no frozen weights (fsdp) refuses a LoRA base ("sharding=...":
+      several keys choose the mode; the doors prefix theirs)."""
+    from dta.planning.shapes import ModelShape, _get, text_config
+
+    if config is None:
+        return
+    keys = dict(keys or {})
+
+    def bad(field, value, why):
+        name = keys.get(field)
+        raise LayoutError(f"bad value for {name}: {value!r} {why}" if name else
+                          f"bad {KEYS[field]} {value!r}: {why}")
+
+    text = text_config(config)
+    model = _get(config, "model_type") or type(config).__name__
+    shape = ModelShape.of(config)
+    E, C = expert_parallel, context_parallel
+    if _given(E) and E > 1:
+        if not shape.is_moe:
+            bad("expert_parallel", E, f"needs routed experts: {model} has none (a dense "
+                                      "model; expert parallelism divides a MoE's experts)")
+        if shape.experts.count % E:
+            bad("expert_parallel", E, f"does not divide {model}'s {shape.experts.count} "
+                                      "experts")
+        if frozen:
+            bad("expert_parallel", E, "needs every weight trained; this model has frozen ones "
+                                      "(a LoRA base): expert parallelism is tested on full "
+                                      "training only")
+    if _given(C) and C > 1:
+        if shape.heads % shape.kv_heads:
+            bad("context_parallel", C, f"splits heads by K/V head: {model}'s {shape.heads} "
+                                       f"query heads are not grouped evenly over its "
+                                       f"{shape.kv_heads} K/V heads")
+        if shape.gdn_layers:
+            hv = int(shape.gdn_heads)
+            hk = int(_get(text, "linear_num_key_heads") or hv)
+            if C > hv:
+                bad("context_parallel", C, f"splits each Gated DeltaNet layer's value heads: "
+                                           f"{model} has {hv}, at most {hv} ranks")
+            if hv % hk:
+                bad("context_parallel", C, f"splits Gated DeltaNet value heads by key head: "
+                                           f"{model}'s {hv} value heads are not grouped "
+                                           f"evenly over its {hk} key heads")
+    if sharding is not None and frozen and sharding in _registered():
+        from runtime.sharding import sharding_class
+
+        if not sharding_class(sharding).holds_frozen:  # the doors prefix the keys choosing it
+            raise ShardingRefused(f"sharding={sharding} trains every weight; this model has "
+                              "frozen ones (a LoRA base): use replicate or zero1 (the "
+                              "adapters' gradients and optimizer state are small)")
+
+
+def _given(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _mode_sharded(name: str) -> bool:

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from dta.config.walk import walk_options
 from dta.options import AUTO, WalkOptions
-from runtime.engine.layout import LayoutError, ParallelLayout
+from runtime.engine.layout import LayoutError, ParallelLayout, check_model_fit
 
 __all__ = ["RunSettings", "policy_of", "walk_for_layout", "check_walk", "settle",
-           "needs_budget", "resolve_run_config", "RUN_CONFIG_KEYS"]
+           "needs_budget", "resolve_run_config", "check_run_config", "RUN_CONFIG_KEYS"]
 
 # ParallelLayout field -> the dta train config key that sets it
 RUN_CONFIG_KEYS = {"world": "config key 'ray.num_workers'",
@@ -122,6 +122,16 @@ def _candidates(cfg, hf_config, W: int) -> dict:
         offload=OFFLOADS if O == AUTO else (O,))
 
 
+def check_run_config(cfg, hf_config) -> None:
+    """``dta train``'s parallel settings against the model's config (no weights, before Ray
+    starts): :func:`~runtime.engine.layout.check_model_fit` on the values given (``auto``
+    ones are chosen among those that fit); raises LayoutError naming the config key."""
+    t = cfg.train
+    check_model_fit(hf_config, expert_parallel=t.expert_parallel,
+                    context_parallel=t.context_parallel, sharding=str(t.sharding),
+                    frozen=int(cfg.model.lora.r) > 0, keys=RUN_CONFIG_KEYS)
+
+
 def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     """``dta train``'s settings: ``ray.num_workers`` / ``train.context_parallel`` /
     ``train.sharding`` and the ``walker.*`` keys of a validated config; ``auto`` priced by the
@@ -134,6 +144,7 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     W, C = int(cfg.ray.num_workers), t.context_parallel
     mode, block = str(t.sharding), cfg.walker.block_tokens
     E, S, offload = t.expert_parallel, t.shard_size, str(t.offload)
+    check_run_config(cfg, hf_config)  # a setting the model cannot hold: before pricing
     walk, report = walk_options(cfg), None  # an auto block: the default, unless priced
     if needs_budget(cfg):
         budget = cfg.train.memory_budget_gib
@@ -160,4 +171,5 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
                                  expert_parallel=int(E),
                                  shard_size=None if S is None else int(S),
                                  offload=offload, spelling=RUN_CONFIG_KEYS)
+    layout.check_model(hf_config, frozen=int(cfg.model.lora.r) > 0)  # what auto chose too
     return settle(walk, layout, report)

@@ -185,13 +185,36 @@ class ClusterHandle:
         """Processes of the local instance (this process and its descendants)."""
         return process_tree() if self.local else []
 
+    def broken(self) -> bool:
+        """Whether the local instance lost its GCS or raylet (a SIGTERM to the driver's
+        process group reaches them): then no Ray call would return; the shutdown kills what
+        is left (:mod:`.reaper`). A joined cluster: False."""
+        if not self.local or self.reused:
+            return False
+        names = set()
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    names.add(child.name())
+            except psutil.Error:
+                continue
+        return not {"raylet", "gcs_server"} <= names
+
     def shutdown(self) -> None:
         import ray
 
         if self.reused:
             return
-        if ray.is_initialized():
+        if ray.is_initialized() and not self.broken():
             ray.shutdown()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """What :meth:`shutdown` does without a Ray call (from another thread, while a Ray
+        call of the main thread does not return): the watcher kills the instance's
+        processes, the private folders go."""
+        if self.reused:
+            return
         if self.watcher is not None:  # what ray.shutdown() left of the instance
             from runtime.ray_runtime.reaper import stop_watcher
 
@@ -215,8 +238,11 @@ class ClusterHandle:
 def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | None = None,
                   verify_loopback: bool = True) -> ClusterHandle:
     """Join ``address`` (argument, else ``ray_cfg.address``), or start a private local
-    instance on 127.0.0.1 when neither is given. Reuses an already-initialized Ray."""
+    instance on 127.0.0.1 when neither is given. Reuses an already-initialized Ray. The
+    driver's own signal handlers stay in place (:func:`.signals.keep_signal_handlers`)."""
     import ray
+
+    from runtime.ray_runtime.signals import keep_signal_handlers
 
     address = address or (ray_cfg.address if ray_cfg is not None else None)
     namespace = getattr(ray_cfg, "namespace", None) or "dta"
@@ -235,8 +261,9 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
             _loopback_only()  # the client stays on loopback too
             kw["_node_ip_address"] = "127.0.0.1"
         try:
-            info = ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver,
-                            **kw)
+            with keep_signal_handlers():
+                info = ray.init(address=address, namespace=namespace,
+                                log_to_driver=log_to_driver, **kw)
         except ConnectionError as exc:
             raise ClusterError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
         except Exception as exc:
@@ -270,10 +297,12 @@ def start_or_join(ray_cfg, *, address: str | None = None, log_to_driver: bool | 
     watcher = start_watcher(token, [d for d in (temp_dir if owned else None, auth_dir) if d])
     os.environ[MARKER] = token
     try:
-        info = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                        object_store_memory=object_store, namespace=namespace,
-                        _temp_dir=temp_dir, num_cpus=num_cpus, log_to_driver=log_to_driver,
-                        configure_logging=True, logging_level="WARNING")
+        with keep_signal_handlers():
+            info = ray.init(address="local", _node_ip_address="127.0.0.1",
+                            include_dashboard=False, object_store_memory=object_store,
+                            namespace=namespace, _temp_dir=temp_dir, num_cpus=num_cpus,
+                            log_to_driver=log_to_driver, configure_logging=True,
+                            logging_level="WARNING")
     except Exception:
         stop_watcher(watcher)  # and what a failed start left
         if owned:

@@ -21,6 +21,7 @@ source from its caller.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Callable
 
@@ -32,10 +33,11 @@ from dta.planning.workers import WorkerPlan, assign_workers, default_cost_model
 from dta.tree import PrefixTree
 from runtime.checkpoints import checkpoint as ckpt
 from runtime.engine import RunSettings, resolve_run_config
+from runtime.engine.resolve import check_run_config
 from runtime.errors import StepFailed, TrainingError, WorkerError
 from runtime.ray_runtime.actors import WorkerGroup, start_workers
 from runtime.ray_runtime.cluster import ClusterHandle, start_or_join
-from runtime.ray_runtime.failures import call_workers, failure_message, gather
+from runtime.ray_runtime.failures import call_workers, explain, failure_message, gather
 from runtime.ray_runtime.model_info import model_limits, required_fields
 from runtime.ray_runtime.stats import StepStats, step_stats
 from runtime.ray_runtime.worker import FAULT_ENV, parse_fault
@@ -51,6 +53,10 @@ class Trainer:
         self.fault = parse_fault(fault if fault is not None else os.environ.get(FAULT_ENV))
         self.log = log or (lambda msg: None)
         self.vocab_size, self.max_positions, self.hf_config = model_limits(cfg)
+        try:  # every parallel setting against the model's config: before Ray, before folders
+            check_run_config(cfg, self.hf_config)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
         # the run's resolved settings (layout and walk; auto decided by the memory model on
         # the first batch): built once in resolve_sharding, handed to every worker unchanged
         self._settings: RunSettings | None = None
@@ -150,8 +156,8 @@ class Trainer:
             self._start_workers()
             self.timings["workers_start_s"] = time.perf_counter() - t1
             self.cluster.tighten()  # the workers' session folders too
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(at_once=isinstance(exc, KeyboardInterrupt))
             raise
         return self
 
@@ -168,14 +174,21 @@ class Trainer:
             self.group.kill()
             self.group = None
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """Stop the workers (asked to shut down, up to 30 s; ``at_once``: killed, as after a
+        stop signal: a worker in its step would not answer) and the private Ray."""
         import ray
 
+        if self.cluster is not None and self.cluster.broken():  # no Ray call would return
+            if self.group is not None and self.group.group_dir:
+                shutil.rmtree(self.group.group_dir, ignore_errors=True)
+            self.group = None  # the shutdown reaps the workers
         if self.workers and ray.is_initialized():
-            try:
-                ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
-            except Exception:
-                pass
+            if not at_once:
+                try:
+                    ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+                except Exception:
+                    pass
             self._kill_workers()
         if self.cluster is not None:
             self.cluster.shutdown()
@@ -184,8 +197,8 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self.start() if self.cluster is None else self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(at_once=kind is not None and issubclass(kind, KeyboardInterrupt))
 
     # ------------------------------------------------------------------- batches --
     def validate(self, batch: Batch) -> Batch:
@@ -230,8 +243,9 @@ class Trainer:
             part = batch.subset(ids) if ids else None
             refs[w.step.remote(step, part, totals, board)] = rank
         try:
+            full: dict = {}
             results, failures = gather(refs, float(self.cfg.ray.step_timeout_s),
-                                       on_tick=None if bar is None else bar.tick)
+                                       on_tick=None if bar is None else bar.tick, full=full)
         finally:
             if bar is not None:
                 bar.close()
@@ -240,7 +254,9 @@ class Trainer:
             message, culprit, verb, applied = failure_message(step, results, failures,
                                                               self.infos, last)
             self.broken = f"step {step}, worker {culprit} {verb}"
-            raise StepFailed(message, step, failures, applied)
+            error = StepFailed(message, step, failures, applied)
+            error.full = full
+            raise error
         stats = step_stats(step, batch, tree.stats(), plan, results, time.perf_counter() - t0)
         self.completed_steps = step + 1
         self.history.append(stats)
@@ -305,6 +321,14 @@ class Trainer:
                 directory, self.completed_steps, meta, self.run_id, keep))[0]
         except WorkerError as exc:
             last = self.latest_checkpoint()
+            name = ckpt.step_name(self.completed_steps)
+            if last is not None and os.path.basename(last) == name:  # written, then the failure
+                _, line = explain(f"finishing checkpoint {name} (saved complete in "
+                                  f"{directory!r})", exc.failures, self.infos)
+                error = WorkerError(f"{line}; resume from it with train.resume=true",
+                                    exc.action, exc.failures)
+                error.full = getattr(exc, "full", None)
+                raise error from exc.__cause__
             raise exc.extend(f"the newest complete checkpoint is still {last!r} (resume from "
                              "it with train.resume=true)" if last else
                              "no checkpoint was written") from exc.__cause__

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import time
 
-from runtime.errors import WorkerError, describe
+from runtime.errors import WorkerError, brief, describe, plain
 
 GRACE_S = 30.0  # after one failure, how long the other workers get to report
 
 
 def gather(refs: dict, timeout_s: float | None, on_tick=None, tick_s: float = 0.5,
-           what: str = "the step") -> tuple[dict, dict]:
+           what: str = "the step", full: dict | None = None) -> tuple[dict, dict]:
     """``refs``: object ref -> rank. Returns (rank -> result, rank -> (kind, detail)).
     ``on_tick()`` is called about every ``tick_s`` while waiting (progress display).
-    ``timeout_s=None``: no deadline (only the grace period after a peer failed)."""
+    ``timeout_s=None``: no deadline (only the grace period after a peer failed). ``full``:
+    filled with rank -> the whole text of its Ray error (for the log, not the line)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -52,13 +53,20 @@ def gather(refs: dict, timeout_s: float | None, on_tick=None, tick_s: float = 0.
                 results[rank] = ray.get(ref, timeout=0)
             except RayActorError as exc:  # the worker process died
                 failures[rank] = ("died", describe(exc))
+                _keep(full, rank, exc)
             except RayTaskError as exc:  # the call raised
                 failures[rank] = ("raised", describe(exc))
+                _keep(full, rank, exc)
             except GetTimeoutError:
                 pending[ref] = rank
             if failures and grace is None:
                 grace = time.monotonic() + GRACE_S
     return results, failures
+
+
+def _keep(full: dict | None, rank: int, exc: BaseException) -> None:
+    if full is not None:
+        full[rank] = plain(str(exc))
 
 
 def call_workers(workers: list, infos: list[dict], action: str, call, *,
@@ -69,25 +77,13 @@ def call_workers(workers: list, infos: list[dict], action: str, call, *,
     error is its ``__cause__`` (the worker's traceback, for ``--debug``)."""
     ranks = list(range(len(workers)) if ranks is None else ranks)
     refs = {call(workers[r]): r for r in ranks}
-    results, failures = gather(refs, timeout_s, what=action)
+    full: dict = {}
+    results, failures = gather(refs, timeout_s, what=action, full=full)
     if not failures:
         return [results[r] for r in ranks]
-    kinds = ("raised", "died", "hung")  # the cause first; hung ones waited on it
-    order = sorted(failures, key=lambda r: (kinds.index(failures[r][0]), r))
-    culprit = order[0]
-    kind, detail = failures[culprit]
-    info = infos[culprit] if culprit < len(infos) else {}
-    where = f"worker {culprit} (pid {info.get('pid', '?')} on {info.get('ip', '?')})"
-    verb = {"raised": "", "died": "died: ", "hung": "hung: "}[kind]
-    message = f"{action} failed on {where}: {verb}{detail.rstrip('. ')}"
-    others = [r for r in order[1:]]
-    same = [r for r in others if failures[r] == failures[culprit]]
-    if same:
-        message += f" (workers {same} too)" if len(same) > 1 else f" (worker {same[0]} too)"
-    for r in others:
-        if r not in same:
-            message += f"; worker {r} {failures[r][0]}: {failures[r][1].rstrip('. ')}"
+    culprit, message = explain(action, failures, infos)
     error = WorkerError(message, action, failures)
+    error.full = full
     raise error from _ray_error(refs, culprit)
 
 
@@ -104,19 +100,57 @@ def _ray_error(refs: dict, rank: int):
     return None
 
 
+ORDER = ("died", "raised", "hung")  # a dead worker first: what the others raised follows
+
+
+def where(rank: int, infos: list[dict]) -> str:
+    info = infos[rank] if rank < len(infos) else {}
+    return f"worker {rank} (pid {info.get('pid', '?')} on {info.get('ip', '?')})"
+
+
+def explain(action: str, failures: dict, infos: list[dict]) -> tuple[int, str]:
+    """(culprit rank, one line) of a call that failed on workers: a dead worker first --
+    which, how it ended --, then briefly what the others saw (their errors without the
+    framework's decoration, :func:`~runtime.errors.brief`); else the first that raised, its
+    cause in full (an ``OSError`` with its path), then the others."""
+    order = sorted(failures, key=lambda r: (ORDER.index(failures[r][0]), r))
+    culprit = order[0]
+    kind, detail = failures[culprit]
+    detail = detail.rstrip(". ")
+    if kind == "died":
+        message = f"{where(culprit, infos)} died while {action}: {detail}"
+    else:
+        message = f"{action} failed on {where(culprit, infos)}: " + \
+            ("hung: " if kind == "hung" else "") + detail
+    return culprit, message + _survivors(order[1:], failures, kind == "died")
+
+
+def _survivors(ranks: list[int], failures: dict, after_death: bool) -> str:
+    """``; then worker 0 raised X`` (ranks with the same outcome together)."""
+    seen: dict[tuple, list[int]] = {}
+    for r in ranks:
+        kind, detail = failures[r]
+        seen.setdefault((kind, brief(detail) if after_death else detail.rstrip(". ")),
+                        []).append(r)
+    parts = []
+    for (kind, detail), rs in seen.items():
+        who = f"worker {rs[0]}" if len(rs) == 1 else f"workers {rs}"
+        verb = {"died": "died too", "raised": "raised", "hung": "hung"}[kind]
+        if kind == "died" and after_death:
+            parts.append(f"{who} {verb}")
+        else:
+            parts.append(f"{who} {verb}{' ' if kind == 'raised' else ': '}{detail}")
+    return "".join(f"; {'then ' if after_death else ''}{p}" for p in parts)
+
+
 def failure_message(step: int, results: dict, failures: dict, infos: list[dict],
                     last_checkpoint: str | None) -> tuple[str, int, str, list[int]]:
     """(message, culprit rank, verb, ranks that applied the update)."""
     applied = sorted(r for r, s in results.items() if s.get("updated"))
-    order = sorted(failures, key=lambda r: (failures[r][0] != "died", r))
-    culprit = order[0]
-    kind, detail = failures[culprit]
-    detail = detail.rstrip(". ")
-    info = infos[culprit] if culprit < len(infos) else {}
-    where = f"pid {info.get('pid', '?')} on {info.get('ip', '?')}"
-    parts = [f"step {step} failed: worker {culprit} ({where}) {kind}: {detail}"]
-    for r in order[1:]:
-        parts.append(f"worker {r} {failures[r][0]}: {failures[r][1]}")
+    culprit, line = explain(f"step {step}", failures, infos)
+    kind = failures[culprit][0]
+    parts = [line.replace(f"step {step} failed on ", f"step {step} failed: ", 1)
+             if kind != "died" else line.replace(" died while step ", " died during step ", 1)]
     if applied:
         state = (f"workers {applied} applied the update before the failure, so the "
                  "replicas now disagree")

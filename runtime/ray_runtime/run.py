@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Callable, Protocol
 
@@ -47,11 +48,13 @@ class BatchSourceLike(Protocol):
 
 
 class Interrupted(TrainingError):
-    """The run stopped on SIGINT/SIGTERM after a completed (and saved) step."""
+    """The run stopped on SIGINT/SIGTERM: after a completed (and saved) step, or at once (a
+    second signal, ``train.stop_grace_s`` passed, or the signal came during start-up)."""
 
-    def __init__(self, message: str, signum: int, checkpoint: str | None):
+    def __init__(self, message: str, signum: int, checkpoint: str | None,
+                 step: int | None = None, at_once: bool = False):
         super().__init__(message)
-        self.signum, self.checkpoint = signum, checkpoint
+        self.signum, self.checkpoint, self.step, self.at_once = signum, checkpoint, step, at_once
 
     @property
     def exit_code(self) -> int:
@@ -63,22 +66,66 @@ class NonFiniteUpdateWarning(UserWarning):
 
 
 class _StopSignals:
-    """SIGINT/SIGTERM handling: ``armed`` (training) records the signal so the loop stops
-    after the current step; otherwise (start-up) or on a second signal, KeyboardInterrupt."""
+    """SIGINT/SIGTERM handling. ``armed`` (training): the first signal is recorded, so the
+    loop stops after the current step and its save, within ``grace_s`` seconds; a second
+    signal, the grace period's end, or a signal while not armed (start-up) stops at once:
+    ``stop_now`` says why and a KeyboardInterrupt unwinds (Ray's waits turn what a handler
+    raises into a KeyboardInterrupt: the reason travels here, not in the exception).
+    Installed after Ray's own SIGTERM handler (``cluster.start_or_join`` keeps ours)."""
 
-    def __init__(self):
+    def __init__(self, grace_s: float = 30.0, broken: Callable[[], bool] | None = None,
+                 abandon: Callable[[int, str], None] | None = None):
+        self.grace_s = float(grace_s)
         self.received: int | None = None
+        self.stop_now: tuple[int, str] | None = None
         self.armed = False
         self._previous = {}
+        self._expired = False
+        self._done = threading.Event()
+        self.broken, self.abandon = broken, abandon  # see _watch
 
     def _handler(self, signum, frame):
+        if self.stop_now is not None:
+            return  # stopping at once already: let the shutdown finish
         if self.armed and self.received is None:
             self.received = signum
             print(f"\ndta train: {signal.Signals(signum).name} received: finishing the current "
-                  "step, then saving and stopping (again to stop at once)", file=sys.stderr,
-                  flush=True)
+                  f"step, then saving and stopping (within train.stop_grace_s="
+                  f"{self.grace_s:g} s; again to stop at once)", file=sys.stderr, flush=True)
+            threading.Thread(target=self._watch, name="dta-stop", daemon=True).start()
             return
+        if self._expired:
+            why = f"train.stop_grace_s={self.grace_s:g} s passed"
+        elif self.received is not None:
+            why = "a second signal"
+        else:
+            why = "the signal came during start-up"
+        self.stop_now = (int(self.received or signum), why)
         raise KeyboardInterrupt
+
+    def _watch(self):
+        """After the first signal: at the grace period's end, stop at once (the handler, in
+        the main thread). Where the main thread does not get there -- a Ray call that does
+        not return, the private Ray's own processes gone (a SIGTERM to the whole process
+        group reaches them) -- ``abandon`` ends the process (one line, the instance reaped)."""
+        import _thread
+
+        signum, end = int(self.received), time.monotonic() + self.grace_s
+        while not self._done.wait(0.5):
+            if self.broken is not None and self.broken():
+                why = "it reached the private Ray's own processes too"
+                wait = 5.0
+                break
+            if time.monotonic() > end:
+                self._expired = True
+                _thread.interrupt_main(signum)  # the handler runs in the main thread
+                why = f"train.stop_grace_s={self.grace_s:g} s passed; a Ray call did not return"
+                wait = 15.0
+                break
+        else:
+            return
+        if not self._done.wait(wait) and self.abandon is not None:
+            self.abandon(signum, why)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -87,6 +134,7 @@ class _StopSignals:
         return self
 
     def __exit__(self, *exc):
+        self._done.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -94,9 +142,11 @@ class _StopSignals:
 def run_training(cfg, source: BatchSourceLike, *,
                  address: str | None = None, progress: bool = True,
                  log: Callable[[str], None] | None = None, fault=None,
-                 on_step: Callable[[StepStats], None] | None = None) -> dict:
+                 on_step: Callable[[StepStats], None] | None = None,
+                 resume_command: str | None = None) -> dict:
     """Train ``cfg.train.steps`` steps on ``source.batch(k)``; returns the summary
-    (:func:`~runtime.ray_runtime.stats.summarize`)."""
+    (:func:`~runtime.ray_runtime.stats.summarize`). ``resume_command``: the command line
+    that continues the run, for the line a stop signal ends it with."""
     from dta.config.keys import check_dta_train
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -110,7 +160,7 @@ def run_training(cfg, source: BatchSourceLike, *,
     run, logs = claim_folders(t)
     try:
         return _run(cfg, trainer, run, logs, source, progress=progress, log=log,
-                    on_step=on_step)
+                    on_step=on_step, resume_command=resume_command)
     finally:
         for held in (logs, run):
             if held is not None:
@@ -135,7 +185,8 @@ def claim_folders(t) -> tuple[ckpt.RunInfo | None, Claim | None]:
 
 def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, logs: Claim | None,
          source: BatchSourceLike, *, progress: bool, log: Callable[[str], None],
-         on_step: Callable[[StepStats], None] | None) -> dict:
+         on_step: Callable[[StepStats], None] | None,
+         resume_command: str | None = None) -> dict:
     """run_training's steps, in the folders ``run`` and ``logs`` hold."""
     t = cfg.train
     trainer.run_id = run.run_id if run else (logs.run_id if logs else None)
@@ -152,62 +203,128 @@ def _run(cfg, trainer: Trainer, run: ckpt.RunInfo | None, logs: Claim | None,
     trainer.resolve_sharding(first)  # the run's settings, once (auto: by the memory model)
     log_dir = t.log_dir or t.checkpoint_dir
     metrics = MetricsLog(log_dir, run_id=trainer.run_id) if log_dir else None
+    def abandon(signum: int, why: str) -> None:
+        print(f"\ndta train: {_at_once(trainer, t, signum, why, resume_command)[0]}",
+              file=sys.stderr, flush=True)
+        if trainer.cluster is not None:
+            trainer.cluster.abandon()
+        os._exit(128 + signum)
+
+    stop = _StopSignals(float(t.stop_grace_s), abandon=abandon,
+                        broken=lambda: trainer.cluster is not None and trainer.cluster.broken())
+    try:
+        with stop, trainer:
+            return _steps(cfg, trainer, stop, source, start, first, resume_path, metrics,
+                          progress=progress, log=log, on_step=on_step,
+                          resume_command=resume_command)
+    except (KeyboardInterrupt, TrainingError) as exc:
+        _log_full(exc, t.log_dir or t.checkpoint_dir)
+        if isinstance(exc, Interrupted) or (stop.stop_now is None and stop.received is None):
+            raise
+        if stop.stop_now is None and isinstance(exc, KeyboardInterrupt):
+            raise
+        # stopped at once; or a step failed after the signal (sent to the whole process
+        # group, it reached the workers and the private Ray too)
+        signum, why = stop.stop_now or (stop.received, "the signal reached the workers: "
+                                        f"{str(exc).split(';')[0]}")
+        message, last = _at_once(trainer, t, signum, why, resume_command)
+        raise Interrupted(message, signum, last, trainer.completed_steps, at_once=True) from None
+
+
+def _at_once(trainer: Trainer, t, signum: int, why: str, resume_command: str | None
+             ) -> tuple[str, str | None]:
+    """The line of a run stopped at once, and the newest complete checkpoint."""
+    last = trainer.latest_checkpoint() if t.checkpoint_dir else None
+    where = (f"the newest complete checkpoint is {last}; {_resume(t, resume_command)}"
+             if last else "no checkpoint was written")
+    return (f"stopped at once by {signal.Signals(signum).name} ({why}) during step "
+            f"{trainer.completed_steps}: {where}", last)
+
+
+def _steps(cfg, trainer: Trainer, stop: _StopSignals, source: BatchSourceLike, start: int,
+           first: Batch,
+           resume_path: str | None, metrics: MetricsLog | None, *, progress: bool,
+           log: Callable[[str], None], on_step, resume_command: str | None) -> dict:
+    """The steps, on the started trainer; a stop signal ends them after a step and its save
+    (:class:`Interrupted`)."""
+    t = cfg.train
     every, last_saved = int(t.checkpoint_every), None
     bar = None
-    with _StopSignals() as stop, trainer:
-        try:
-            if resume_path:
-                trainer.load(resume_path)
-                log(f"resumed run {trainer.run_id} from {resume_path} (step {start})")
-            if progress:
-                from tqdm import tqdm
-                bar = tqdm(total=int(t.steps), initial=start, desc="dta train", unit="step",
-                           file=sys.stderr, dynamic_ncols=True)
-            stop.armed = True
-            for k in range(start, int(t.steps)):
-                batch = first if k == start else source.batch(k)
-                stats = trainer.step(batch, k)
-                _check_update(stats, bool(t.skip_nonfinite))
-                if metrics is not None:
-                    metrics.write(stats)
-                if on_step is not None:
-                    on_step(stats)
-                if t.checkpoint_dir and ((every and (k + 1) % every == 0) or k + 1 == t.steps):
-                    last_saved = trainer.save()
-                if bar is not None:
-                    bar.set_postfix(loss=f"{stats.loss:.4f}", share=f"{stats.sharing_ratio:.1f}x",
-                                    s=f"{stats.step_s:.2f}")
-                    bar.update(1)
-                if stop.received is not None and k + 1 < int(t.steps):
-                    name = signal.Signals(stop.received).name
-                    if t.checkpoint_dir and (last_saved is None or
-                                             not last_saved.endswith(ckpt.step_name(k + 1))):
-                        last_saved = trainer.save()
-                    where = (f"step {k + 1} saved in {last_saved}; continue with "
-                             "train.resume=true" if t.checkpoint_dir else
-                             "nothing saved (no train.checkpoint_dir)")
-                    raise Interrupted(f"stopped by {name} after {k + 1 - start} steps: {where}",
-                                      stop.received, last_saved)
-            stop.armed = False
-            if t.export_hf:
-                path = trainer.export_hf(str(t.export_hf))
-                log(f"exported the model (save_pretrained) to {path}")
-        finally:
-            stop.armed = False
-            if bar is not None:
-                bar.close()
+    try:
+        if resume_path:
+            trainer.load(resume_path)
+            log(f"resumed run {trainer.run_id} from {resume_path} (step {start})")
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=int(t.steps), initial=start, desc="dta train", unit="step",
+                       file=sys.stderr, dynamic_ncols=True)
+        stop.armed = True
+        for k in range(start, int(t.steps)):
+            batch = first if k == start else source.batch(k)
+            stats = trainer.step(batch, k)
+            _check_update(stats, bool(t.skip_nonfinite))
             if metrics is not None:
-                metrics.close()
-        out = summarize(trainer.history, trainer)
-        out["sharding"] = trainer.settings.layout.sharding  # what ran (auto resolved)
-        if trainer.sharding_report is not None:
-            out["sharding_auto"] = trainer.sharding_report
-        out["param_norm"] = trainer.param_norms()[0]  # after the last step
-        out["run_id"] = trainer.run_id
-        out["checkpoint"] = last_saved
+                metrics.write(stats)
+            if on_step is not None:
+                on_step(stats)
+            if t.checkpoint_dir and ((every and (k + 1) % every == 0) or k + 1 == t.steps):
+                last_saved = trainer.save()
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats.loss:.4f}", share=f"{stats.sharing_ratio:.1f}x",
+                                s=f"{stats.step_s:.2f}")
+                bar.update(1)
+            if stop.received is not None and k + 1 < int(t.steps):
+                name = signal.Signals(stop.received).name
+                if t.checkpoint_dir and (last_saved is None or
+                                         not last_saved.endswith(ckpt.step_name(k + 1))):
+                    last_saved = trainer.save()
+                where = (f"step {k + 1} saved in {last_saved}; {_resume(t, resume_command)}"
+                         if t.checkpoint_dir else "nothing saved (no train.checkpoint_dir)")
+                raise Interrupted(f"stopped by {name} after step {k + 1} ({k + 1 - start} "
+                                  f"steps this run): {where}", stop.received, last_saved, k + 1)
+        stop.armed = False
+        if t.export_hf:
+            path = trainer.export_hf(str(t.export_hf))
+            log(f"exported the model (save_pretrained) to {path}")
+    finally:
+        stop.armed = False
+        if bar is not None:
+            bar.close()
         if metrics is not None:
-            out["metrics_log"] = metrics.paths
-        return out
+            metrics.close()
+    out = summarize(trainer.history, trainer)
+    out["sharding"] = trainer.settings.layout.sharding  # what ran (auto resolved)
+    if trainer.sharding_report is not None:
+        out["sharding_auto"] = trainer.sharding_report
+    out["param_norm"] = trainer.param_norms()[0]  # after the last step
+    out["run_id"] = trainer.run_id
+    out["checkpoint"] = last_saved
+    if metrics is not None:
+        out["metrics_log"] = metrics.paths
+    return out
+
+
+def _log_full(exc: BaseException, folder: str | None) -> None:
+    """The workers' whole error texts (what the one line leaves out: gloo's paths, Ray's
+    advice) appended to ``failures.log`` in the run's log folder, named in the line."""
+    full = getattr(exc, "full", None)
+    if not full or not folder:
+        return
+    path = os.path.join(os.path.abspath(str(folder)), "failures.log")
+    try:
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {exc.args[0]}\n")
+            for rank in sorted(full):
+                f.write(f"worker {rank}:\n{full[rank]}\n")
+    except OSError:
+        return
+    exc.args = (f"{exc.args[0]} (the workers' whole errors: {path})",)
+
+
+def _resume(t, command: str | None) -> str:
+    """How to continue the run: the command line when the caller gave it."""
+    return f"resume with: {command}" if command else \
+        f"continue with train.checkpoint_dir={t.checkpoint_dir} train.resume=true"
 
 
 def _check_update(stats: StepStats, skip_nonfinite: bool) -> None:
