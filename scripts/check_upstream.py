@@ -77,38 +77,75 @@ def pip_target(target: Path, *specs: str) -> None:
                     "--disable-pip-version-check", "--target", str(target), *specs], check=True)
 
 
+def _unmet(requires: list[str], have, extras: tuple[str, ...]) -> list[str]:
+    """Those of ``requires`` (a distribution's Requires-Dist lines) that ``have(name)`` (the
+    version the run will import, or None) does not meet: unconditional ones, and an extra's
+    (``extras``) where it is installed -- transformers imports what is installed."""
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "torch":
+            continue
+        optional = req.marker is not None and "extra" in str(req.marker)
+        if req.marker is not None:
+            envs = [{"extra": e} for e in extras] if optional else [{"extra": ""}]
+            if not any(req.marker.evaluate(env) for env in envs):
+                continue
+        version = have(req.name)
+        if version is None:
+            if not optional:
+                unmet.append(f"{req.name}{req.specifier}")
+        elif req.specifier and not req.specifier.contains(version, prereleases=True):
+            unmet.append(f"{req.name}{req.specifier}")
+    return unmet
+
+
 def install(version: str, work: Path) -> tuple[Path, list[str]]:
     """transformers ``version`` in a folder of its own, with those of its own requirements
     that the venv's versions do not satisfy (old releases pin tokenizers / huggingface-hub
     below the venv's; an optional one such as ``kernels`` counts where the venv has it,
-    since transformers imports what is installed), also --no-deps; returns the folder and
-    what else went in."""
+    since transformers imports what is installed), then theirs in turn (``kernels`` 0.15
+    needs ``kernels-data``, which the venv lacks: transformers 5.13 - 5.17 failed to import
+    without it), all ``--no-deps``; returns the folder and what else went in."""
     from importlib.metadata import PackageNotFoundError, distributions
-    from importlib.metadata import version as have
+    from importlib.metadata import version as venv_version
 
-    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     target = work / f"transformers-{version}"
     if not (target / "transformers").is_dir():
         pip_target(target, f"transformers=={version}")
-    dist = next(d for d in distributions(path=[str(target)]) if d.metadata["Name"] == "transformers")
-    extra = []
-    for line in dist.requires or []:
-        req = Requirement(line)
-        if req.name == "torch" or not req.specifier:
-            continue
-        optional = req.marker is not None  # an extra's pin: it matters only where installed
-        if optional and not any(req.marker.evaluate({"extra": e}) for e in RUNTIME_EXTRAS):
-            continue
+    done = target / ".deps-done"
+    if done.exists():
+        return target, [x for x in done.read_text().splitlines() if x]
+
+    def local():
+        return {canonicalize_name(d.metadata["Name"]): d for d in distributions(path=[str(target)])}
+
+    def have(name):
+        d = local().get(canonicalize_name(name))
+        if d is not None:
+            return d.version
         try:
-            ok = req.specifier.contains(have(req.name), prereleases=True)
+            return venv_version(name)
         except PackageNotFoundError:
-            ok = optional
-        if not ok and f"{req.name}{req.specifier}" not in extra:
-            extra.append(f"{req.name}{req.specifier}")
-    if extra and not (target / ".deps-done").exists():
-        pip_target(target, *extra)
-        (target / ".deps-done").write_text("\n".join(extra))
+            return None
+
+    extra: list[str] = []
+    for _ in range(5):  # transformers' pins, then what those bring, to a fixed point
+        unmet = []
+        for name, dist in local().items():
+            extras = RUNTIME_EXTRAS if name == "transformers" else ()
+            for u in _unmet(dist.requires or [], have, extras):
+                if u not in unmet:
+                    unmet.append(u)
+        if not unmet:
+            break
+        pip_target(target, *unmet)
+        extra += [u for u in unmet if u not in extra]
+    done.write_text("\n".join(extra))
     return target, extra
 
 

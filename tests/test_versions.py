@@ -57,18 +57,22 @@ def test_installed_packages_are_the_locked_set():
     assert Version(metadata.version("transformers")) == Version(pins["transformers"])
 
 
-def test_pyproject_ranges_end_at_the_tested_versions():
+def test_pyproject_ranges_hold_the_lock():
     """Every dependency range has an upper bound, and the locked (tested) version is inside
-    it; transformers' and torch's upper bounds are exactly the tested versions."""
+    it; torch's and transformers' ranges are a floor and a ceiling (``>=A,<=B``) around the
+    lock, the floor reaching the hosts' (AReaL 1.0.4 asks torch >=2.9.1, transformers >=5.0.0;
+    docs/versions.md)."""
     pins = _lock()
     for req in _pyproject_requirements():
         uppers = [s for s in req.specifier if s.operator in ("<=", "<", "==")]
         assert uppers, f"pyproject.toml: {req} has no upper bound"
         if req.name in pins:
             assert req.specifier.contains(pins[req.name], prereleases=True), (req, pins[req.name])
-    for name in ("torch", "transformers"):
+    for name, host_floor in (("torch", "2.9.1"), ("transformers", "5.0.0")):
         req = next(r for r in _pyproject_requirements() if r.name == name)
-        assert {s.version for s in req.specifier if s.operator == "<="} == {pins[name]}, req
+        assert sorted(s.operator for s in req.specifier) == ["<=", ">="], req
+        floor = next(Version(s.version) for s in req.specifier if s.operator == ">=")
+        assert floor <= Version(host_floor), req
 
 
 def test_the_installed_metadata_states_pyprojects_range():
@@ -111,3 +115,37 @@ def test_a_self_check_refusal_names_the_transformers_version(monkeypatch):
     msg = str(err.value)
     assert f"transformers {metadata.version('transformers')}" in msg and "0 positions" in msg
     assert "\n" not in msg
+
+
+def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkeypatch):
+    """transformers 5.0 - 5.4 have no LinearAttentionLayer (the cache the walk forks Gated
+    DeltaNet states through): the hybrid families are refused, naming the release that brings
+    it; the other families build."""
+    import transformers
+
+    from dta.model.families import FAMILIES, refusal
+    from dta.model.models import build_model
+
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    with pytest.raises(ValueError) as err:
+        build_model("qwen3_5", "tiny", dtype="float32")
+    msg = str(err.value)
+    assert "'qwen3_5' needs transformers >= 5.5.0" in msg and "transformers 5.3.0" in msg, msg
+    assert "\n" not in msg
+    assert refusal("qwen3_next", "5.4.0") and refusal("qwen3_next", "5.5.0") is None
+    assert [f for f in FAMILIES if refusal(f, "5.0.0")] == ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+    build_model("llama", "tiny", dtype="float32")
+
+
+def test_the_float64_harness_keeps_integer_positions_in_float64():
+    """transformers before 5.19 cast RoPE's integer positions with ``.float()``; inside the
+    float64 harness they become float64 (meeting float64 frequencies), float64 tensors stay."""
+    import torch
+
+    from dta.model.models import keep_float64
+
+    with keep_float64():
+        pos = torch.arange(4)[None].float()
+        x = torch.ones(2, dtype=torch.float64).float()
+    assert pos.dtype == torch.float64 and x.dtype == torch.float64
+    assert torch.arange(4).float().dtype == torch.float32  # outside the harness: untouched

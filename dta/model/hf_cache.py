@@ -26,7 +26,15 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicLayer
+
+try:  # 5.5+: the linear-attention (Gated DeltaNet) cache layer the walk forks states through
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # 5.0 - 5.4: the hybrid families are refused (dta.model.families.needs)
+    LinearAttentionLayer = None
+
+# the first transformers release whose cache has LinearAttentionLayer (what the hybrids need)
+LINEAR_ATTENTION_SINCE = "5.5.0"
 
 # the keyword a layer's forward receives the cache under, newest first (5.4 renamed
 # past_key_values -> cache; the GDN modules of 5.x before 5.25 take cache_params)
@@ -91,7 +99,24 @@ def layer_kv(layer) -> tuple[int, torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- Gated DeltaNet --
-class _StateLayer(LinearAttentionLayer):
+def _linear_attention_base():
+    """HF's ``LinearAttentionLayer``, or -- on a release without it -- a base that refuses to
+    be built, in one line naming the release that brings it."""
+    if LinearAttentionLayer is not None:
+        return LinearAttentionLayer
+
+    class _Missing:
+        def __init__(self, *args, **kwargs):
+            import transformers
+
+            raise RuntimeError(f"Gated DeltaNet layers need transformers >= {LINEAR_ATTENTION_SINCE}"
+                               f" (its LinearAttentionLayer cache); installed: transformers "
+                               f"{transformers.__version__}")
+
+    return _Missing
+
+
+class _StateLayer(_linear_attention_base()):
     """A GDN layer's cache that starts from a given (conv, recurrent) state (None: zeros) with
     ``positions`` positions before it, and that reports those positions itself."""
 

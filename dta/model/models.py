@@ -12,7 +12,7 @@ import types
 import torch
 
 from dta.model import recurrent
-from dta.model.families import FAMILIES, config_kwargs
+from dta.model.families import FAMILIES, config_kwargs, refusal
 
 # Sizes are keyword overrides of the family's config. "tiny" is for tests, "small" for CPU
 # benchmarks (hidden >= 256, >= 4 layers, 32K vocabulary), the Qwen3 shapes for the GPU script.
@@ -51,6 +51,9 @@ def build_config(family: str, size: str | dict = "tiny", *, matrix: bool = False
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    why = refusal(family)
+    if why:
+        raise ValueError(why)
     if isinstance(size, str):
         if size not in SIZES:
             raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
@@ -118,7 +121,8 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
     ``.to(torch.float32)``, ``softmax(..., dtype=torch.float32)``) are no-ops.
 
     HF norms (RMSNorm, Gemma's ``(1 + w)`` norm, Cohere's LayerNorm, OLMo 2's) and eager
-    attention's softmax (Gemma 2) upcast to float32 and cast back, whatever their formula or
+    attention's softmax (Gemma 2) upcast to float32 and cast back (and RoPE of releases before
+    5.19 casts integer positions to float32: they become float64 here), whatever their formula or
     their ``eps`` attribute's name; that rounding caps DFS-vs-unpacked agreement near 1e-7
     even in float64. Neutralizing the cast itself covers every such form at once."""
 
@@ -127,6 +131,11 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
         if func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16) and not kwargs \
                 and len(args) == 1 and args[0].dtype == torch.float64:
             return args[0]
+        if func is torch.Tensor.float and not kwargs and len(args) == 1 \
+                and not args[0].is_floating_point() and not args[0].is_complex():
+            # RoPE's integer positions (``position_ids.float()``, transformers before 5.19):
+            # into float64, to meet float64 frequencies
+            return args[0].double()
         if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype == torch.float64:
             target = kwargs.get("dtype", args[1] if len(args) == 2 else None)
