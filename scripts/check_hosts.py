@@ -16,7 +16,7 @@ tests/test_verl*.py). It prints a table host x check; ``--markdown FILE``, ``--j
     bash scripts/check-hosts.sh verl --keep          # one host, keep its venv
     bash scripts/check-hosts.sh --markdown out.md --json
 
-pip runs with PIP_CONSTRAINT= (empty) so that only the host's pins apply. A host's venv is
+pip runs with PIP_CONSTRAINT= and PIP_CONFIG_FILE=/dev/null so that only the host's pins apply. A host's venv is
 deleted after its checks unless --keep; with --reuse an existing one (and the freeze it saved)
 is used again. docs/versions.md has the table and how it was made.
 """

@@ -123,7 +123,11 @@ class Env:
     def __init__(self, path: Path, log: Path):
         self.path, self.log = path, log
         self.python = str(path / "bin" / "python")
-        self.env = dict(os.environ, PIP_CONSTRAINT="", PIP_DISABLE_PIP_VERSION_CHECK="1",
+        # only the host's pins apply: no machine-wide pip config (a global constraint, as on
+        # the machine this was written on, would cap torch; PIP_CONSTRAINT= alone does not
+        # lift one set in a config file)
+        self.env = dict(os.environ, PIP_CONSTRAINT="", PIP_CONFIG_FILE=os.devnull,
+                        PIP_DISABLE_PIP_VERSION_CHECK="1",
                         VIRTUAL_ENV=str(path), PATH=f"{path / 'bin'}{os.pathsep}{os.environ['PATH']}")
         self.env.pop("PYTHONPATH", None)
 
