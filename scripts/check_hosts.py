@@ -63,12 +63,14 @@ HOSTS = {
 
 # ---------------------------------------------------------------- DTA in the host's venv
 
-def install_dta(env: Env, freeze: dict[str, str], constraints: Path) -> dict:
-    """DTA from this checkout, constrained to the host's freeze; then the pins and pip check."""
+def install_dta(env: Env, freeze: dict[str, str], constraints: Path, again: bool) -> dict:
+    """DTA from this checkout, constrained to the host's freeze; then the pins and pip check
+    (against the freeze saved before DTA went in). ``again=False`` where a --reuse finds DTA
+    installed already (a second run on the venv: checks only)."""
     constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(freeze.items())
                                    if n not in NOT_HOST_PINS))
     rc, out = env.pip("install", "--no-cache-dir", "-e", f"{ROOT}[{DTA_EXTRAS}]",
-                      "-c", str(constraints))
+                      "-c", str(constraints)) if again else (0, "")
     if rc:
         why = "ResolutionImpossible: " if "ResolutionImpossible" in out else ""
         conflict = [ln.strip() for ln in out.splitlines()
@@ -142,7 +144,7 @@ def adopt(env: Env, host: Host, state: Path) -> None:
 
 
 def check_host(host: Host, venvs: Path, keep: bool, reuse: bool, skip: list[str],
-               only_verify: list[str]) -> dict:
+               only_verify: list[str], runs=("train", "verify", "door")) -> dict:
     t0 = time.time()
     path = venvs / f"host-{host.name}"
     state = path / "dta-check-hosts.json"  # the host's install, saved for --reuse
@@ -177,7 +179,7 @@ def check_host(host: Host, venvs: Path, keep: bool, reuse: bool, skip: list[str]
     if not hi["ok"]:
         return finish(res, path, keep, t0)
     print(f"{host.name}: installing DTA -c {path / 'host-freeze.txt'}", flush=True)
-    di = install_dta(env, freeze, path / "host-freeze.txt")
+    di = install_dta(env, freeze, path / "host-freeze.txt", again="dta" not in env.freeze())
     checks["DTA install"] = (di["ok"], di.get("error") or (
         "brought " + (", ".join(di["brought"]) or "nothing")))
     if not di["ok"]:
@@ -187,10 +189,11 @@ def check_host(host: Host, venvs: Path, keep: bool, reuse: bool, skip: list[str]
     checks["pip check (DTA)"] = (not di["pip_check"], "; ".join(di["pip_check"]) or "clean")
     have, lacks, tv = families(env)
     res["transformers"], res["families_absent"] = tv, lacks
-    print(f"{host.name}: dta train", flush=True)
-    checks["dta train"] = train(env)
+    if "train" in runs:
+        print(f"{host.name}: dta train", flush=True)
+        checks["dta train"] = train(env)
     fam = {}
-    for f in have:
+    for f in have if "verify" in runs else []:
         if only_verify and f not in only_verify:
             continue
         fam[f] = verify(env, f)
@@ -198,11 +201,13 @@ def check_host(host: Host, venvs: Path, keep: bool, reuse: bool, skip: list[str]
     res["verify"] = {f: {"passed": ok, "detail": d} for f, (ok, d) in fam.items()}
     bad = [f for f, (ok, _) in fam.items() if not ok]
     errs = [float(d) for ok, d in fam.values() if ok]
-    checks["dta verify float64"] = (not bad and bool(fam), (
-        f"{len(fam) - len(bad)}/{len(fam)} families" + (f" (max {max(errs):.1e})" if errs else "")
-        + (f"; FAIL {', '.join(bad)}: {fam[bad[0]][1]}" if bad else "")
-        + (f"; absent in transformers {tv}: {', '.join(lacks)}" if lacks else "")))
-    if host.tests:
+    if fam:
+        checks["dta verify float64"] = (not bad, (
+            f"{len(fam) - len(bad)}/{len(fam)} families"
+            + (f" (max {max(errs):.1e})" if errs else "")
+            + (f"; FAIL {', '.join(bad)}: {fam[bad[0]][1]}" if bad else "")
+            + (f"; absent in transformers {tv}: {', '.join(lacks)}" if lacks else "")))
+    if "door" in runs and host.tests:
         print(f"{host.name}: the door's tests", flush=True)
         checks["door tests"] = door_tests(env, host)
     return finish(res, path, keep, t0)
@@ -249,7 +254,14 @@ def render(results: list[dict], started, commit: str) -> str:
 def merge(files: list[str], markdown: str) -> int:
     """One table from the JSON lines of several runs (e.g. one host each, in parallel)."""
     runs = [json.loads(Path(f).read_text().strip().splitlines()[-1]) for f in files]
-    results = [h for r in runs for h in r["hosts"]]
+    results: dict[str, dict] = {}
+    for h in (h for r in runs for h in r["hosts"]):  # one host's checks may come from two runs
+        if h["host"] in results:
+            results[h["host"]]["checks"].update(h["checks"])
+            results[h["host"]].setdefault("verify", {}).update(h.get("verify", {}))
+        else:
+            results[h["host"]] = h
+    results = [results[n] for n in HOSTS if n in results]
     started = min(datetime.datetime.fromisoformat(r["started"]) for r in runs)
     table = render(results, started, ", ".join(sorted({r["commit"] for r in runs})))
     print(table)
@@ -266,6 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true", help="reuse a venv this script built")
     ap.add_argument("--skip", action="append", default=[], metavar="PKG",
                     help="a dependency not to install (the host goes in --no-deps without it)")
+    ap.add_argument("--checks", default="train,verify,door",
+                    help="which of train, verify, door to run after the installs")
     ap.add_argument("--families", default="", help="comma-separated (default: every family)")
     ap.add_argument("--markdown", default="", help="also write the table to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -284,7 +298,8 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                             capture_output=True).stdout.strip() or "unknown"
     results = [check_host(HOSTS[h], venvs, args.keep, args.reuse, args.skip,
-                          [f for f in args.families.split(",") if f])
+                          [f for f in args.families.split(",") if f],
+                          tuple(args.checks.split(",")))
                for h in (args.hosts or list(HOSTS))]
     table = render(results, started, commit)
     print(table)
