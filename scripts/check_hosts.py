@@ -178,8 +178,10 @@ def check_host(host: Host, venvs: Path, keep: bool, reuse: bool, skip: list[str]
         "without " + ", ".join(f"{n} ({why})" for n, why in hi["not_installable"].items())))
     if not hi["ok"]:
         return finish(res, path, keep, t0)
-    print(f"{host.name}: installing DTA -c {path / 'host-freeze.txt'}", flush=True)
-    di = install_dta(env, freeze, path / "host-freeze.txt", again="dta" not in env.freeze())
+    again = "dta" not in env.freeze()
+    print(f"{host.name}: {'installing DTA -c' if again else 'DTA installed already; checking'} "
+          f"{path / 'host-freeze.txt'}", flush=True)
+    di = install_dta(env, freeze, path / "host-freeze.txt", again)
     checks["DTA install"] = (di["ok"], di.get("error") or (
         "brought " + (", ".join(di["brought"]) or "nothing")))
     if not di["ok"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata as md
+import json
 import sys
 from pathlib import Path
 
@@ -90,3 +91,20 @@ def test_the_table_marks_failures_and_what_could_not_be_installed():
     assert cells[3:6] == ["pass, without flash-attn", "**FAIL**", "not run"]
     assert "**not installable here**: flash-attn (its build failed)" in table
     assert "2026-12-07" in table and "abc1234" in table
+
+
+def test_one_hosts_checks_from_two_runs_merge_into_one_row(tmp_path):
+    def run(name, checks):
+        host = {"host": "verl", "version": "0.9.1", "pins": {}, "resolved": {},
+                "checks": {c: {"passed": ok, "detail": "x"} for c, ok in checks.items()}}
+        path = tmp_path / name
+        path.write_text("verl: done\n" + json.dumps({"started": "2026-12-07T04:00:00+00:00",
+                                                     "commit": "abc1234", "hosts": [host]}))
+        return str(path)
+
+    main = run("main.json", {"host install": True, "DTA install": True, "dta train": True})
+    door = run("door.json", {"door tests": False})
+    out = tmp_path / "table.md"
+    assert check_hosts.merge([main, door], str(out)) == 1  # the door tests failed
+    rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| verl")]
+    assert len(rows) == 1 and rows[0].count("pass") == 3 and rows[0].endswith("**FAIL** |")
