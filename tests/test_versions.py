@@ -138,14 +138,22 @@ def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkey
 
 
 def test_the_float64_harness_keeps_integer_positions_in_float64():
-    """transformers before 5.19 cast RoPE's integer positions with ``.float()``; inside the
-    float64 harness they become float64 (meeting float64 frequencies), float64 tensors stay."""
+    """transformers before 5.19 take RoPE as ``inv_freq.float() @ position_ids.float()``; inside
+    the float64 harness the product of float64 frequencies with the (exact) float32 positions is
+    taken in float64, a float32 ``inv_freq`` (a host re-initializing the buffer: verl's FSDP
+    engine) stays float32 @ float32 instead of raising, and float64 tensors stay float64."""
     import torch
 
     from dta.model.models import keep_float64
 
+    inv64 = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    inv32 = inv64.float()
     with keep_float64():
-        pos = torch.arange(4)[None].float()
+        pos = torch.arange(4)[None, None].float()
         x = torch.ones(2, dtype=torch.float64).float()
-    assert pos.dtype == torch.float64 and x.dtype == torch.float64
+        freqs64 = inv64[None, :, None].float() @ pos
+        freqs32 = inv32[None, :, None].float() @ pos
+    assert x.dtype == torch.float64 and freqs64.dtype == torch.float64
+    assert torch.equal(freqs64, inv64[None, :, None] @ torch.arange(4.0, dtype=torch.float64)[None, None])
+    assert freqs32.dtype == torch.float32
     assert torch.arange(4).float().dtype == torch.float32  # outside the harness: untouched
