@@ -255,7 +255,12 @@ def render(results: list[dict], started, commit: str) -> str:
 
 def merge(files: list[str], markdown: str) -> int:
     """One table from the JSON lines of several runs (e.g. one host each, in parallel)."""
-    runs = [json.loads(Path(f).read_text().strip().splitlines()[-1]) for f in files]
+    runs = []
+    for f in files:
+        lines = [ln for ln in Path(f).read_text().splitlines() if ln.startswith("{")]
+        if not lines:
+            raise SystemExit(f"check_hosts: {f} holds no --json line (a run not finished?)")
+        runs.append(json.loads(lines[-1]))
     results: dict[str, dict] = {}
     for h in (h for r in runs for h in r["hosts"]):  # one host's checks may come from two runs
         if h["host"] in results:
