@@ -30,11 +30,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 try:  # 5.5+: the linear-attention (Gated DeltaNet) cache layer the walk forks states through
     from transformers.cache_utils import LinearAttentionLayer
-except ImportError:  # 5.0 - 5.4: the hybrid families are refused (dta.model.families.needs)
+except ImportError:  # 5.0 - 5.4: the hybrid families are refused (dta.model.families.refusal)
     LinearAttentionLayer = None
-
-# the first transformers release whose cache has LinearAttentionLayer (what the hybrids need)
-LINEAR_ATTENTION_SINCE = "5.5.0"
 
 # the keyword a layer's forward receives the cache under, newest first (5.4 renamed
 # past_key_values -> cache; the GDN modules of 5.x before 5.25 take cache_params)
@@ -109,9 +106,10 @@ def _linear_attention_base():
         def __init__(self, *args, **kwargs):
             import transformers
 
-            raise RuntimeError(f"Gated DeltaNet layers need transformers >= {LINEAR_ATTENTION_SINCE}"
-                               f" (its LinearAttentionLayer cache); installed: transformers "
-                               f"{transformers.__version__}")
+            from dta.model.families import HYBRID_SINCE
+
+            raise RuntimeError(f"Gated DeltaNet layers need transformers >= {HYBRID_SINCE} "
+                               f"(installed: transformers {transformers.__version__})")
 
     return _Missing
 
