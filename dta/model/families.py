@@ -34,10 +34,10 @@ class Family:
 
 _MOE_SMALL = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 _GDN = "Gated DeltaNet (recurrent) layers"
-# the hybrids' GDN forward continuing a multi-token chunk from a cached state through the
+# the hybrids' GDN forward continuing a multi-token chunk from a cached state, through the
 # per-state LinearAttentionLayer the walk forks (5.0 - 5.4 have no such layer; 5.5 - 5.13 start
-# every multi-token chunk from zero state; 5.14 - 5.17 fail the self-check: docs/versions.md)
-HYBRID_SINCE = "5.18.0"
+# every multi-token chunk from zero state: docs/versions.md)
+HYBRID_SINCE = "5.14.0"
 _HYBRID_MATRIX = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention",
                                                         "linear_attention", "linear_attention"])
 

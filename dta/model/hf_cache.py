@@ -148,7 +148,8 @@ class ForkedStateLayer(_StateLayer):
     autograd through a leaf or a saved tensor)."""
 
     def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
-        kernel = conv_kernel_size or self.conv_kernel_size[state_idx]
+        # 5.14 - 5.17 pass no kernel size: their forward hands over the last kernel-size inputs
+        kernel = conv_kernel_size or self.conv_kernel_size.get(state_idx) or conv_states.shape[-1]
         if self.has_previous_state[state_idx]:
             prev = self.conv_states[state_idx]
         else:  # a root: zero state (what HF's prefill pads with)
