@@ -4,8 +4,7 @@
 # >=5.0.0,<=5.3.0) -- in a venv of its own (.venv-oldest), running the core exactness tests
 # and the doors' tests (the engine core behind every front door, AReaL's engine). The lock's
 # suite (.ci/run's first line, the README's command) stays the default tested set; this adds
-# the floor. torch 2.9.1 is the registry's CUDA build (it runs on a CPU machine). The global
-# pip constraint some machines carry (a torch cap) is lifted for this venv only.
+# the floor. torch 2.9.1 is the registry's CUDA build (it runs on a CPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 floor() { sed -n "s/^ *\"$1>=\([0-9.]*\),<=.*/\1/p" pyproject.toml; }
@@ -18,7 +17,7 @@ PY=${PYTHON:-python3}
 [ -x .venv-oldest/bin/python ] || "$PY" -m venv .venv-oldest
 # shellcheck disable=SC1091
 . .venv-oldest/bin/activate
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 # the lock without what the floor's transformers pins its own way (tokenizers, the hub)
 LOCK=$PWD/.venv-oldest/lock-at-the-floor.txt
 grep -viE '^(torch|torchdata|torchvision|transformers|tokenizers|huggingface.hub|hf.xet|kernels.*)==' \

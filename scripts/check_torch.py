@@ -3,8 +3,8 @@
 For each torch version (default: the newest patch of every minor release from pyproject's floor
 to the newest on the registry), a virtual environment is made under ``--work``, torch is
 installed from the registry (2.13.0: the local CPU wheel; the others are CUDA builds, which
-run on a CPU machine; the global pip constraint that caps torch on some machines is lifted
-for this install only), then DTA and its dependencies at the lock's versions
+run on a CPU machine; pip reads no machine-wide config file, whose constraint caps torch on
+some machines), then DTA and its dependencies at the lock's versions
 (``constraints.txt`` without its torch pins). There ``dta verify --family F --dtype float64``
 runs for the core families and pytest for the core exactness tests; the venv is deleted after
 (``--keep`` keeps it). Prints a table version x family.
@@ -46,7 +46,7 @@ def torch_range() -> tuple[str, str]:
 def default_versions() -> list[str]:
     out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "torch"],
                          capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PIP_CONSTRAINT=""))
+                         env=dict(os.environ, PIP_CONSTRAINT="", PIP_CONFIG_FILE=os.devnull))
     found = re.search(r"Available versions: (.*)", out.stdout).group(1).split(",")
     finals = sorted({v.strip() for v in found if re.fullmatch(r"[0-9.]+", v.strip())}, key=key)
     floor = key(torch_range()[0])
@@ -63,7 +63,10 @@ def make_venv(version: str, work: Path) -> Path:
     if not py.exists():
         base = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([base, "-m", "venv", str(venv)], check=True)
-    env = dict(os.environ, PIP_CONSTRAINT="", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    # no machine-wide pip config: a global constraint capping torch (PIP_CONSTRAINT= alone
+    # leaves a config file's on); the local wheels stay reachable through PIP_FIND_LINKS
+    env = dict(os.environ, PIP_CONSTRAINT="", PIP_CONFIG_FILE=os.devnull,
+               PIP_DISABLE_PIP_VERSION_CHECK="1")
     pip = [str(py), "-m", "pip", "install", "-q", "--no-cache-dir"]
     subprocess.run(pip + [f"torch=={version}"], check=True, env=env)
     lock = work / "lock-without-torch.txt"
