@@ -106,10 +106,9 @@ def _linear_attention_base():
         def __init__(self, *args, **kwargs):
             import transformers
 
-            from dta.model.families import HYBRID_SINCE
-
-            raise RuntimeError(f"Gated DeltaNet layers need transformers >= {HYBRID_SINCE} "
-                               f"(installed: transformers {transformers.__version__})")
+            raise RuntimeError(f"Gated DeltaNet layers need transformers' LinearAttentionLayer, "
+                               f"which transformers {transformers.__version__} lacks (the hybrid "
+                               "families' release: docs/versions.md)")
 
     return _Missing
 
