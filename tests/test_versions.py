@@ -118,9 +118,10 @@ def test_a_self_check_refusal_names_the_transformers_version(monkeypatch):
 
 
 def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkeypatch):
-    """transformers 5.0 - 5.4 have no LinearAttentionLayer (the cache the walk forks Gated
-    DeltaNet states through): the hybrid families are refused, naming the release that brings
-    it; the other families build."""
+    """The hybrid families need what transformers 5.14 brings (a Gated DeltaNet forward that
+    continues a multi-token chunk from the per-state cache layer the walk forks; 5.0 - 5.4 do
+    not even have the layer): on older releases they are refused, naming that release; the
+    others build."""
     import transformers
 
     from dta.model.families import FAMILIES, refusal
@@ -130,9 +131,9 @@ def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkey
     with pytest.raises(ValueError) as err:
         build_model("qwen3_5", "tiny", dtype="float32")
     msg = str(err.value)
-    assert "'qwen3_5' needs transformers >= 5.5.0" in msg and "transformers 5.3.0" in msg, msg
+    assert "'qwen3_5' needs transformers >= 5.14.0" in msg and "transformers 5.3.0" in msg, msg
     assert "\n" not in msg
-    assert refusal("qwen3_next", "5.4.0") and refusal("qwen3_next", "5.5.0") is None
+    assert refusal("qwen3_next", "5.13.1") and refusal("qwen3_next", "5.14.0") is None
     assert [f for f in FAMILIES if refusal(f, "5.0.0")] == ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
     build_model("llama", "tiny", dtype="float32")
 

@@ -34,7 +34,10 @@ class Family:
 
 _MOE_SMALL = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 _GDN = "Gated DeltaNet (recurrent) layers"
-_HYBRID_SINCE = "5.5.0"  # LinearAttentionLayer, the cache the walk forks GDN states through
+# the hybrids' GDN forward continuing a multi-token chunk from a cached state, through the
+# per-state LinearAttentionLayer the walk forks (5.0 - 5.4 have no such layer; 5.5 - 5.13 start
+# every multi-token chunk from zero state: docs/versions.md)
+HYBRID_SINCE = "5.14.0"
 _HYBRID_MATRIX = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention",
                                                         "linear_attention", "linear_attention"])
 
@@ -113,11 +116,11 @@ FAMILIES: dict[str, Family] = {
     # the generic size (recurrent.gdn_config_defaults). The matrix puts attention between GDN
     # layers (a GDN layer reads attention output and the other way round).
     "qwen3_5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", matrix=_HYBRID_MATRIX,
-                      since=_HYBRID_SINCE, features=(_GDN, "gated attention", "(1 + w) norms")),
-    "qwen3_5_moe": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", since=_HYBRID_SINCE,
+                      since=HYBRID_SINCE, features=(_GDN, "gated attention", "(1 + w) norms")),
+    "qwen3_5_moe": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", since=HYBRID_SINCE,
                           fixed=dict(_MOE_SMALL, shared_expert_intermediate_size=32),
                           matrix=_HYBRID_MATRIX, features=(_GDN, "gated attention", "MoE")),
-    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM", since=_HYBRID_SINCE,
+    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM", since=HYBRID_SINCE,
                          fixed=dict(_MOE_SMALL, shared_expert_intermediate_size=32),
                          matrix=_HYBRID_MATRIX, features=(_GDN, "gated attention", "MoE")),
 }

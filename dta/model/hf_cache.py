@@ -30,11 +30,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 try:  # 5.5+: the linear-attention (Gated DeltaNet) cache layer the walk forks states through
     from transformers.cache_utils import LinearAttentionLayer
-except ImportError:  # 5.0 - 5.4: the hybrid families are refused (dta.model.families.needs)
+except ImportError:  # 5.0 - 5.4: the hybrid families are refused (dta.model.families.refusal)
     LinearAttentionLayer = None
-
-# the first transformers release whose cache has LinearAttentionLayer (what the hybrids need)
-LINEAR_ATTENTION_SINCE = "5.5.0"
 
 # the keyword a layer's forward receives the cache under, newest first (5.4 renamed
 # past_key_values -> cache; the GDN modules of 5.x before 5.25 take cache_params)
@@ -109,9 +106,9 @@ def _linear_attention_base():
         def __init__(self, *args, **kwargs):
             import transformers
 
-            raise RuntimeError(f"Gated DeltaNet layers need transformers >= {LINEAR_ATTENTION_SINCE}"
-                               f" (its LinearAttentionLayer cache); installed: transformers "
-                               f"{transformers.__version__}")
+            raise RuntimeError(f"Gated DeltaNet layers need transformers' LinearAttentionLayer, "
+                               f"which transformers {transformers.__version__} lacks (the hybrid "
+                               "families' release: docs/versions.md)")
 
     return _Missing
 
@@ -150,7 +147,8 @@ class ForkedStateLayer(_StateLayer):
     autograd through a leaf or a saved tensor)."""
 
     def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
-        kernel = conv_kernel_size or self.conv_kernel_size[state_idx]
+        # 5.14 - 5.17 pass no kernel size: their forward hands over the last kernel-size inputs
+        kernel = conv_kernel_size or self.conv_kernel_size.get(state_idx) or conv_states.shape[-1]
         if self.has_previous_state[state_idx]:
             prev = self.conv_states[state_idx]
         else:  # a root: zero state (what HF's prefill pads with)
