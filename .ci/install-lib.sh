@@ -7,7 +7,7 @@
 # The caller sets NAME (for messages) before sourcing.
 set -euo pipefail
 
-TORCH_VERSION=2.13.0
+TORCH_VERSION=${DTA_TORCH_VERSION:-2.13.0}  # .ci/oldest.sh: the oldest supported torch
 die() { echo "$NAME: ERROR: $*" >&2; exit 1; }
 log() { echo "$NAME: $*"; }
 
@@ -26,10 +26,10 @@ torch_is_pinned || die "torch==$TORCH_VERSION must already be installed (pip ins
 # wheel, and the libraries dta already uses keep their installed versions.
 CONSTRAINTS=$(mktemp "${TMPDIR:-/tmp}/$NAME-constraints.XXXXXX")
 trap 'rm -f "$CONSTRAINTS"' EXIT
-"$PY" - "$CONSTRAINTS" <<'PYEOF'
+"$PY" - "$CONSTRAINTS" "$TORCH_VERSION" <<'PYEOF'
 import sys
 from importlib.metadata import version, PackageNotFoundError
-pins = {"torch": "2.13.0"}
+pins = {"torch": sys.argv[2]}
 for name in ("transformers", "numpy", "tokenizers", "safetensors", "huggingface-hub"):
     try:
         pins[name] = version(name)

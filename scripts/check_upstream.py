@@ -31,11 +31,12 @@ RUNTIME_EXTRAS = ("kernels", "integrations", "torch", "accelerate", "tokenizers"
 HYBRID_TESTS = ["tests/test_hybrid.py", "tests/test_hybrid_packs.py", "tests/test_gdn_kernels.py"]
 
 
-def families() -> list[str]:
-    out = subprocess.run([sys.executable, "-c", "from dta.model.families import FAMILIES; "
-                          "print(' '.join(FAMILIES))"], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
-    return out.stdout.split()
+def families() -> dict[str, str]:
+    """Every family of the support matrix -> the first transformers release DTA has it on."""
+    out = subprocess.run([sys.executable, "-c", "import json; from dta.model.families import "
+                          "FAMILIES; print(json.dumps({f: x.since for f, x in FAMILIES.items()}))"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)
 
 
 def supported_range() -> tuple[str, str]:
@@ -77,38 +78,75 @@ def pip_target(target: Path, *specs: str) -> None:
                     "--disable-pip-version-check", "--target", str(target), *specs], check=True)
 
 
+def _unmet(requires: list[str], have, extras: tuple[str, ...]) -> list[str]:
+    """Those of ``requires`` (a distribution's Requires-Dist lines) that ``have(name)`` (the
+    version the run will import, or None) does not meet: unconditional ones, and an extra's
+    (``extras``) where it is installed -- transformers imports what is installed."""
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "torch":
+            continue
+        optional = req.marker is not None and "extra" in str(req.marker)
+        if req.marker is not None:
+            envs = [{"extra": e} for e in extras] if optional else [{"extra": ""}]
+            if not any(req.marker.evaluate(env) for env in envs):
+                continue
+        version = have(req.name)
+        if version is None:
+            if not optional:
+                unmet.append(f"{req.name}{req.specifier}")
+        elif req.specifier and not req.specifier.contains(version, prereleases=True):
+            unmet.append(f"{req.name}{req.specifier}")
+    return unmet
+
+
 def install(version: str, work: Path) -> tuple[Path, list[str]]:
     """transformers ``version`` in a folder of its own, with those of its own requirements
     that the venv's versions do not satisfy (old releases pin tokenizers / huggingface-hub
     below the venv's; an optional one such as ``kernels`` counts where the venv has it,
-    since transformers imports what is installed), also --no-deps; returns the folder and
-    what else went in."""
+    since transformers imports what is installed), then theirs in turn (``kernels`` 0.15
+    needs ``kernels-data``, which the venv lacks: transformers 5.13 - 5.17 failed to import
+    without it), all ``--no-deps``; returns the folder and what else went in."""
     from importlib.metadata import PackageNotFoundError, distributions
-    from importlib.metadata import version as have
+    from importlib.metadata import version as venv_version
 
-    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     target = work / f"transformers-{version}"
     if not (target / "transformers").is_dir():
         pip_target(target, f"transformers=={version}")
-    dist = next(d for d in distributions(path=[str(target)]) if d.metadata["Name"] == "transformers")
-    extra = []
-    for line in dist.requires or []:
-        req = Requirement(line)
-        if req.name == "torch" or not req.specifier:
-            continue
-        optional = req.marker is not None  # an extra's pin: it matters only where installed
-        if optional and not any(req.marker.evaluate({"extra": e}) for e in RUNTIME_EXTRAS):
-            continue
+    done = target / ".deps-done"
+    if done.exists():
+        return target, [x for x in done.read_text().splitlines() if x]
+
+    def local():
+        return {canonicalize_name(d.metadata["Name"]): d for d in distributions(path=[str(target)])}
+
+    def have(name):
+        d = local().get(canonicalize_name(name))
+        if d is not None:
+            return d.version
         try:
-            ok = req.specifier.contains(have(req.name), prereleases=True)
+            return venv_version(name)
         except PackageNotFoundError:
-            ok = optional
-        if not ok and f"{req.name}{req.specifier}" not in extra:
-            extra.append(f"{req.name}{req.specifier}")
-    if extra and not (target / ".deps-done").exists():
-        pip_target(target, *extra)
-        (target / ".deps-done").write_text("\n".join(extra))
+            return None
+
+    extra: list[str] = []
+    for _ in range(5):  # transformers' pins, then what those bring, to a fixed point
+        unmet = []
+        for name, dist in local().items():
+            extras = RUNTIME_EXTRAS if name == "transformers" else ()
+            for u in _unmet(dist.requires or [], have, extras):
+                if u not in unmet:
+                    unmet.append(u)
+        if not unmet:
+            break
+        pip_target(target, *unmet)
+        extra += [u for u in unmet if u not in extra]
+    done.write_text("\n".join(extra))
     return target, extra
 
 
@@ -118,20 +156,69 @@ def first_line(text: str) -> str:
     return (errors[-1] if errors else lines[-1] if lines else "no output")[:160]
 
 
-def verify(family: str, env: dict) -> tuple[bool, str]:
-    dta = str(Path(sys.executable).with_name("dta"))
-    out = subprocess.run([dta, "verify", "--family", family, "--dtype", "float64", "--json", "--debug"],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-    try:
-        report = json.loads(last)
-    except json.JSONDecodeError:
-        return False, first_line(out.stderr or out.stdout)
-    ok = out.returncode == 0 and bool(report.get("passed"))
-    return ok, f"{report.get('max_rel_err', float('nan')):.1e}" if ok else first_line(out.stderr or last)
+REFUSED = "refused: "
 
 
-def hybrid_tests(env: dict) -> tuple[bool, str]:
+def _worker(families: list[str]) -> None:
+    """Run inside one process per version (one import of torch and transformers): each
+    family's ``dta verify`` (main(), as the command runs it), one JSON line per family."""
+    import contextlib
+    import io
+
+    from dta_cli.main import main
+
+    for family, debug in (f.split(":") for f in families):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["verify", "--family", family, "--dtype", "float64", "--json",
+                             *(["--debug"] if debug == "1" else [])])
+            except BaseException as e:  # noqa: BLE001 -- --debug re-raises: its last line counts
+                code = getattr(e, "code", 1) or 1
+                print(f"{type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        print(json.dumps({"family": family, "code": code, "stdout": out.getvalue()[-4000:],
+                          "stderr": err.getvalue()[-4000:]}), flush=True)
+
+
+def verify_all(fams: list[str], env: dict, since: dict, version: str) -> dict:
+    """{family: (ok, detail)}: detail is the max relative error of a pass, the error's first
+    line of a failure; a family ``version`` predates (``since``) must be refused in one line
+    naming that release (ok, detail ``refused: ...``), and anything else there fails."""
+    refuse = {f: key(version) < key(since[f]) for f in fams}  # refusals: the user's one line
+    todo = [f"{f}:{0 if refuse[f] else 1}" for f in fams]
+    proc = subprocess.run([sys.executable, __file__, "--worker", *todo], capture_output=True,
+                          text=True, env=env, cwd=ROOT)
+    done = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{") and '"family"' in line:
+            r = json.loads(line)
+            done[r["family"]] = r
+    results = {}
+    for f in fams:
+        r = done.get(f)
+        if r is None:
+            results[f] = (False, first_line(proc.stderr or proc.stdout))
+        elif refuse[f]:
+            lines = [ln for ln in r["stderr"].splitlines() if "error:" in ln]
+            ok = r["code"] != 0 and len(lines) == 1 and f"needs transformers >= {since[f]}" in lines[0]
+            results[f] = (ok, REFUSED + lines[0].split("error: ", 1)[1] if ok else
+                          "not refused as expected: " + first_line(r["stderr"] or r["stdout"]))
+        else:
+            last = r["stdout"].strip().splitlines()[-1] if r["stdout"].strip() else ""
+            try:
+                report = json.loads(last)
+            except json.JSONDecodeError:
+                results[f] = (False, first_line(r["stderr"] or r["stdout"]))
+                continue
+            ok = r["code"] == 0 and bool(report.get("passed"))
+            results[f] = (ok, f"{report.get('max_rel_err', float('nan')):.1e}" if ok
+                          else first_line(r["stderr"] or last))
+    return results
+
+
+def hybrid_tests(env: dict, since: str, version: str) -> tuple[bool, str]:
+    if key(version) < key(since):
+        return True, f"{REFUSED}the hybrids need transformers >= {since}"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           *HYBRID_TESTS], capture_output=True, text=True, env=env, cwd=ROOT)
     summary = first_line(out.stdout.splitlines()[-1] if out.stdout.strip() else out.stderr)
@@ -139,6 +226,10 @@ def hybrid_tests(env: dict) -> tuple[bool, str]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        _worker(argv[1:])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("versions", nargs="*", help="transformers versions (default: every minor of "
                     "the supported range and the newest release)")
@@ -148,7 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args(argv)
     versions = args.versions or default_versions()
-    fams = args.families.split(",") if args.families else families()
+    since = families()
+    fams = args.families.split(",") if args.families else list(since)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -166,18 +258,18 @@ def main(argv=None) -> int:
             deps[v] = extra
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(target), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        row = {}
+        row = verify_all(fams, env, since, v)
         for f in fams:
-            row[f] = verify(f, env)
-            print(f"{v} {f}: {'pass' if row[f][0] else 'FAIL'} {row[f][1]}", flush=True)
-        row["hybrid tests"] = hybrid_tests(env)
+            label = "FAIL" if not row[f][0] else "" if row[f][1].startswith(REFUSED) else "pass"
+            print(f"{v} {f}: {label} {row[f][1]}".replace(": ", ": ", 1), flush=True)
+        row["hybrid tests"] = hybrid_tests(env, max(since.values(), key=key), v)  # the hybrids
         print(f"{v} hybrid tests: {'pass' if row['hybrid tests'][0] else 'FAIL'} "
               f"{row['hybrid tests'][1]} ({time.time() - t0:.0f} s)", flush=True)
         rows[v] = row
+        if args.markdown:  # after every version: a long run's table so far
+            Path(args.markdown).write_text(render(rows, fams + ["hybrid tests"], started, deps))
     table = render(rows, fams + ["hybrid tests"], started, deps)
     print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(table)
     passing = [v for v in versions if all(ok for ok, _ in rows[v].values())]
     if args.json:
         print(json.dumps({"date": started.strftime("%Y-%m-%d"), "versions": versions,
@@ -194,15 +286,19 @@ def render(rows: dict, columns: list[str], started, deps: dict) -> str:
     head = [f"# transformers releases against DTA's support matrix ({started:%Y-%m-%d %H:%M} UTC)",
             "", f"`scripts/check-upstream.sh` on torch {torch_v}, Python "
             f"{sys.version.split()[0]}: `dta verify --family F --dtype float64 --json` per family "
-            f"(pass = max relative error <= 1e-10) and `pytest {' '.join(HYBRID_TESTS)}`.", "",
+            f"(pass = max relative error <= 1e-10, shown; refused = the release predates the family "
+            f"and `dta verify` refuses it in one line naming the release that brings it) and "
+            f"`pytest {' '.join(HYBRID_TESTS)}`.", "",
             "| transformers | " + " | ".join(columns) + " |",
             "|---|" + "---|" * len(columns)]
     fails = []
-    for v, row in rows.items():
+    for v, row in sorted(rows.items(), key=lambda kv: key(kv[0])):
         cells, why = [], {}
         for c in columns:
             ok, detail = row.get(c, (False, "not run"))
-            cells.append("pass" if ok else "**FAIL**")
+            cells.append(("refused" if detail.startswith(REFUSED) else
+                          f"pass {detail}" if re.fullmatch(r"[0-9.e+-]+", detail) else "pass")
+                         if ok else "**FAIL**")
             if not ok:
                 why.setdefault(detail, []).append(c)
         head.append(f"| {v} | " + " | ".join(cells) + " |")

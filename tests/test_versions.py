@@ -57,18 +57,22 @@ def test_installed_packages_are_the_locked_set():
     assert Version(metadata.version("transformers")) == Version(pins["transformers"])
 
 
-def test_pyproject_ranges_end_at_the_tested_versions():
+def test_pyproject_ranges_hold_the_lock():
     """Every dependency range has an upper bound, and the locked (tested) version is inside
-    it; transformers' and torch's upper bounds are exactly the tested versions."""
+    it; torch's and transformers' ranges are a floor and a ceiling (``>=A,<=B``) around the
+    lock, the floor reaching the hosts' (AReaL 1.0.4 asks torch >=2.9.1, transformers >=5.0.0;
+    docs/versions.md)."""
     pins = _lock()
     for req in _pyproject_requirements():
         uppers = [s for s in req.specifier if s.operator in ("<=", "<", "==")]
         assert uppers, f"pyproject.toml: {req} has no upper bound"
         if req.name in pins:
             assert req.specifier.contains(pins[req.name], prereleases=True), (req, pins[req.name])
-    for name in ("torch", "transformers"):
+    for name, host_floor in (("torch", "2.9.1"), ("transformers", "5.0.0")):
         req = next(r for r in _pyproject_requirements() if r.name == name)
-        assert {s.version for s in req.specifier if s.operator == "<="} == {pins[name]}, req
+        assert sorted(s.operator for s in req.specifier) == ["<=", ">="], req
+        floor = next(Version(s.version) for s in req.specifier if s.operator == ">=")
+        assert floor <= Version(host_floor), req
 
 
 def test_the_installed_metadata_states_pyprojects_range():
@@ -111,3 +115,46 @@ def test_a_self_check_refusal_names_the_transformers_version(monkeypatch):
     msg = str(err.value)
     assert f"transformers {metadata.version('transformers')}" in msg and "0 positions" in msg
     assert "\n" not in msg
+
+
+def test_a_family_the_installed_transformers_lacks_is_refused_in_one_line(monkeypatch):
+    """The hybrid families need what transformers 5.14 brings (a Gated DeltaNet forward that
+    continues a multi-token chunk from the per-state cache layer the walk forks; 5.0 - 5.4 do
+    not even have the layer): on older releases they are refused, naming that release; the
+    others build."""
+    import transformers
+
+    from dta.model.families import FAMILIES, refusal
+    from dta.model.models import build_model
+
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    with pytest.raises(ValueError) as err:
+        build_model("qwen3_5", "tiny", dtype="float32")
+    msg = str(err.value)
+    assert "'qwen3_5' needs transformers >= 5.14.0" in msg and "transformers 5.3.0" in msg, msg
+    assert "\n" not in msg
+    assert refusal("qwen3_next", "5.13.1") and refusal("qwen3_next", "5.14.0") is None
+    assert [f for f in FAMILIES if refusal(f, "5.0.0")] == ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+    build_model("llama", "tiny", dtype="float32")
+
+
+def test_the_float64_harness_keeps_integer_positions_in_float64():
+    """transformers before 5.19 take RoPE as ``inv_freq.float() @ position_ids.float()``; inside
+    the float64 harness the product of float64 frequencies with the (exact) float32 positions is
+    taken in float64, a float32 ``inv_freq`` (a host re-initializing the buffer: verl's FSDP
+    engine) stays float32 @ float32 instead of raising, and float64 tensors stay float64."""
+    import torch
+
+    from dta.model.models import keep_float64
+
+    inv64 = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    inv32 = inv64.float()
+    with keep_float64():
+        pos = torch.arange(4)[None, None].float()
+        x = torch.ones(2, dtype=torch.float64).float()
+        freqs64 = inv64[None, :, None].float() @ pos
+        freqs32 = inv32[None, :, None].float() @ pos
+    assert x.dtype == torch.float64 and freqs64.dtype == torch.float64
+    assert torch.equal(freqs64, inv64[None, :, None] @ torch.arange(4.0, dtype=torch.float64)[None, None])
+    assert freqs32.dtype == torch.float32
+    assert torch.arange(4).float().dtype == torch.float32  # outside the harness: untouched

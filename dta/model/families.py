@@ -23,6 +23,9 @@ class Family:
     matrix: dict = field(default_factory=dict)  # the tested configuration's extras
     features: tuple = ()  # what the matrix entry exercises (for the support matrix)
     attn_implementation: str = "sdpa"  # the default attention for this family
+    # the first transformers release DTA trains this family on (it brings the family, or what
+    # the walk needs of it); older releases refuse the family in one line (``refusal``)
+    since: str = "5.0.0"
 
     @property
     def moe(self) -> bool:
@@ -31,6 +34,10 @@ class Family:
 
 _MOE_SMALL = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 _GDN = "Gated DeltaNet (recurrent) layers"
+# the hybrids' GDN forward continuing a multi-token chunk from a cached state, through the
+# per-state LinearAttentionLayer the walk forks (5.0 - 5.4 have no such layer; 5.5 - 5.13 start
+# every multi-token chunk from zero state: docs/versions.md)
+HYBRID_SINCE = "5.14.0"
 _HYBRID_MATRIX = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention",
                                                         "linear_attention", "linear_attention"])
 
@@ -109,16 +116,32 @@ FAMILIES: dict[str, Family] = {
     # the generic size (recurrent.gdn_config_defaults). The matrix puts attention between GDN
     # layers (a GDN layer reads attention output and the other way round).
     "qwen3_5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", matrix=_HYBRID_MATRIX,
-                      features=(_GDN, "gated attention", "(1 + w) norms")),
-    "qwen3_5_moe": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                      since=HYBRID_SINCE, features=(_GDN, "gated attention", "(1 + w) norms")),
+    "qwen3_5_moe": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", since=HYBRID_SINCE,
                           fixed=dict(_MOE_SMALL, shared_expert_intermediate_size=32),
                           matrix=_HYBRID_MATRIX, features=(_GDN, "gated attention", "MoE")),
-    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM",
+    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM", since=HYBRID_SINCE,
                          fixed=dict(_MOE_SMALL, shared_expert_intermediate_size=32),
                          matrix=_HYBRID_MATRIX, features=(_GDN, "gated attention", "MoE")),
 }
 
 TESTED_MODEL_CLASSES = frozenset(f.model_class for f in FAMILIES.values())
+
+
+def refusal(family: str, installed: str | None = None) -> str | None:
+    """Why the installed transformers cannot give ``family`` (one line naming the release that
+    brings it), or None."""
+    from packaging.version import Version
+
+    if installed is None:
+        import transformers
+
+        installed = transformers.__version__
+    since = FAMILIES[family].since
+    if Version(Version(installed).base_version) < Version(since):
+        return (f"model family {family!r} needs transformers >= {since} (installed: "
+                f"transformers {installed}); see docs/versions.md")
+    return None
 
 
 def config_kwargs(family: str, size: dict, matrix: bool, overrides: dict) -> dict:

@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import Cache, DynamicLayer
+
+try:  # 5.5+: the linear-attention (Gated DeltaNet) cache layer the walk forks states through
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # 5.0 - 5.4: the hybrid families are refused (dta.model.families.refusal)
+    LinearAttentionLayer = None
 
 # the keyword a layer's forward receives the cache under, newest first (5.4 renamed
 # past_key_values -> cache; the GDN modules of 5.x before 5.25 take cache_params)
@@ -91,7 +96,24 @@ def layer_kv(layer) -> tuple[int, torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- Gated DeltaNet --
-class _StateLayer(LinearAttentionLayer):
+def _linear_attention_base():
+    """HF's ``LinearAttentionLayer``, or -- on a release without it -- a base that refuses to
+    be built, in one line naming the release that brings it."""
+    if LinearAttentionLayer is not None:
+        return LinearAttentionLayer
+
+    class _Missing:
+        def __init__(self, *args, **kwargs):
+            import transformers
+
+            raise RuntimeError(f"Gated DeltaNet layers need transformers' LinearAttentionLayer, "
+                               f"which transformers {transformers.__version__} lacks (the hybrid "
+                               "families' release: docs/versions.md)")
+
+    return _Missing
+
+
+class _StateLayer(_linear_attention_base()):
     """A GDN layer's cache that starts from a given (conv, recurrent) state (None: zeros) with
     ``positions`` positions before it, and that reports those positions itself."""
 
@@ -125,7 +147,8 @@ class ForkedStateLayer(_StateLayer):
     autograd through a leaf or a saved tensor)."""
 
     def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
-        kernel = conv_kernel_size or self.conv_kernel_size[state_idx]
+        # 5.14 - 5.17 pass no kernel size: their forward hands over the last kernel-size inputs
+        kernel = conv_kernel_size or self.conv_kernel_size.get(state_idx) or conv_states.shape[-1]
         if self.has_previous_state[state_idx]:
             prev = self.conv_states[state_idx]
         else:  # a root: zero state (what HF's prefill pads with)

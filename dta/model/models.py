@@ -12,7 +12,7 @@ import types
 import torch
 
 from dta.model import recurrent
-from dta.model.families import FAMILIES, config_kwargs
+from dta.model.families import FAMILIES, config_kwargs, refusal
 
 # Sizes are keyword overrides of the family's config. "tiny" is for tests, "small" for CPU
 # benchmarks (hidden >= 256, >= 4 layers, 32K vocabulary), the Qwen3 shapes for the GPU script.
@@ -51,6 +51,9 @@ def build_config(family: str, size: str | dict = "tiny", *, matrix: bool = False
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    why = refusal(family)
+    if why:
+        raise ValueError(why)
     if isinstance(size, str):
         if size not in SIZES:
             raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
@@ -118,7 +121,9 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
     ``.to(torch.float32)``, ``softmax(..., dtype=torch.float32)``) are no-ops.
 
     HF norms (RMSNorm, Gemma's ``(1 + w)`` norm, Cohere's LayerNorm, OLMo 2's) and eager
-    attention's softmax (Gemma 2) upcast to float32 and cast back, whatever their formula or
+    attention's softmax (Gemma 2) upcast to float32 and cast back (and RoPE of releases before
+    5.19 casts integer positions to float32: a product of them with float64 frequencies is
+    taken in float64 here), whatever their formula or
     their ``eps`` attribute's name; that rounding caps DFS-vs-unpacked agreement near 1e-7
     even in float64. Neutralizing the cast itself covers every such form at once."""
 
@@ -127,6 +132,13 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
         if func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16) and not kwargs \
                 and len(args) == 1 and args[0].dtype == torch.float64:
             return args[0]
+        if func in _MATMULS and len(args) == 2 and not kwargs \
+                and all(isinstance(a, torch.Tensor) for a in args) \
+                and {args[0].dtype, args[1].dtype} == {torch.float32, torch.float64}:
+            # RoPE of transformers before 5.19: ``inv_freq.float() @ position_ids.float()``
+            # meets float64 frequencies with float32 positions (integers, exact in both); a
+            # float32 ``inv_freq`` (a host that re-initializes the buffer) keeps float32 @ float32
+            return func(args[0].double(), args[1].double())
         if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype == torch.float64:
             target = kwargs.get("dtype", args[1] if len(args) == 2 else None)
@@ -142,6 +154,9 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
                 and kwargs.get("dtype") in _LOWER_FLOATS and args[0].dtype == torch.float64:
             kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
         return func(*args, **kwargs)
+
+
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm)
 
 
 def _float64_forward(self, *args, **kwargs):

@@ -97,8 +97,16 @@ def gdn_modules(model) -> list:
     ones the pack path knows (``dta.model.gdn.supports``): anything else is refused, one line."""
     from dta.model import gdn
 
-    mods = [m for m in model.modules() if getattr(m, "layer_type", None) == GDN and hasattr(m, "A_log")]
-    kinds = layer_kinds(model.config)
+    kinds, types = layer_kinds(model.config), layer_types(model.config)
+
+    def is_gdn(m) -> bool:  # its own layer_type (5.13+), or its layer's (before: layer_idx)
+        kind = getattr(m, "layer_type", None)
+        if kind is None and isinstance(getattr(m, "layer_idx", None), int) \
+                and 0 <= m.layer_idx < len(types):
+            kind = types[m.layer_idx]
+        return kind == GDN and hasattr(m, "A_log")
+
+    mods = [m for m in model.modules() if is_gdn(m)]
     if len(mods) != kinds.count(RECURRENT):
         raise ValueError(f"{type(model).__name__}: found {len(mods)} Gated DeltaNet modules for "
                          f"{kinds.count(RECURRENT)} {GDN!r} layers")

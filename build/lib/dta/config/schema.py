@@ -1,0 +1,443 @@
+"""Configuration of a training run: OmegaConf structured configs (dataclasses).
+
+``load_config(path, overrides)`` merges, in order: the dataclass defaults (the embedded
+default run: a tiny random-init Qwen3 on CPU, a τ²-airline-shaped batch, 2 CPU workers on a
+local Ray instance) ← a YAML file ← ``key=value`` overrides (OmegaConf dot-list syntax). Unknown
+keys, values of the wrong type, bad choices and out-of-range numbers are rejected with a
+:class:`ConfigError` naming the key, before anything is built.
+
+The ``actor`` section mirrors AReaL's ``PPOActorConfig`` keys. The PPO knobs of ``loss`` and
+the walker's temperature default to interpolations of the actor's (``${actor.eps_clip}``...),
+so ``actor.eps_clip=0.3`` changes the loss that ``dta train`` optimizes; setting
+``loss.eps_clip`` directly overrides it. Interpolations are resolved by ``load_config``.
+
+This module is part of the library: it never imports ray.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, Optional
+
+from omegaconf import II, DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from dta.config.errors import ConfigError
+from dta.config.walk import walk_options
+from dta.options import AUTO, WalkOptions
+from dta.planning.memory import SHARDINGS as SHARDINGS
+from dta.planning.state import OFFLOADS
+
+__all__ = ["ModelConfig", "WorkloadConfig", "WalkerConfig", "LossConfig", "OptimizerConfig",
+           "TrainConfig", "StreamConfig", "RayConfig", "NormConfig", "ActorConfig", "Config",
+           "ConfigError", "load_config", "default_config", "to_yaml", "validate_config"]
+
+
+# -------------------------------------------------------------------------- sections --
+@dataclass
+class LoraKeys:
+    """LoRA adapters (peft, the optional ``lora`` extra): r = 0 trains the whole model."""
+
+    r: int = 0  # adapter rank; > 0 freezes the base and trains the adapters only
+    alpha: float = 16.0  # scale alpha / r (alpha / sqrt(r) with rslora)
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                               "o_proj"])
+    dropout: float = 0.0  # only 0: a dropout mask differs between DFS and per-sequence training
+    rslora: bool = False
+
+
+@dataclass
+class ModelConfig:
+    family: str = "qwen3"  # llama | qwen2 | qwen3 (random init from `size`)
+    size: str = "tiny"  # tiny | small | qwen3-0.6b | qwen3-1.7b
+    path: Optional[str] = None  # a local HF model directory: loaded instead of built
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    seed: int = 0  # every worker builds its replica with this seed: identical weights
+    lora: LoraKeys = field(default_factory=LoraKeys)
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "tau2-airline"  # see experiments.workloads.make_workload
+    scale: str = "small"  # tiny | small | full | a number in (0, 1]
+    seed: int = 0  # step k trains the batch generated with seed + k
+    path: Optional[str] = None  # a JSONL batch (dta.records.jsonl); replaces the generator
+    vocab_size: Optional[int] = None  # generated token ids; default: the model's vocabulary
+    sequences_per_step: int = 0  # with `path`: sequences per step (0: the whole file)
+
+
+_WALK = WalkOptions()  # the walk settings' defaults (dta/options.py), not repeated here
+
+
+@dataclass
+class WalkerConfig:
+    """The walk's settings (dta.options.WalkOptions; dta.config.walk builds it from them)."""
+
+    policy: str = _WALK.policy  # retain | recompute
+    logits_chunk: int = _WALK.logits_chunk
+    temperature: float = II("actor.temperature")
+    reduction: str = "token_mean"  # token_mean | seq_mean | sum
+    min_shared: int = _WALK.min_shared
+    # the longest piece of a node in one call (dta.planning.blocks): auto (the memory model's
+    # choice for train.memory_budget_gib when set or with train.sharding=auto, else the
+    # walker's default), 0 (nodes are never cut) or a number of tokens
+    block_tokens: Any = AUTO
+
+
+@dataclass
+class LossConfig:
+    name: str = "ppo"  # nll | ppo
+    eps_clip: float = II("actor.eps_clip")
+    eps_clip_high: Optional[float] = II("actor.eps_clip_higher")
+    dual_clip: Optional[float] = II("actor.c_clip")
+    decoupled: bool = II("actor.use_decoupled_loss")
+    behav_imp_weight_cap: Optional[float] = II("actor.behav_imp_weight_cap")
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    max_grad_norm: Optional[float] = 1.0  # null: no clipping
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 5
+    checkpoint_dir: Optional[str] = None  # one run per folder (see runtime/checkpoints/checkpoint.py)
+    checkpoint_every: int = 1  # steps between checkpoints (0: only after the last step)
+    keep_last: int = 2  # checkpoints kept (older ones deleted); 0: keep all
+    resume: bool = False  # continue the run in checkpoint_dir (an error if there is none)
+    skip_nonfinite: bool = False  # a non-finite gradient skips the update: go on (else: error)
+    log_dir: Optional[str] = None  # per-step metrics.jsonl/.csv; default: checkpoint_dir
+    export_hf: Optional[str] = None  # save_pretrained the trained model here at the end
+    # with model.lora.r > 0: export_hf holds the adapter (PEFT format); true: merged weights
+    export_merged: bool = False
+    # How the workers hold the model: replicate (full replicas, gradient all-reduce) | zero1
+    # (fp32 masters + optimizer state sharded, one reduce-scatter per step) | fsdp (FSDP2:
+    # parameters sharded too, gathered per call) | auto (the cheapest that fits
+    # memory_budget_gib, by dta.planning.memory).
+    sharding: str = "replicate"
+    memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
+    # Ranks per tree (docs/context-parallel.md): each group of this many workers walks the same
+    # trees with their K/V spread over the group; the data-parallel size is ray.num_workers /
+    # context_parallel (trees are balanced over the data-parallel groups). 1: off. auto: the
+    # memory model's choice among 1, 2, 4, 8 dividing ray.num_workers for memory_budget_gib
+    # (with the sharding mode and the block, as `dta plan --memory --context-parallel auto`).
+    context_parallel: Any = 1
+    # Ranks each MoE layer's routed experts are spread over (docs/expert-parallel.md): groups of
+    # this many consecutive workers hold 1/expert_parallel of the experts each, the routed
+    # tokens sent to their experts' owners and back. 1: off (every worker holds every expert).
+    # auto: the memory model's choice (as `dta plan --memory --expert-parallel auto`).
+    expert_parallel: Any = 1
+    # HSDP (docs/sharding.md): zero1 / fsdp split the state over groups of this many
+    # consecutive workers (a node) and replicate it across the groups; null: all the workers;
+    # auto: the memory model's choice (all the workers, or one node).
+    shard_size: Any = None
+    # none | optimizer: the AdamW state and the fp32 master weights live in host memory and
+    # are stepped there (docs/sharding.md) | auto: the memory model's choice
+    offload: str = "none"
+
+
+@dataclass
+class StreamConfig:
+    """Asynchronous mode: a step starts when the rollouts received reach a target."""
+
+    target_sequences: int = 0  # 0: no sequence target
+    target_tokens: int = 0  # 0: no token target
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None: start a private local instance on 127.0.0.1
+    num_workers: int = 2
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: Optional[float] = None  # None: 1 when the cluster has GPUs, else 0
+    placement: str = "pack"  # the workers' placement group: pack (fewest nodes) | spread
+    object_store_memory: int = 256 * 1024 ** 2  # bytes, local instance only
+    namespace: str = "dta"
+    temp_dir: Optional[str] = None  # local instance: default a fresh /tmp/dta-ray-* dir
+    step_timeout_s: float = 1800.0  # a step that takes longer is reported as hung
+    torch_threads: int = 0  # per worker; 0: cpus_per_worker (rounded, at least 1)
+    log_to_driver: bool = False  # stream the workers' stdout/stderr to the driver
+
+
+@dataclass
+class NormConfig:
+    """AReaL's NormConfig (advantage / reward normalization)."""
+
+    mean_level: Optional[str] = "batch"  # batch | group | null
+    std_level: Optional[str] = "batch"  # batch | group | null
+    group_size: int = 1
+    eps: float = 1e-5
+
+
+@dataclass
+class ActorConfig:
+    """AReaL PPOActorConfig keys. ``dta train`` uses eps_clip, eps_clip_higher, c_clip,
+    temperature, use_decoupled_loss, behav_imp_weight_cap (through the ``loss`` and ``walker``
+    interpolations) and recompute_logprob; the others (rewards, advantages, minibatches, KL)
+    are for the AReaL backend, whose rollouts arrive with advantages already computed."""
+
+    group_size: int = 1
+    ppo_n_minibatches: int = 1
+    eps_clip: float = 0.2
+    eps_clip_higher: Optional[float] = None
+    c_clip: Optional[float] = None
+    temperature: float = _WALK.temperature
+    use_decoupled_loss: bool = False
+    behav_imp_weight_cap: Optional[float] = None
+    recompute_logprob: bool = False
+    reward_scaling: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float = 20.0
+    mask_no_eos_with_zero: bool = False
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    adv_norm: Optional[NormConfig] = None
+    kl_ctl: float = 0.0
+    kl_estimator: str = "k1"
+    # MoE: the router's load-balancing loss of every sequence, computed exactly (docs/moe.md);
+    # AReaL's spelling of the walk's router_aux_loss: a coefficient, 0 = off (its default,
+    # "refuse": a model config that asks for it is then refused; dta.config.walk)
+    router_aux_loss_coef: float = 0.0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    walker: WalkerConfig = field(default_factory=WalkerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+
+
+# ------------------------------------------------------------------------- loading --
+def default_config() -> DictConfig:
+    """The structured defaults (interpolations unresolved)."""
+    return OmegaConf.structured(Config)
+
+
+def _all_keys(node, prefix: str = "") -> list[str]:
+    out = []
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        full = f"{prefix}{key}"
+        out.append(full)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            out += _all_keys(child, full + ".")
+    return out
+
+
+def _key_error(exc: OmegaConfBaseException, source: str, base: DictConfig) -> ConfigError:
+    full = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
+    where = f" (from {source})" if source else ""
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)) and not isinstance(
+            exc, ValidationError):
+        close = difflib.get_close_matches(str(full), _all_keys(base), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return ConfigError(f"unknown config key '{full}'{where}{hint}")
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ConfigError(f"bad value for config key '{full}'{where}: {msg}")
+
+
+def _merge(base: DictConfig, other, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as exc:
+        raise _key_error(exc, source, base) from None
+
+
+def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
+    items = list(overrides or [])
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ConfigError(f"bad override {item!r}: expected key=value, "
+                              "e.g. actor.eps_clip=0.3")
+    try:
+        return OmegaConf.from_dotlist(items)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"bad override: {exc}") from None
+
+
+def load_config(path: str | os.PathLike | None = None,
+                overrides: Iterable[str] = ()) -> DictConfig:
+    """defaults ← YAML file at ``path`` ← ``key=value`` overrides; validated and resolved."""
+    cfg = default_config()
+    if path is not None:
+        from dta.paths import check_path
+
+        path = check_path(path, "file", "config file", error=ConfigError)
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as exc:  # YAML syntax errors
+            raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+        cfg = _merge(cfg, loaded, path)
+    cfg = _merge(cfg, _parse_overrides(overrides), "overrides")
+    try:
+        OmegaConf.resolve(cfg)
+    except (InterpolationResolutionError, ValidationError) as exc:
+        raise _key_error(exc, "", cfg) from None
+    validate_config(cfg)
+    return cfg
+
+
+def to_yaml(cfg) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+# ---------------------------------------------------------------------- validation --
+# Allowed values. They mirror the library's registries (dta.model.models.FAMILIES / SIZES / DTYPES,
+# dta.losses.REDUCTIONS / LOSSES; tests/test_config.py checks that they agree) so that loading
+# a config does not import torch. The walk's settings are validated by dta.options.WalkOptions
+# (dta.config.walk.walk_options), naming their keys.
+CHOICES: dict[str, tuple] = {
+    "model.family": ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "olmoe", "phi3",
+                     "gemma", "gemma2", "gemma3", "granite", "cohere", "starcoder2", "olmo2",
+                     "gpt2", "gpt_neox", "opt", "qwen3_5", "qwen3_5_moe", "qwen3_next"),
+    "model.size": ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b"),
+    "model.dtype": ("float32", "float64", "bfloat16", "float16"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    "walker.reduction": ("token_mean", "seq_mean", "sum"),
+    "loss.name": ("nll", "ppo"),
+    "optimizer.name": ("adamw", "sgd"),
+    "train.sharding": (*SHARDINGS, AUTO),  # runtime.sharding registers one class each
+    "train.offload": (*OFFLOADS, AUTO),
+    "ray.placement": ("pack", "spread"),
+    "actor.kl_estimator": ("k1", "k2", "k3"),
+    "actor.adv_norm.mean_level": ("batch", "group", None),
+    "actor.adv_norm.std_level": ("batch", "group", None),
+}
+
+
+# key -> (predicate, description); None values are allowed where the field is Optional.
+_RANGES: dict[str, tuple] = {
+    "optimizer.lr": (lambda v: v > 0, "> 0"),
+    "optimizer.eps": (lambda v: v > 0, "> 0"),
+    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "optimizer.max_grad_norm": (lambda v: v > 0, "> 0 (or null: no clipping)"),
+    "loss.eps_clip": (lambda v: v > 0, "> 0"),
+    "loss.eps_clip_high": (lambda v: v > 0, "> 0"),
+    "loss.dual_clip": (lambda v: v > 1, "> 1"),
+    "loss.behav_imp_weight_cap": (lambda v: v > 1, "> 1"),
+    "actor.eps_clip": (lambda v: v > 0, "> 0"),
+    "actor.eps_clip_higher": (lambda v: v > 0, "> 0"),
+    "actor.c_clip": (lambda v: v > 1, "> 1"),
+    "actor.temperature": (lambda v: v > 0, "> 0"),
+    "actor.behav_imp_weight_cap": (lambda v: v > 1, "> 1"),
+    "actor.group_size": (lambda v: v >= 1, ">= 1"),
+    "actor.ppo_n_minibatches": (lambda v: v >= 1, ">= 1"),
+    "actor.discount": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "actor.gae_lambda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "actor.reward_clip": (lambda v: v > 0, "> 0"),
+    "actor.kl_ctl": (lambda v: v >= 0, ">= 0"),
+    "model.lora.r": (lambda v: v >= 0, ">= 0 (0: no LoRA)"),
+    "model.lora.alpha": (lambda v: v > 0, "> 0"),
+    "train.steps": (lambda v: v >= 1, ">= 1"),
+    "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
+    "train.keep_last": (lambda v: v >= 0, ">= 0 (0: keep all)"),
+    "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
+    "train.context_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
+        v, bool) and v >= 1), "an integer >= 1 (ranks per tree; 1: off) or auto"),
+    "train.expert_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
+        v, bool) and v >= 1), "an integer >= 1 (1: off) or auto"),
+    "train.shard_size": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
+        v, bool) and v >= 1), "an integer >= 1, null (all the workers) or auto"),
+    "stream.target_sequences": (lambda v: v >= 0, ">= 0"),
+    "stream.target_tokens": (lambda v: v >= 0, ">= 0"),
+    "workload.sequences_per_step": (lambda v: v >= 0, ">= 0"),
+    "workload.vocab_size": (lambda v: v >= 8, ">= 8"),
+    "ray.num_workers": (lambda v: v >= 1, ">= 1"),
+    "ray.cpus_per_worker": (lambda v: v > 0, "> 0"),
+    "ray.gpus_per_worker": (lambda v: v >= 0, ">= 0"),
+    "ray.object_store_memory": (lambda v: v >= 80 * 1024 ** 2, ">= 80 MiB (83886080)"),
+    "ray.step_timeout_s": (lambda v: v > 0, "> 0"),
+    "ray.torch_threads": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def _get(cfg, key: str):
+    return OmegaConf.select(cfg, key, throw_on_missing=False)
+
+
+def validate_config(cfg) -> None:
+    """Reject bad choices and out-of-range numbers, naming the key."""
+    for key, allowed in CHOICES.items():
+        if key == "model.size" and _get(cfg, "model.path"):
+            continue  # a loaded model has no size
+        if key.startswith("actor.adv_norm.") and _get(cfg, "actor.adv_norm") is None:
+            continue
+        value = _get(cfg, key)
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else str(a) for a in allowed)
+            raise ConfigError(f"bad value for config key '{key}': {value!r} is not one of "
+                              f"{shown}")
+    # actor.* first: the loss keys interpolate them, so a bad actor value is named as such
+    for key in sorted(_RANGES, key=lambda k: not k.startswith("actor.")):
+        ok, desc = _RANGES[key]
+        value = _get(cfg, key)
+        if value is not None and not ok(value):
+            raise ConfigError(f"bad value for config key '{key}': {value!r} must be {desc}")
+    betas = _get(cfg, "optimizer.betas")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"bad value for config key 'optimizer.betas': "
+                          f"{list(betas)!r} must be two numbers in [0, 1)")
+    scale = str(_get(cfg, "workload.scale"))
+    if scale not in ("tiny", "small", "full"):
+        try:
+            s = float(scale)
+        except ValueError:
+            s = -1.0
+        if not 0 < s <= 1:
+            raise ConfigError(f"bad value for config key 'workload.scale': {scale!r} must be "
+                              "tiny, small, full or a number in (0, 1]")
+    if _get(cfg, "loss.name") == "nll" and _get(cfg, "loss.decoupled"):
+        raise ConfigError("bad value for config key 'loss.decoupled': the nll loss has no "
+                          "decoupled form (set loss.name=ppo or actor.use_decoupled_loss=false)")
+    walk_options(cfg)  # the walk settings (dta.options.WalkOptions), naming their keys
+    if _get(cfg, "model.lora.r") and _get(cfg, "train.sharding") == "fsdp":
+        raise ConfigError("bad value for config key 'train.sharding': fsdp with LoRA "
+                          "(model.lora.r > 0) is not supported; use replicate or zero1 (the "
+                          "adapters' gradients and optimizer state are small)")
+    cp, workers = _get(cfg, "train.context_parallel"), int(_get(cfg, "ray.num_workers"))
+    if cp != AUTO and workers % int(cp):
+        raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} does not "
+                          f"divide ray.num_workers={workers} (the data-parallel size is "
+                          "ray.num_workers / train.context_parallel)")
+    address = _get(cfg, "ray.address")
+    if address is not None and not str(address).strip():
+        raise ConfigError("bad value for config key 'ray.address': empty (use null for a "
+                          "local instance)")
+
+
+def as_dict(cfg) -> dict:
+    out = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(out, dict):
+        raise TypeError(f"a run config must be a mapping, got {type(out).__name__}")
+    return out
+
+
+def from_dict(data: dict) -> DictConfig:
+    """A validated config from a plain dict (e.g. one shipped to a Ray worker)."""
+    cfg = _merge(default_config(), OmegaConf.create(data), "dict")
+    OmegaConf.resolve(cfg)
+    validate_config(cfg)
+    return cfg

@@ -1,0 +1,1 @@
+"""Training records: their fields and checks (``fields``) and the JSONL format (``jsonl``)."""

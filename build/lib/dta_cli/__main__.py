@@ -1,0 +1,5 @@
+import sys
+
+from dta_cli.main import main
+
+sys.exit(main())

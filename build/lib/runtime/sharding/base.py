@@ -1,0 +1,180 @@
+"""The one interface of a sharding mode, and the registry that names them.
+
+A mode is a registered class (``@register``, as verl's ``EngineRegistry``): the names are
+:data:`dta.planning.memory.SHARDINGS` -- the modes the memory model prices, the one list the
+config, the planner and the runtimes read -- and a registered class for a name the planner
+does not price (or a priced name left without a class) is refused when this package is
+imported. The engine core (:mod:`runtime.engine`) is the only caller of the step's pieces:
+
+1. ``zero_grad()`` before the walk (fsdp also opens its matched-call session);
+2. the walk accumulates this rank's share into the model's ``.grad``;
+3. ``reduce_gradients()``: the mode's collective, a SUM over its group (all-reduce,
+   reduce-scatter);
+4. ``grad_norm()`` (global; a collective where sharded), then the engine's one clip rule
+   (``scale_gradients(coef)``) and ``apply_update()``, or ``discard_gradients()`` on a
+   non-finite norm.
+
+``matched_calls``: whether the mode gathers inside the decoder calls (fsdp), so the ranks'
+calls must be kept matched (``runtime.engine.lockstep``, run by the engine core; what that
+asks of the walk is the layout's: ``ParallelLayout.walk_needs``). ``forward_steps(inner)``:
+the collectives one decoder forward makes, in order, as calls that make them without a
+forward -- the mode's own (fsdp's unshard / reshard per unit) around ``inner`` (per decoder
+layer index, the model's own: expert parallelism's exchanges).
+
+What the optimizer steps -- the *masters*: zero1's / fsdp's fp32 slices, replicate's masters
+where kept, or, offloaded, host copies of the trained weights -- is loaded two ways:
+``load_masters(state)`` from whole tensors (after the model's own weights were set), and
+``masters_loaded()`` after a checkpoint filled the masters in place (the model's weights are
+refreshed from them).
+
+Every mode takes the layout's HSDP shard size (:mod:`.hsdp`) and offload choice
+(:mod:`.offload`) from the ``layout`` and ``groups`` it is built with.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from dta.planning.memory import SHARDINGS as PRICED
+
+__all__ = ["Sharding", "register", "sharding_class", "registered"]
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: the sharding mode ``name`` (one of the priced modes, once)."""
+    def add(cls):
+        if name not in PRICED:
+            raise ValueError(f"sharding mode {name!r} is not priced by the memory model "
+                             f"(dta.planning.memory.SHARDINGS: {PRICED})")
+        if name in _REGISTRY:
+            raise ValueError(f"sharding mode {name!r} is registered twice "
+                             f"({_REGISTRY[name].__name__}, {cls.__name__})")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return add
+
+
+def registered() -> tuple[str, ...]:
+    """The registered modes, in the planner's order (least communication first)."""
+    return tuple(m for m in PRICED if m in _REGISTRY)
+
+
+def sharding_class(name: str) -> type:
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown sharding mode {name!r}; choose one of {registered()}")
+    return cls
+
+
+def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """fp32 master weights under 16-bit compute; otherwise the compute dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class Sharding:
+    """What every mode provides (see the module doc). Built on the model in
+    :meth:`storage_dtype`; ``make_optimizer(params)`` builds the optimizer over what the mode
+    steps."""
+
+    name: ClassVar[str]
+    sharded: ClassVar[bool] = True  # state split over the ranks: DCP checkpoints
+    holds_frozen: ClassVar[bool] = True  # can hold weights it does not train (a LoRA base)
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    @classmethod
+    def storage_dtype(cls, compute: torch.dtype, masters: torch.dtype | None = None
+                      ) -> torch.dtype:
+        """The dtype the model is built in: its master weights' (a sharded mode keeps
+        ``master_dtype_for(compute)``; ``masters``, when given, must be that). ``replicate``
+        keeps masters only when asked (:mod:`.replicate`)."""
+        kept = master_dtype_for(compute) if cls.sharded else compute
+        if masters is not None and masters != kept:
+            raise ValueError(f"sharding={cls.name} keeps {kept} master weights for "
+                             f"{compute} compute, not {masters}")
+        return kept
+
+    matched_calls: ClassVar[bool] = False  # gathers inside decoder calls (fsdp)
+    holds_experts: ClassVar[bool] = False  # handles expert slices (runtime.sharding.experts)
+    experts = None  # its runtime.sharding.experts.ExpertPart under expert parallelism
+
+    def forward_steps(self, inner: dict) -> list:
+        """The collectives of one decoder forward, in order (see the module doc): here the
+        model's own, ``inner`` (decoder layer index -> calls), in layer order."""
+        return [step for i in sorted(inner) for step in inner[i]]
+
+    # ------------------------------------------------------------------ the step --
+    def release_gathered(self) -> None:
+        """After a walk with matched calls: free what the mode keeps gathered (fsdp's units)."""
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def reduce_gradients(self) -> None:
+        raise NotImplementedError
+
+    def grad_norm(self) -> float:
+        raise NotImplementedError
+
+    def scale_gradients(self, coef: float) -> None:
+        raise NotImplementedError
+
+    def apply_update(self) -> None:
+        raise NotImplementedError
+
+    def discard_gradients(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the masters --
+    def load_masters(self, state: dict) -> None:
+        """Whole tensors (by parameter name; those absent: from the model's parameters) into
+        what the optimizer steps, after the model's weights were set from them."""
+        raise NotImplementedError
+
+    def masters_loaded(self) -> None:
+        """The masters were loaded in place (a checkpoint): the model's weights from them."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- reporting --
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer`` on the device and
+        ``host`` (what offload keeps in host memory)."""
+        raise NotImplementedError
+
+    def param_norm(self) -> float:
+        raise NotImplementedError
+
+    def full_state(self) -> dict:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- checkpoints --
+    # One layout-independent view of the training state (runtime.sharding.logical): a mode
+    # declares what this rank holds of each trained parameter; saving, loading under any
+    # other layout and re-cutting are generic.
+    def held(self) -> list:
+        """This rank's pieces of the trained parameters (:class:`runtime.sharding.logical.
+        Held`: a box or a flat range of the whole parameter, and what the optimizer steps
+        for it)."""
+        raise NotImplementedError
+
+    def logical_shapes(self) -> list[tuple[str, tuple]]:
+        """``(name, whole shape)`` of every trained parameter, in the model's order (a mode
+        whose model holds a parameter's slice, e.g. experts, gives the whole shape)."""
+        return [(n, self.experts.whole_shape(p) if self.experts is not None and
+                 self.experts.holds(p) else tuple(p.shape))
+                for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def logical_loaded(self) -> None:
+        """After a load wrote this rank's pieces: derive the rest (gather the compute
+        weights, cast the masters into the model)."""
+
+    def sharded_state(self) -> dict:
+        """DCP's view (``runtime.dcp.save_sharded`` / ``load_sharded``): the logical state,
+        loaded in place under any layout."""
+        from runtime.sharding.logical import KEY, LogicalState
+
+        return {KEY: LogicalState(self)}

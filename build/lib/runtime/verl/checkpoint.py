@@ -1,0 +1,47 @@
+"""The dta engine's checkpoints: the engine core's one scheme (``EngineCore.save`` / ``load``,
+``runtime.engine.checkpoint``) with verl's LR scheduler as its ``extra_state``::
+
+    <local_path>/step-<global_step>/   the core's checkpoint; meta.json: kind, layout, the
+                                       LR scheduler's state
+
+Replicated state (``replicate``) is written by rank 0 (tensors only, a SHA-256 manifest,
+atomic: ``runtime.checkpoints``); sharded state (``zero1`` / ``fsdp``) by every rank with DCP
+(``runtime.dcp``). A loaded engine continues bit-identically. ``max_ckpt_to_keep`` keeps the
+newest steps (the core's ``keep_last``).
+"""
+from __future__ import annotations
+
+from runtime.engine import comm
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+KIND = "dta-verl"
+
+
+def _extra(lr_scheduler) -> dict | None:
+    return None if lr_scheduler is None else {"lr_scheduler": lr_scheduler}
+
+
+def save_checkpoint(core, lr_scheduler, path: str, *, step: int = 0,
+                    keep: int | None = None) -> str:
+    """Write checkpoint ``step`` under ``path`` (every rank calls this); returns its folder."""
+    if keep is not None and int(keep) < 0:
+        raise ValueError(f"max_ckpt_to_keep must be >= 0 (0 or None: keep all), got {keep}")
+    final = core.save(path, int(step), {"kind": KIND, "layout": core.layout.record()},
+                      keep_last=int(keep) if keep else None, extra_state=_extra(lr_scheduler))
+    comm.barrier()  # the checkpoint is complete for every rank
+    return final
+
+
+def load_checkpoint(core, lr_scheduler, path: str) -> dict:
+    """The newest checkpoint under ``path`` (or ``path`` itself, a ``step-*`` folder) into the
+    core and the LR scheduler, in place (every rank); returns its meta."""
+    try:
+        final, meta = core.find_checkpoint(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no dta engine checkpoint under {path!r} (expected "
+                                "step-*/meta.json written by save_checkpoint)") from None
+    if meta.get("kind") != KIND:
+        raise ValueError(f"checkpoint {final!r} is a {meta.get('kind')!r} checkpoint, not the "
+                         f"dta verl engine's ({KIND})")
+    return core.load(final, extra_state=_extra(lr_scheduler))
