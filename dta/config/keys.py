@@ -45,6 +45,7 @@ KEY_USE: dict[str, str] = {
     "train.log_dir": "metrics log", "train.export_hf": "save_pretrained at the end",
     "train.sharding": "sharding mode (runtime.sharding)",
     "train.memory_budget_gib": "memory budget of sharding=auto (dta.planning.memory)",
+    "train.host_memory_budget_gib": "host memory budget of the auto layout (dta.planning.memory)",
     "train.context_parallel": "ranks per tree: context-parallel groups of the workers "
                               "(runtime.ray_runtime.worker, dta.model.context_parallel)",
     "train.expert_parallel": "ranks per expert group (runtime.engine.layout)",

@@ -131,6 +131,9 @@ class TrainConfig:
     # memory_budget_gib, by dta.planning.memory).
     sharding: str = "replicate"
     memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
+    # host memory per worker for the auto choice: a layout keeping more there (an offloaded
+    # optimizer, AdamW's step counters) is refused (null: unbudgeted; dta.planning.memory)
+    host_memory_budget_gib: Optional[float] = None
     # Ranks per tree (docs/context-parallel.md): each group of this many workers walks the same
     # trees with their K/V spread over the group; the data-parallel size is ray.num_workers /
     # context_parallel (trees are balanced over the data-parallel groups). 1: off. auto: the
@@ -355,6 +358,7 @@ _RANGES: dict[str, tuple] = {
     "train.checkpoint_every": (lambda v: v >= 0, ">= 0"),
     "train.keep_last": (lambda v: v >= 0, ">= 0 (0: keep all)"),
     "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
+    "train.host_memory_budget_gib": (lambda v: v > 0, "> 0 (or null: unbudgeted)"),
     "train.context_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
         v, bool) and v >= 1), "an integer >= 1 (ranks per tree; 1: off) or auto"),
     "train.expert_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
