@@ -51,6 +51,8 @@ KEY_USE: dict[str, str] = {
     "train.expert_parallel": "ranks per expert group (runtime.engine.layout)",
     "train.shard_size": "HSDP shard group (runtime.engine.layout)",
     "train.offload": "optimizer state in host memory (runtime.sharding)",
+    "train.node_resident": "fsdp's node-resident gathers, hpZ (runtime.sharding.fsdp)",
+    "train.prefetch": "fsdp's next-layer all-gather (runtime.sharding.fsdp)",
     "ray.address": "cluster", "ray.num_workers": "workers", "ray.cpus_per_worker": "workers",
     "ray.gpus_per_worker": "workers", "ray.placement": "workers' placement group",
     "ray.object_store_memory": "local instance",

@@ -40,7 +40,9 @@ RUN_CONFIG_KEYS = {"world": "config key 'ray.num_workers'",
                    "sharding": "config key 'train.sharding'",
                    "expert_parallel": "config key 'train.expert_parallel'",
                    "shard_size": "config key 'train.shard_size'",
-                   "offload": "config key 'train.offload'"}
+                   "offload": "config key 'train.offload'",
+                   "node_resident": "config key 'train.node_resident'",
+                   "prefetch": "config key 'train.prefetch'"}
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,8 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     mode, block = str(t.sharding), cfg.walker.block_tokens
     E, S, offload = t.expert_parallel, t.shard_size, str(t.offload)
     walk, report = walk_options(cfg), None  # an auto block: the default, unless priced
-    extras = {}  # node_resident / prefetch: passed where priced true (runtime.sharding's)
+    # node_resident / prefetch: as configured, or where priced true (runtime.sharding's)
+    extras = {k: True for k in ("node_resident", "prefetch") if _optional(cfg, k) is True}
     if needs_budget(cfg):
         budget = cfg.train.memory_budget_gib
         budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
