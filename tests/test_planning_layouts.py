@@ -193,3 +193,49 @@ def test_layout_choices_are_the_one_list():
         with pytest.raises(ValueError, match=match):
             estimate(SHAPES["qwen3-8b"], 16, mode, path_tokens=1024, call_tokens=1024, **bad)
     assert Hardware().gpus_per_node == 8
+
+
+def test_a_row_short_of_the_share_names_what_binds_it():
+    """experiments.planning_table: a row under 0.6 names the binding resource with its
+    numbers -- Llama-70B on 16 GPUs at 32K: bandwidth across the nodes, and the memory the
+    node's shard group would need; Qwen3-235B-A22B on 32: the host's offloaded step."""
+    import re
+
+    from experiments.planning_table import SHARE, binds, plan, rollouts
+
+    tree = rollouts(32_768)
+    llama = plan("llama-70b", 16, tree)
+    assert llama.chosen is not None and llama.chosen.time.compute_share < SHARE
+    why = binds(llama)
+    assert why.startswith("bandwidth: fsdp's collectives") and "across nodes at 50 GB/s" in why
+    over = re.search(r"memory: .*/shard 8/.*\(device: [\d.]+ GiB, ([\d.]+) GiB over", why)
+    assert over and float(over.group(1)) > 0, why
+    big = plan("qwen3-235b-a22b", 32, tree)
+    assert binds(big).startswith("host: the offloaded step"), binds(big)
+    assert big.chosen.host <= 256 * GIB  # the table's host budget
+
+
+def test_dta_plan_takes_the_new_knobs(capsys):
+    """`dta plan --memory`: --sharding zero2, --node-resident on, --prefetch on and
+    --host-budget-gib pin what the planner tries, the JSON says what was chosen and why
+    candidates were refused; bad values are one-line errors."""
+    import json
+
+    from dta_cli.main import main
+
+    args = ["plan", "--workload", "tau2-airline", "--scale", "0.05", "--workers", "16",
+            "--memory", "--model", "qwen3-14b", "--budget-gib", "80", "--json"]
+    assert main(args + ["--node-resident", "on", "--prefetch", "on", "--shard-size", "8"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert got["chosen"] == "fsdp" and got["node_resident"] and got["prefetch"]
+    assert got["overlap_seconds"] > 0 and "calls" in got["overlapped"]
+    assert got["inter_node_bytes"] > 0 and got["intra_node_bytes"] > got["inter_node_bytes"]
+    assert main(args + ["--sharding", "zero2", "--offload", "optimizer",
+                        "--host-budget-gib", "1"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert got["chosen"] is None and "host budget" in got["refused"]
+    assert got["host_budget_bytes"] == GIB
+    for bad, match in ((["--node-resident", "on", "--shard-size", "16"], "--node-resident on"),
+                       (["--host-budget-gib", "0"], "--host-budget-gib must be > 0")):
+        assert main(args + bad) != 0
+        assert match in capsys.readouterr().err
