@@ -27,24 +27,27 @@ def rollouts(n: int, prompt: int, length: int, seed: int = 0):
 
 @pytest.mark.parametrize("name, W", [("qwen3-8b", 8), ("qwen3-14b", 16), ("llama-70b", 32)])
 def test_zero2_holds_2p_plus_16p_over_n(name, W):
-    """zero2 = the compute parameters resident (2P) + fp32 master, two AdamW states and the
-    fp32 gradient shard (16P/N), plus a call's gradients held until their reduce-scatter
-    (one layer's and the vocabulary's, bf16) and one reduce bucket -- computed from the
-    shapes; zero1 holds the whole bf16 gradient on top (2P more)."""
+    """zero2 (runtime.sharding.zero2: FSDP2 keeping what it gathers) = every decoder layer
+    gathered in bf16 all step with the vocabulary weights whole (2P, less the final norm),
+    the fp32 shards -- masters, gradient shard, two AdamW states (16P/N) -- and fsdp's
+    vocabulary handling (its bf16 gradient and fp32 reduction, 6V) and one layer's gradient
+    until its reduce-scatter, computed from the shapes; zero1 holds the whole bf16 gradient
+    instead (2P)."""
     shape = ModelShape.of(SHAPES[name])
-    P, V, L = shape.params, shape.vocab_params, shape.layer_params
+    P, V, L, h = shape.params, shape.vocab_params, shape.layer_params, shape.hidden
     z2 = model_state(shape, W, "zero2", compute_bytes=2)
     z1 = model_state(shape, W, "zero1", compute_bytes=2)
+    fsdp = model_state(shape, W, "fsdp", compute_bytes=2)
     state = z2["params"] + z2["grads"] + z2["optimizer"]
-    shard = math.ceil(P / W)
-    bucket = W * min(1 << 24, shard) * 4
-    assert state == 2 * P + 16 * shard + 2 * (L + V) + bucket
-    assert 2 * P + 16 * P / W <= state <= 1.25 * (2 * P + 16 * P / W)
-    assert z1["params"] == z2["params"] and z1["optimizer"] == z2["optimizer"]
-    assert z1["grads"] - z2["grads"] == 2 * P - 2 * (L + V)  # zero1 keeps the whole gradient
+    body, v = math.ceil((P - V) / W), math.ceil(V / W)
+    assert state == 2 * (P - h) + 16 * body + 12 * v + 6 * V + 2 * L
+    assert 2 * P + 16 * P / W <= state <= 2 * P + 16 * P / W + 6 * V + 2 * L
+    assert z2["grads"] == fsdp["grads"] and z2["optimizer"] == fsdp["optimizer"]
+    assert z2["params"] - fsdp["params"] == 2 * (P - V - h - L)  # every layer, not one
+    assert state < z1["params"] + z1["grads"] + z1["optimizer"] - P  # zero1: 4P + 16P/N
     off = model_state(shape, W, "zero2", compute_bytes=2, offload="optimizer")
-    assert off["params"] == 2 * P and off["optimizer"] == 0 and off["grads"] == z2["grads"]
-    assert off["host"] == 16 * shard  # fp32 masters, two states, the gradient buffer
+    assert off["params"] == 2 * (P - h) + 2 * body and off["optimizer"] == 0
+    assert off["host"] == 16 * (body + v)  # fp32 masters, two states, the gradient buffer
     assert off["steps"] == 4 * shape.tensors > 0
 
 

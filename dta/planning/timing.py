@@ -34,8 +34,9 @@ replicate   ring all-reduce of the gradients in the compute dtype: 2 f(W) G c +
             2 f(W / E) X_E c (the experts over their replicas); LoRA: 2 f(W) P c
 zero1       reduce-scatter in the master dtype, all-gather of the update, in the shard
             group: f(S) G (m + c)
-zero2       a reduce-scatter per call (master dtype) into the fp32 shard, one all-gather
-            of the update a step, in the shard group: f(S) G (calls m + c)
+zero2       fsdp's units gathered once a step and kept, each call's layer gradients
+            reduce-scattered (master dtype) into the fp32 shards, in the shard group:
+            f(S)(G − V)(calls m + c); the vocabulary weights once per step: f(S) V (m + c)
 fsdp        per decoder call (the most calls of any group: the lockstep keeps them
             matched) every layer all-gathered for the forward, the re-forward (recompute)
             and the backward and its gradient reduce-scattered, in the shard group:
@@ -189,15 +190,15 @@ def sharding_traffic(mode: str, world: int, shape: ModelShape, policy: str, call
         G, Xe = int(adapter_params), 0
     if mode == "replicate":
         return 2 * (_f(W) * G + _f(W // E) * Xe) * c, math.ceil((G + Xe) / BUCKET_ELEMS)
-    buckets = math.ceil(math.ceil(G / S) / BUCKET_ELEMS)
     if mode == "zero1":
-        return _f(S) * G * (m + c), buckets + 1
-    if mode == "zero2":  # a reduce-scatter (master dtype) per call, one all-gather a step
-        return _f(S) * G * (calls * m + c), calls * buckets + 1
-    if mode != "fsdp":
+        return _f(S) * G * (m + c), math.ceil(math.ceil(G / S) / BUCKET_ELEMS) + 1
+    if mode not in ("zero2", "fsdp"):
         raise ValueError(f"unknown sharding mode {mode!r}")
     V = shape.vocab_params
     vocab = 0.0 if node_resident else _f(S) * V * (m + c)  # node-resident: over the world
+    if mode == "zero2":  # the layers gathered once a step, reduce-scattered per call
+        return _f(S) * (G - V) * (calls * m + c) + vocab, \
+            (calls + 1) * (shape.layers + 1) + 2
     per_call = gathers(policy) * gather_pass(S, G - V, c) + _f(S) * (G - V) * m
     return calls * per_call + vocab, \
         calls * (shape.layers + 1) * (gathers(policy) + 1) + 2 * (not node_resident)
