@@ -242,3 +242,22 @@ def test_dta_plan_takes_the_new_knobs(capsys):
                        (["--host-budget-gib", "0"], "--host-budget-gib must be > 0")):
         assert main(args + bad) != 0
         assert match in capsys.readouterr().err
+
+
+def test_dta_train_auto_reads_the_host_budget():
+    """train.host_memory_budget_gib reaches the planner through runtime.engine.resolve: Qwen3-32B
+    on 8 x 80 GB fits only offloaded (61 GiB of host per rank); a 32 GiB host budget refuses
+    it, the error naming the key and the host."""
+    from dta.config.schema import load_config
+    from runtime.engine import resolve_run_config
+
+    tree = rollouts(4, 8192, 32_768)
+    base = ["train.sharding=auto", "train.memory_budget_gib=80", "ray.num_workers=8",
+            "walker.policy=recompute", "model.dtype=bfloat16", "train.offload=auto",
+            "train.context_parallel=8", "walker.block_tokens=8192"]
+    free = resolve_run_config(load_config(None, base), SHAPES["qwen3-32b"], tree)
+    assert free.layout.offload == "optimizer" and free.report["host_bytes"] > 32 * GIB
+    assert free.report["host_budget_bytes"] is None
+    tight = load_config(None, base + ["train.host_memory_budget_gib=32"])
+    with pytest.raises(ValueError, match=r"train.host_memory_budget_gib .*host budget"):
+        resolve_run_config(tight, SHAPES["qwen3-32b"], tree)
