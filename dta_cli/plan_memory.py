@@ -101,7 +101,7 @@ def memory_report(args, tree) -> dict:
                      shard_size=None if m == "replicate" else pick.shard_size,
                      node_resident=pick.node_resident and m in GATHERED,
                      prefetch=pick.prefetch and m in GATHERED)
-            for m in shardings if m != "replicate" or not pick.node_resident]
+            for m in shardings]
     for e in [pick, first] + rows:  # their modeled step, on the same batch
         if e is not None and e.time is None:
             plan.pricer.price(e)
