@@ -101,7 +101,7 @@ def memory_report(args, tree) -> dict:
                      shard_size=None if m == "replicate" else pick.shard_size,
                      node_resident=pick.node_resident and m in GATHERED,
                      prefetch=pick.prefetch and m in GATHERED)
-            for m in shardings if m != "replicate" or not pick.node_resident]
+            for m in shardings]
     for e in [pick, first] + rows:  # their modeled step, on the same batch
         if e is not None and e.time is None:
             plan.pricer.price(e)
@@ -180,7 +180,7 @@ def _print_time(plan, chosen, first) -> None:
           f"{h['utilization']:g} ({h['compute_dtype']}) per GPU, {h['intra_node_gbs']:g} GB/s "
           f"in a node, {h['inter_node_gbs']:g} GB/s across, {h['gpus_per_node']} GPUs a node, "
           f"{h['latency_us']:g} us a collective, host {h['host_link_gbs']:g} GB/s and "
-          f"{h['host_adam_gparams']:g} G params/s, no overlap; --peak-tflops --utilization "
+          f"{h['host_adam_gparams']:g} G params/s, no overlap but prefetch's; --peak-tflops --utilization "
           "--intra-node-gbs --inter-node-gbs --gpus-per-node --latency-us --host-link-gbs "
           "--host-adam-gparams):")
     print(f"  {'D x C':<7} {'mode':<10} {'E/S/offload':<31} {'policy':<9} {'block':>5} "

@@ -27,24 +27,27 @@ def rollouts(n: int, prompt: int, length: int, seed: int = 0):
 
 @pytest.mark.parametrize("name, W", [("qwen3-8b", 8), ("qwen3-14b", 16), ("llama-70b", 32)])
 def test_zero2_holds_2p_plus_16p_over_n(name, W):
-    """zero2 = the compute parameters resident (2P) + fp32 master, two AdamW states and the
-    fp32 gradient shard (16P/N), plus a call's gradients held until their reduce-scatter
-    (one layer's and the vocabulary's, bf16) and one reduce bucket -- computed from the
-    shapes; zero1 holds the whole bf16 gradient on top (2P more)."""
+    """zero2 (runtime.sharding.zero2: FSDP2 keeping what it gathers) = every decoder layer
+    gathered in bf16 all step with the vocabulary weights whole (2P, less the final norm),
+    the fp32 shards -- masters, gradient shard, two AdamW states (16P/N) -- and fsdp's
+    vocabulary handling (its bf16 gradient and fp32 reduction, 6V) and one layer's gradient
+    until its reduce-scatter, computed from the shapes; zero1 holds the whole bf16 gradient
+    instead (2P)."""
     shape = ModelShape.of(SHAPES[name])
-    P, V, L = shape.params, shape.vocab_params, shape.layer_params
+    P, V, L, h = shape.params, shape.vocab_params, shape.layer_params, shape.hidden
     z2 = model_state(shape, W, "zero2", compute_bytes=2)
     z1 = model_state(shape, W, "zero1", compute_bytes=2)
+    fsdp = model_state(shape, W, "fsdp", compute_bytes=2)
     state = z2["params"] + z2["grads"] + z2["optimizer"]
-    shard = math.ceil(P / W)
-    bucket = W * min(1 << 24, shard) * 4
-    assert state == 2 * P + 16 * shard + 2 * (L + V) + bucket
-    assert 2 * P + 16 * P / W <= state <= 1.25 * (2 * P + 16 * P / W)
-    assert z1["params"] == z2["params"] and z1["optimizer"] == z2["optimizer"]
-    assert z1["grads"] - z2["grads"] == 2 * P - 2 * (L + V)  # zero1 keeps the whole gradient
+    body, v = math.ceil((P - V) / W), math.ceil(V / W)
+    assert state == 2 * (P - h) + 16 * body + 12 * v + 6 * V + 2 * L
+    assert 2 * P + 16 * P / W <= state <= 2 * P + 16 * P / W + 6 * V + 2 * L
+    assert z2["grads"] == fsdp["grads"] and z2["optimizer"] == fsdp["optimizer"]
+    assert z2["params"] - fsdp["params"] == 2 * (P - V - h - L)  # every layer, not one
+    assert state < z1["params"] + z1["grads"] + z1["optimizer"] - P  # zero1: 4P + 16P/N
     off = model_state(shape, W, "zero2", compute_bytes=2, offload="optimizer")
-    assert off["params"] == 2 * P and off["optimizer"] == 0 and off["grads"] == z2["grads"]
-    assert off["host"] == 16 * shard  # fp32 masters, two states, the gradient buffer
+    assert off["params"] == 2 * (P - h) + 2 * body and off["optimizer"] == 0
+    assert off["host"] == 16 * (body + v)  # fp32 masters, two states, the gradient buffer
     assert off["steps"] == 4 * shape.tensors > 0
 
 
@@ -193,3 +196,68 @@ def test_layout_choices_are_the_one_list():
         with pytest.raises(ValueError, match=match):
             estimate(SHAPES["qwen3-8b"], 16, mode, path_tokens=1024, call_tokens=1024, **bad)
     assert Hardware().gpus_per_node == 8
+
+
+def test_a_row_short_of_the_share_names_what_binds_it():
+    """experiments.planning_table: a row under 0.6 names the binding resource with its
+    numbers -- Llama-70B on 16 GPUs at 32K: bandwidth across the nodes, and the memory the
+    node's shard group would need; Qwen3-235B-A22B on 32: the host's offloaded step."""
+    import re
+
+    from experiments.planning_table import SHARE, binds, plan, rollouts
+
+    tree = rollouts(32_768)
+    llama = plan("llama-70b", 16, tree)
+    assert llama.chosen is not None and llama.chosen.time.compute_share < SHARE
+    why = binds(llama)
+    assert why.startswith("bandwidth: fsdp's collectives") and "across nodes at 50 GB/s" in why
+    over = re.search(r"memory: .*/shard 8/.*\(device: [\d.]+ GiB, ([\d.]+) GiB over", why)
+    assert over and float(over.group(1)) > 0, why
+    big = plan("qwen3-235b-a22b", 32, tree)
+    assert binds(big).startswith("host: the offloaded step"), binds(big)
+    assert big.chosen.host <= 256 * GIB  # the table's host budget
+
+
+def test_dta_plan_takes_the_new_knobs(capsys):
+    """`dta plan --memory`: --sharding zero2, --node-resident on, --prefetch on and
+    --host-budget-gib pin what the planner tries, the JSON says what was chosen and why
+    candidates were refused; bad values are one-line errors."""
+    import json
+
+    from dta_cli.main import main
+
+    args = ["plan", "--workload", "tau2-airline", "--scale", "0.05", "--workers", "16",
+            "--memory", "--model", "qwen3-14b", "--budget-gib", "80", "--json"]
+    assert main(args + ["--node-resident", "on", "--prefetch", "on", "--shard-size", "8"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert got["chosen"] == "fsdp" and got["node_resident"] and got["prefetch"]
+    assert got["overlap_seconds"] > 0 and "calls" in got["overlapped"]
+    assert got["inter_node_bytes"] > 0 and got["intra_node_bytes"] > got["inter_node_bytes"]
+    assert main(args + ["--sharding", "zero2", "--offload", "optimizer",
+                        "--host-budget-gib", "1"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert got["chosen"] is None and "host budget" in got["refused"]
+    assert got["host_budget_bytes"] == GIB
+    for bad, match in ((["--node-resident", "on", "--shard-size", "16"], "--node-resident on"),
+                       (["--host-budget-gib", "0"], "--host-budget-gib must be > 0")):
+        assert main(args + bad) != 0
+        assert match in capsys.readouterr().err
+
+
+def test_dta_train_auto_reads_the_host_budget():
+    """train.host_memory_budget_gib reaches the planner through runtime.engine.resolve: Qwen3-32B
+    on 8 x 80 GB fits only offloaded (61 GiB of host per rank); a 32 GiB host budget refuses
+    it, the error naming the key and the host."""
+    from dta.config.schema import load_config
+    from runtime.engine import resolve_run_config
+
+    tree = rollouts(4, 8192, 32_768)
+    base = ["train.sharding=auto", "train.memory_budget_gib=80", "ray.num_workers=8",
+            "walker.policy=recompute", "model.dtype=bfloat16", "train.offload=auto",
+            "train.context_parallel=8", "walker.block_tokens=8192"]
+    free = resolve_run_config(load_config(None, base), SHAPES["qwen3-32b"], tree)
+    assert free.layout.offload == "optimizer" and free.report["host_bytes"] > 32 * GIB
+    assert free.report["host_budget_bytes"] is None
+    tight = load_config(None, base + ["train.host_memory_budget_gib=32"])
+    with pytest.raises(ValueError, match=r"train.host_memory_budget_gib .*host budget"):
+        resolve_run_config(tight, SHAPES["qwen3-32b"], tree)

@@ -10,7 +10,7 @@ host).
   slice whole in the compute dtype, its fp32 master and AdamW state a flat shard over the
   W / E expert replicas (not the HSDP shard group); fsdp gathers its layers without the
   routed experts, keeps its layer shards in fp32 (offloaded: in the compute dtype, the
-  masters on the host), zero2 holds what zero1 holds (its gradients differ), a
+  masters on the host), zero2 holds fsdp's shards with every layer gathered all step, a
   node-resident fsdp keeps its masters and optimizer state over the world and a
   compute-dtype copy of its layers over the node, and an offloaded mode's host holds the
   states, the stepped weights and their gradient buffers.
@@ -40,11 +40,11 @@ def _tiny():
 def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str,
                  resident: bool = False) -> dict:
     """What rank 0 (the largest chunks) holds by runtime.sharding's rules, from the model's
-    parameters: zero1's and zero2's flat shards (the dense part over S, the expert slices
-    over the W / E replicas), fsdp's Shard(0) layer shards (torch.chunk: ceil rows; fp32,
-    offloaded or node-resident in the compute dtype), its vocabulary and expert flat shards,
-    and its gathered layer (less the routed experts under E > 1); node-resident: the masters
-    over the world."""
+    parameters: zero1's flat shards (the dense part over S, the expert slices over the W / E
+    replicas), fsdp's and zero2's Shard(0) layer shards (torch.chunk: ceil rows; fp32,
+    offloaded or node-resident in the compute dtype), their vocabulary and expert flat
+    shards, and fsdp's gathered layer, zero2's every gathered layer (less the routed experts
+    under E > 1); node-resident: the masters over the world."""
     named = list(model.named_parameters())
     expert = {n for n, _ in named if ".mlp.experts." in n} if E > 1 else set()
     vocab = {"model.embed_tokens.weight", "lm_head.weight"}
@@ -54,7 +54,7 @@ def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str,
     x = math.ceil(X / R) if X else 0
     off = offload == "optimizer"
     computed = sum(local.values())
-    if mode in ("zero1", "zero2"):
+    if mode == "zero1":
         dense = math.ceil(sum(v for n, v in local.items() if n not in expert) / S)
         shard = dense + x
         params = computed * C + (0 if off else shard * M)
@@ -72,7 +72,8 @@ def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str,
         shard = body_over(over) + math.ceil(V / over) + x
         body = body_over(S)
         masters = 0 if off else (shard - (0 if resident else body)) * M
-        params = body * (C if off or resident else M) + (V + X) * C + masters + max(layers) * C
+        gathered = sum(layers) if mode == "zero2" else max(layers)  # zero2: every layer kept
+        params = body * (C if off or resident else M) + (V + X) * C + masters + gathered * C
     optimizer = 2 * shard * M
     return {"params": params, "optimizer": 0 if off else optimizer,
             "host": optimizer + 2 * shard * M if off else 0}

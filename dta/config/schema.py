@@ -132,9 +132,7 @@ class TrainConfig:
     # memory_budget_gib, by dta.planning.memory).
     sharding: str = "replicate"
     memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
-    # host memory per worker for the auto choice: a layout keeping more there (an offloaded
-    # optimizer, AdamW's step counters) is refused (null: unbudgeted; dta.planning.memory)
-    host_memory_budget_gib: Optional[float] = None
+    host_memory_budget_gib: Optional[float] = None  # per worker, for auto (null: unbudgeted)
     # Ranks per tree (docs/context-parallel.md): each group of this many workers walks the same
     # trees with their K/V spread over the group; the data-parallel size is ray.num_workers /
     # context_parallel (trees are balanced over the data-parallel groups). 1: off. auto: the

@@ -19,9 +19,11 @@ zero1       N c + N m / W                          N c + N m / W + W b m (a redu
 fsdp        (N−V) m / W + V c + V m / W + 1 layer  (N−V) m / W + V c + V m + 1 layer (c)      2 N m / W
 ==========  =====================================  ==========================================  ==========
 
-(b: the reduce-scatter bucket, 2^24 elements per rank. Replicate keeps its parameters and
-AdamW state in the compute dtype, so c = m there: pure 16-bit AdamW under bfloat16; the
-README table prices it in float32, the numerics zero1/fsdp keep with their fp32 masters.)
+(zero2, fsdp's node residency and prefetch, the offloaded layouts and AdamW's step counters:
+:mod:`dta.planning.state`'s table. b: the reduce-scatter bucket, 2^24 elements per rank.
+Replicate keeps its parameters and AdamW state in the compute dtype, so c = m there: pure
+16-bit AdamW under bfloat16; the README table prices it in float32, the numerics zero1/fsdp
+keep with their fp32 masters.)
 Activations (:func:`activation_split`, :mod:`dta.planning.activations`), with B the block
 (``dta.planning.blocks``: no call is longer than B; None: a call is a whole node, up to the
 largest):

@@ -36,8 +36,8 @@ bytes (m = fp32 under 16-bit compute; replicate keeps no masters: c throughout).
 parameters then), N − X under E > 1. A rank computes with N_l = G + X_E, X_E = X / E its
 routed experts (0 under E = 1); g = G / S is its dense shard, v = V / S the vocabulary's
 part of it, l = (G − V) / S its layer shards (fsdp: FSDP2's Shard(0), ceil rows), x = X_E / R
-= X / W its expert shard (0 under E = 1), s = g + x its whole shard (its masters and what its
-optimizer steps), b = 2^24 elements (a reduce-scatter bucket), L the largest decoder layer
+= X / W its expert shard (0 under E = 1), s its whole shard (its masters and what its
+optimizer steps: zero1's g + x; fsdp's and zero2's l + v + x), b = 2^24 elements (a reduce-scatter bucket), L the largest decoder layer
 (:func:`fsdp_layer_params`: under E > 1 less its routed experts, never gathered):
 
 =============  ================================  =========================================  =======
@@ -45,7 +45,8 @@ mode           params                            grads (peak)                   
 =============  ================================  =========================================  =======
 replicate      N_l c                             N_l c                                      2 N_l c
 zero1          N_l c + s m                       N_l c + s m + B m                          2 s m
-zero2          N_l c + s m                       s m + (L + V + X_E) c + B m                2 s m
+zero2          l m + (G − V − h) c               as fsdp's                                  2 s m
+               + (V + X_E) c + (v + x) m
 fsdp           l m + (V + X_E) c + (v + x) m     l m + (V + X_E) c + V m                    2 s m
                + L c (+ L c, prefetch)           + (x + R min(b, x)) m + L c
 fsdp, node-    l c + (V + X_E) c + s_W m         l m + l_W m + (V + X_E) c + V m            2 s_W m
@@ -60,12 +61,12 @@ under E > 1.)
   the shard group (g), its expert slice's over the expert replicas (x; one reduce-scatter
   and one all-gather of X_E over R per step, ``dta.planning.timing``). The grads column
   adds the reduced shards (s m) and the larger part's reduce-scatter bucket.
-* zero2 holds what zero1 holds in params (the compute parameters resident for the whole
-  step, the fp32 master shard), but reduce-scatters the dense part's gradients *per call*
-  into its fp32 gradient shard (s m, the sum of the calls): a call's gradients are held
-  only until their reduce-scatter -- at most one decoder layer's and the vocabulary
-  weights' (L + V) c -- and the expert slice's are accumulated whole (X_E c) and reduced
-  once a step over the replicas, as zero1's. Per rank about 2 N + 16 N / S bytes (bf16
+* zero2 (``runtime.sharding.zero2``: FSDP2 told to keep what it gathers) is fsdp with every
+  decoder layer gathered once a step and kept for the whole walk: (G − V − h) c, all the
+  layers' parameters (h: the final norm, the root unit's, not sampled), beside fsdp's
+  fp32 layer shards (the masters) and its vocabulary and expert parts; each backward call
+  reduce-scatters its layers' gradients into the fp32 gradient shard, one layer's at a
+  time (the grads column is fsdp's). Per rank about 2 N + 16 N / S + 6 V bytes (bf16
   compute, E = 1) against zero1's 4 N + 16 N / S.
 * fsdp: the layer shards (l) in fp32 (FSDP2's sharded parameters, where the walk's
   per-call gradients accumulate, in fp32 too); the vocabulary weights and, under E > 1, the
@@ -177,9 +178,9 @@ class Shards:
 
     def shard(self, mode: str) -> int:
         """The rank's sharded elements, its masters and what its optimizer steps: zero1's
-        and zero2's flat shard of the group part, fsdp's layer shards and vocabulary shard,
+        flat shard of the group part, fsdp's and zero2's layer shards and vocabulary shard,
         with the expert shard."""
-        group = self.body + self.vocab if mode == "fsdp" else self.dense
+        group = self.body + self.vocab if mode in ("fsdp", "zero2") else self.dense
         return group + self.expert_shard
 
 
@@ -227,18 +228,19 @@ def model_state(shape: ModelShape, world: int, mode: str, *, compute_bytes: int,
     host = opt + 2 * s * m if off else 0  # + the masters and their gradient buffers
     buckets = max(S * min(BUCKET_ELEMS, sh.dense), R * min(BUCKET_ELEMS, x)) * m
     layer = fsdp_layer_params(shape, E) * c
-    if mode in ("zero1", "zero2"):
-        held = local * c + s * m + buckets if mode == "zero1" else \
-            s * m + layer + (shape.vocab_params + X) * c + buckets
-        return dict(params=local * c + (0 if off else s * m), grads=held,
+    if mode == "zero1":
+        return dict(params=local * c + (0 if off else s * m), grads=local * c + s * m + buckets,
                     optimizer=0 if off else opt, host=host, steps=steps)
     V = shape.vocab_params
     # the layer shards: fp32 (FSDP2 accumulates the calls' gradients in them), or compute-
     # dtype only (offloaded; node-resident: the secondary partition); the vocabulary and the
-    # expert slices whole in the compute dtype; the masters; the gathered layer(s)
+    # expert slices whole in the compute dtype; the masters; the gathered layer(s): fsdp's
+    # one (two with prefetch), zero2's every decoder layer (all but the root's final norm)
     body = sh.body * (c if off or node_resident else m)
+    gathered = (sh.group - V - shape.hidden) * c if mode == "zero2" else \
+        layer * (2 if prefetch else 1)
     params = body + (V + X) * c + (0 if off else (s - sh.body * (not node_resident)) * m) \
-        + layer * (2 if prefetch else 1)
+        + gathered
     grads = sh.body * m + (ms.body * m if node_resident else 0) + (V + X) * c + V * m \
         + (x * m + R * min(BUCKET_ELEMS, x) * m if X else 0) + layer
     return dict(params=params, grads=grads, optimizer=0 if off else opt, host=host,

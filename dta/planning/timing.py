@@ -10,6 +10,7 @@ runtime does (:mod:`dta.planning.work`) and prices one step:
            + sharding communication (inside the shard groups) + once a step across the
              world (the replicas' all-reduce, the expert slices' collectives)
            + the offloaded optimizer step (host transfers and host AdamW)
+           - what prefetch hides of fsdp's all-gathers under compute
     compute = FLOPs of the group's most loaded rank / (peak FLOP/s x utilisation)
     a collective = bytes this rank sends / the link's bandwidth + a latency per collective
 
@@ -19,10 +20,11 @@ layer's FLOPs are its ``top_k`` routed experts', its router's and its shared exp
 link is intra-node when the ranks of the collective sit in one node (a context-parallel
 group is C consecutive ranks, an EP group E, a shard group S; the sharding collectives
 without shard groups, the replicas' all-reduce and the expert replicas' collectives span
-all W), inter-node otherwise.
-Compute and communication do not overlap (the walk waits on each all-to-all; replicate and
-zero1 reduce after the walk; FSDP's prefetch, which hides part of its gathers, is not
-modeled). Sharding traffic per rank per step, P the trained parameters (N, or the LoRA
+all W), inter-node otherwise; every estimate splits its bytes so (``intra_bytes``,
+``inter_bytes``). Compute and communication do not overlap (the walk waits on each
+all-to-all; replicate and zero1 reduce after the walk), except fsdp's all-gathers under
+``prefetch`` (:func:`prefetched`: per call and overlapped pass max(compute, gathers) + the
+first layer's gather). Sharding traffic per rank per step, P the trained parameters (N, or the LoRA
 adapters), V the vocabulary-sized ones, c / m the compute / master bytes, f(n) = (n − 1) / n,
 G the shard-group part (:mod:`dta.planning.state`: every parameter under E = 1, all but the
 routed experts under E > 1), X_E = X / E a rank's routed experts (0 under E = 1):
@@ -32,16 +34,24 @@ replicate   ring all-reduce of the gradients in the compute dtype: 2 f(W) G c +
             2 f(W / E) X_E c (the experts over their replicas); LoRA: 2 f(W) P c
 zero1       reduce-scatter in the master dtype, all-gather of the update, in the shard
             group: f(S) G (m + c)
+zero2       fsdp's units gathered once a step and kept, each call's layer gradients
+            reduce-scattered (master dtype) into the fp32 shards, in the shard group:
+            f(S)(G − V)(calls m + c); the vocabulary weights once per step: f(S) V (m + c)
 fsdp        per decoder call (the most calls of any group: the lockstep keeps them
             matched) every layer all-gathered for the forward, the re-forward (recompute)
             and the backward and its gradient reduce-scattered, in the shard group:
             f(S)(G − V)(g c + m), g = 3 or 2 (under E > 1 the routed experts are not
             FSDP's: never gathered); the vocabulary weights once per step: f(S) V (m + c)
+            (node-resident: the per-call part inside the node of S; the vocabulary's
+            over the world, below)
 ==========  ============================================================================
 
-**Once a step across the world** (zero1 and fsdp; ``replica_bytes``, at the world's link):
-with shard groups (HSDP, S < W) one all-reduce of the sharded gradients (master dtype)
-across them, 2 f(W / S) (G / S) m; under E > 1 the expert slices' reduce-scatter (master
+**Once a step across the world** (zero1, zero2 and fsdp; ``replica_bytes``, at the world's
+link): with shard groups (HSDP, S < W) one all-reduce of the sharded gradients (master
+dtype) across them, 2 f(W / S) (G / S) m; node-resident fsdp instead reduce-scatters its
+node partition's gradient across the nodes and gathers the updated weights back into it,
+f(W / S) l (m + c) with l = (G − V) / S, and the vocabulary's flat shards over the world,
+f(W) V (m + c) -- whatever the number of calls; under E > 1 the expert slices' reduce-scatter (master
 dtype) and all-gather (compute dtype) over their R = W / E replicas (every E-th rank:
 across the nodes when the world spans several), f(R) X_E (m + c).
 
@@ -54,10 +64,10 @@ not their FLOPs (``expert_flops``: the routed experts' share of the rank's FLOPs
 
 **Offload** (``optimizer``): per step the rank's gradients go to the host and its updated
 weights come back over the host link (:attr:`Hardware.host_link_gbs`), and the host
-steps its parameters at :attr:`Hardware.host_adam_gparams` (zero1/fsdp: its shard, the
-gradient in the master dtype, the weights back in the compute dtype -- fsdp's layer shards
-in fp32, the dtype the device keeps them in; replicate: all it holds, in the compute
-dtype).
+steps its parameters at :attr:`Hardware.host_adam_gparams` (zero1 / zero2 / fsdp: its
+master shard, the gradient down in the master dtype, the weights back in the compute
+dtype, the device keeping compute-dtype shards only; replicate: all it holds, in the
+compute dtype).
 
 Not modeled: kernel efficiency falling with smaller calls or smaller row slices (one
 utilisation for every matmul), a masked pack's dropped pairs (FLOPs are the tree's), LoRA's
@@ -122,7 +132,7 @@ class Hardware:
     def as_dict(self, compute_dtype: str) -> dict:
         return {**asdict(self), "peak_tflops": self.peak_tflops or PEAK_TFLOPS[compute_dtype],
                 "compute_dtype": compute_dtype, "flop_rate": self.flop_rate(compute_dtype),
-                "overlap": False}
+                "overlap": "prefetch: fsdp's all-gathers under compute (nothing else)"}
 
 
 @dataclass
@@ -180,15 +190,15 @@ def sharding_traffic(mode: str, world: int, shape: ModelShape, policy: str, call
         G, Xe = int(adapter_params), 0
     if mode == "replicate":
         return 2 * (_f(W) * G + _f(W // E) * Xe) * c, math.ceil((G + Xe) / BUCKET_ELEMS)
-    buckets = math.ceil(math.ceil(G / S) / BUCKET_ELEMS)
     if mode == "zero1":
-        return _f(S) * G * (m + c), buckets + 1
-    if mode == "zero2":  # a reduce-scatter (master dtype) per call, one all-gather a step
-        return _f(S) * G * (calls * m + c), calls * buckets + 1
-    if mode != "fsdp":
+        return _f(S) * G * (m + c), math.ceil(math.ceil(G / S) / BUCKET_ELEMS) + 1
+    if mode not in ("zero2", "fsdp"):
         raise ValueError(f"unknown sharding mode {mode!r}")
     V = shape.vocab_params
     vocab = 0.0 if node_resident else _f(S) * V * (m + c)  # node-resident: over the world
+    if mode == "zero2":  # the layers gathered once a step, reduce-scattered per call
+        return _f(S) * (G - V) * (calls * m + c) + vocab, \
+            (calls + 1) * (shape.layers + 1) + 2
     per_call = gathers(policy) * gather_pass(S, G - V, c) + _f(S) * (G - V) * m
     return calls * per_call + vocab, \
         calls * (shape.layers + 1) * (gathers(policy) + 1) + 2 * (not node_resident)
