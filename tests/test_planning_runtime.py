@@ -175,8 +175,21 @@ def _compare(world, cases, results):
               f"(step counters {steps}), planner {want}")
 
 
-TWO = [(m, 2, 2, o) for m in ("replicate", "zero1", "fsdp") for o in ("none", "optimizer")]
+TWO = [(m, 2, 2, o) for m in ("replicate", "zero1", "zero2", "fsdp")
+       for o in ("none", "optimizer")]
 FOUR = [("zero1", 2, 2, "none"), ("fsdp", 2, 2, "optimizer"), ("fsdp", 2, 4, "none")]
+
+
+ZERO2 = [("zero2", 1, 2, "none"), ("zero2", 2, 2, "optimizer")]
+
+
+def test_planner_prices_zero2_as_the_runtime_holds_it():
+    """zero2 on 2 ranks, without and with expert parallelism (offloaded): every decoder layer
+    gathered and kept, FSDP2's layer shards (fp32; offloaded: bf16, the fp32 masters and
+    AdamW state on the host) -- the runtime's state_bytes() equal to the planner's."""
+    from experiments.local_ranks import run_ranks
+
+    _compare(2, ZERO2, run_ranks(runtime_bytes, 2, ZERO2, timeout=900.0))
 
 
 @pytest.mark.slow

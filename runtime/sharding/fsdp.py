@@ -135,7 +135,7 @@ class FSDP(Sharding):
         self.parts = [self.layer_part, self.vocab_part, *expert_parts]
         for part in self.parts[1:]:
             part.masters_loaded()
-        self.expert_ids, self.vocab_ids = expert_ids, vocab_ids
+        self.expert_ids = expert_ids
         self.decoder = decoder
         self.optimizer = make_optimizer([s for part in self.parts for s in part.stepped])
         self._peak_unsharded = 0
@@ -170,10 +170,9 @@ class FSDP(Sharding):
     # ------------------------------------------------------------------ memory --
     def _sample(self, module, args):
         """Bytes of layer parameters currently gathered (after FSDP's pre-forward)."""
-        params = self.decoder.parameters() if self.resident else (  # zero2: the root's too
-            p for layer in self.decoder.layers for p in layer.parameters())
-        live = sum(tensor_bytes(p) for p in params if not hasattr(p, "to_local")
-                   and id(p) not in self.expert_ids and id(p) not in self.vocab_ids)
+        live = sum(tensor_bytes(p) for layer in self.decoder.layers
+                   for p in layer.parameters() if not hasattr(p, "to_local")
+                   and id(p) not in self.expert_ids)  # the root's final norm: not sampled
         self._peak_unsharded = max(self._peak_unsharded, live)
 
     def state_bytes(self) -> dict:
