@@ -30,6 +30,7 @@ METHODS = ("inorder", "bfd", "dfs")  # dta.planning.PACKERS (checked at run time
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dta.options import WalkOptions
     from dta.planning.cp import CP_SCHEME, CP_SCHEMES
+    from dta.planning.memory import SHARDINGS
     from dta.planning.shapes import SHAPES
     from dta.planning.state import OFFLOADS
     from dta.planning.timing import PEAK_TFLOPS, Hardware
@@ -63,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(dta.planning.memory), and the mode that fits --budget-gib")
     mem.add_argument("--budget-gib", type=float, default=None, metavar="G",
                      help="per-GPU memory budget for the mode choice (e.g. 80, 141)")
+    mem.add_argument("--host-budget-gib", type=float, default=None, metavar="G",
+                     help="host memory per GPU (e.g. 256: 2 TiB over 8 GPUs): a layout whose "
+                          "host bytes (offloaded state, AdamW's step counters) exceed it is "
+                          "refused, with the reason (default: unbudgeted)")
+    mem.add_argument("--sharding", default="auto", choices=("auto",) + SHARDINGS,
+                     help="the sharding mode priced (default: auto, every one)")
     mem.add_argument("--compute-dtype", default="bfloat16",
                      choices=("bfloat16", "float16", "float32", "float64"),
                      help="compute dtype (fp32 masters under 16 bits; default: bfloat16)")
@@ -92,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="keep the optimizer state and masters in host memory and step "
                           "there (default: auto, both: a candidate is offloaded only where "
                           "it does not fit without)")
+    for flag, what in (("--node-resident", "fsdp gathers from a copy held in the node "
+                                           "(hpZ; --shard-size below W)"),
+                       ("--prefetch", "fsdp's next-layer all-gather overlaps the current "
+                                      "layer's compute")):
+        mem.add_argument(flag, default="auto", choices=("auto", "on", "off"),
+                         help=f"{what} (default: auto, both where they apply)")
     mem.add_argument("--lora-r", type=int, default=0, metavar="R",
                      help="price a LoRA run: rank-R adapters, the base frozen (replicate and "
                           "zero1; grads and optimizer count the adapters only)")

@@ -39,6 +39,7 @@ def memory_report(args, tree) -> dict:
         estimate,
         plan_memory,
     )
+    from dta.planning.state import GATHERED
     from dta.planning.timing import Hardware
 
     config = _memory_config(args.model)
@@ -50,8 +51,18 @@ def memory_report(args, tree) -> dict:
 
         adapters = lora_params(config, args.lora_r, [t.strip() for t in
                                                      args.lora_targets.split(",") if t.strip()])
-    shardings = SHARDINGS if not adapters else tuple(m for m in SHARDINGS if m != "fsdp")
+    from dta.planning.lora import LORA_SHARDINGS
+
+    shardings = SHARDINGS if args.sharding == "auto" else (args.sharding,)
+    if adapters:
+        shardings = tuple(m for m in shardings if m in LORA_SHARDINGS)
+        if not shardings:
+            raise ValueError(f"--sharding {args.sharding} is not priced with --lora-r; choose "
+                             f"one of {LORA_SHARDINGS}")
     budget = None if args.budget_gib is None else args.budget_gib * GIB
+    if args.host_budget_gib is not None and not args.host_budget_gib > 0:
+        raise ValueError(f"--host-budget-gib must be > 0, got {args.host_budget_gib}")
+    host_budget = None if args.host_budget_gib is None else args.host_budget_gib * GIB
     from dta.options import WalkOptions
 
     if args.block_tokens is not None:  # a walk setting: validated as the walker does
@@ -70,8 +81,9 @@ def memory_report(args, tree) -> dict:
               context_parallel=cps, cp_schemes=(args.context_parallel_scheme,), **layout)
     limit = float("inf") if budget is None else budget
     plan = plan_memory(config, args.workers, limit, tree=tree, hardware=hardware, walk=walk,
-                       **kw)
-    first = plan_memory(config, args.workers, limit, **kw).chosen  # the memory order's pick
+                       host_budget_bytes=host_budget, **kw)
+    first = plan_memory(config, args.workers, limit, host_budget_bytes=host_budget,
+                        **kw).chosen  # the memory order's pick
     pick = plan.chosen if plan.chosen is not None else plan.cheapest
     if budget is None:  # nothing to choose for: the last policy (recompute), the given block
         shard = layout["shard_size"][0] if shardings[0] != "replicate" else None
@@ -86,7 +98,9 @@ def memory_report(args, tree) -> dict:
                      block_tokens=pick.block_tokens, adapter_params=adapters,
                      context_parallel=pick.context_parallel, cp_scheme=pick.cp_scheme,
                      expert_parallel=pick.expert_parallel, offload=pick.offload,
-                     shard_size=None if m == "replicate" else pick.shard_size)
+                     shard_size=None if m == "replicate" else pick.shard_size,
+                     node_resident=pick.node_resident and m in GATHERED,
+                     prefetch=pick.prefetch and m in GATHERED)
             for m in shardings]
     for e in [pick, first] + rows:  # their modeled step, on the same batch
         if e is not None and e.time is None:
@@ -114,7 +128,8 @@ def memory_report(args, tree) -> dict:
         print(f"  budget {args.budget_gib:g} GiB: " + (
             f"sharding={chosen}, policy={pick.policy}, block_tokens={block or 0}, "
             f"context_parallel={pick.context_parallel}, expert_parallel={pick.expert_parallel}, "
-            f"shard_size={pick.shard_size}, offload={pick.offload}"
+            f"shard_size={pick.shard_size}, offload={pick.offload}, "
+            f"node_resident={pick.node_resident}, prefetch={pick.prefetch}"
             if chosen else "no mode fits") + f" ({plan.message()})")
     _print_time(plan, pick if chosen else None, first)
     # dta train runs every sharding mode with context_parallel > 1 (fsdp and zero1 shard
@@ -128,6 +143,9 @@ def memory_report(args, tree) -> dict:
             "routed_params": shape.routed_params, "lora_params": adapters,
             "expert_parallel": pick.expert_parallel, "shard_size": pick.shard_size,
             "offload": pick.offload, "host_bytes": pick.host,
+            "node_resident": pick.node_resident, "prefetch": pick.prefetch,
+            "step_counter_bytes": pick.steps, "refused": pick.refused,
+            "host_budget_bytes": host_budget,
             "compute_share": t.compute_share,
             "path_tokens": path,
             "call_tokens": min(call, block) if block else call, "node_tokens": node,
@@ -140,7 +158,9 @@ def memory_report(args, tree) -> dict:
             "rule": plan.rule, "runnable": runnable,
             "shortfall_bytes": int(plan.shortfall) if budget is not None else None,
             "flops_per_rank": t.flops_per_rank, "group_efficiency": t.group_efficiency,
-            "bytes_sent": t.bytes_sent, "step_seconds": t.step_s,
+            "bytes_sent": t.bytes_sent, "intra_node_bytes": t.intra_bytes,
+            "inter_node_bytes": t.inter_bytes, "overlap_seconds": t.overlap_s,
+            "overlapped": t.overlapped, "step_seconds": t.step_s,
             "tokens_per_second": t.tokens_per_s, "time": asdict(t),
             "hardware": plan.hardware,
             "first_fit": None if first is None else {
@@ -160,10 +180,10 @@ def _print_time(plan, chosen, first) -> None:
           f"{h['utilization']:g} ({h['compute_dtype']}) per GPU, {h['intra_node_gbs']:g} GB/s "
           f"in a node, {h['inter_node_gbs']:g} GB/s across, {h['gpus_per_node']} GPUs a node, "
           f"{h['latency_us']:g} us a collective, host {h['host_link_gbs']:g} GB/s and "
-          f"{h['host_adam_gparams']:g} G params/s, no overlap; --peak-tflops --utilization "
+          f"{h['host_adam_gparams']:g} G params/s, no overlap but prefetch's; --peak-tflops --utilization "
           "--intra-node-gbs --inter-node-gbs --gpus-per-node --latency-us --host-link-gbs "
           "--host-adam-gparams):")
-    print(f"  {'D x C':<7} {'mode':<10} {'E/S/offload':<14} {'policy':<9} {'block':>5} "
+    print(f"  {'D x C':<7} {'mode':<10} {'E/S/offload':<31} {'policy':<9} {'block':>5} "
           f"{'GiB/GPU':>8} {'TFLOP/rank':>10} {'GB sent':>8} {'step s':>7} {'tokens/s':>9} "
           f"{'effic.':>6} {'compute':>7}")
     best = {}
@@ -174,8 +194,9 @@ def _print_time(plan, chosen, first) -> None:
     for (c, _), (e, rank) in sorted(best.items(), key=lambda kv: (kv[0][0], SHARDINGS.index(kv[0][1]))):
         t = e.time
         mark = "  <- chosen" if e is chosen else "" if rank[0] == 0 else "  (does not fit)"
-        lay = f"{e.expert_parallel}/{e.shard_size}/{e.offload}"
-        print(f"  {f'{e.data_parallel} x {c}':<7} {e.sharding:<10} {lay:<14} {e.policy:<9} "
+        lay = f"{e.expert_parallel}/{e.shard_size}/{e.offload}" + \
+            ("/resident" if e.node_resident else "") + ("/prefetch" if e.prefetch else "")
+        print(f"  {f'{e.data_parallel} x {c}':<7} {e.sharding:<10} {lay:<31} {e.policy:<9} "
               f"{e.block_tokens or 'none':>5} {e.total / GIB:>8.1f} {t.flops_per_rank / 1e12:>10.0f} "
               f"{t.bytes_sent / 1e9:>8.1f} {t.step_s:>7.1f} {t.tokens_per_s:>9.0f} "
               f"{t.group_efficiency:>6.3f} {t.compute_share:>7.2f}{mark}")
@@ -186,9 +207,10 @@ def _print_time(plan, chosen, first) -> None:
 
 
 def _layout(args, shape, hardware, adapters: int) -> dict:
-    """--expert-parallel, --shard-size, --offload: the layouts plan_memory tries (``auto``:
-    every one the world allows, dta.planning.state; a LoRA run: none of them)."""
-    from dta.planning.state import OFFLOADS, check_layout, expert_parallel_sizes, shard_sizes
+    """--expert-parallel, --shard-size, --offload, --node-resident, --prefetch: the layouts
+    plan_memory tries (``auto``: every one the world allows, dta.planning.state.layout_choices;
+    a LoRA run: none of them)."""
+    from dta.planning.state import check_layout, layout_choices
 
     W = args.workers
     pinned = {}
@@ -200,10 +222,13 @@ def _layout(args, shape, hardware, adapters: int) -> dict:
             except ValueError:
                 raise ValueError(f"{flag} must be auto or an integer >= 1, got {value!r}") \
                     from None
+    on = {"on": (True,), "off": (False,), "auto": None}
     if adapters and (pinned.get("--expert-parallel", 1) != 1 or args.offload == "optimizer"
-                     or pinned.get("--shard-size", W) != W):
-        raise ValueError("--lora-r is priced without expert parallelism, shard groups or "
-                         "offload (--expert-parallel 1 --shard-size W --offload none)")
+                     or pinned.get("--shard-size", W) != W or "on" in (args.node_resident,
+                                                                       args.prefetch)):
+        raise ValueError("--lora-r is priced without expert parallelism, shard groups, "
+                         "offload, node residency or prefetch (--expert-parallel 1 "
+                         "--shard-size W --offload none)")
     E = pinned.get("--expert-parallel")
     S = pinned.get("--shard-size")
     try:  # a pinned size: checked as the planner checks it, named by its flag
@@ -214,12 +239,20 @@ def _layout(args, shape, hardware, adapters: int) -> dict:
         check_layout(shape, W, "zero1", 1, S, "none")
     except ValueError as e:
         raise ValueError(f"--shard-size: {e}") from None
-    eps = (E,) if E else (1,) if adapters else expert_parallel_sizes(shape, W)
-    groups = (None if S == W else S,) if S else (None,) if adapters else \
-        shard_sizes(W, hardware.gpus_per_node)
-    offloads = OFFLOADS if args.offload == "auto" and not adapters else \
-        ("none",) if args.offload == "auto" else (args.offload,)
-    return dict(expert_parallel=eps, shard_size=groups, offload=offloads)
+    none = (1,) if adapters else None
+    groups = (None if S == W else S,) if S else (None,) if adapters else None
+    choices = layout_choices(shape, W, hardware.gpus_per_node, shard_size=groups)
+    if args.node_resident == "on" and all(g is None or g == W for g in choices["shard_size"]):
+        raise ValueError(f"--node-resident on needs a shard size below --workers {W} (the "
+                         "node: --shard-size, or --gpus-per-node dividing W)")
+    return layout_choices(
+        shape, W, hardware.gpus_per_node,
+        expert_parallel=(E,) if E else none,
+        shard_size=groups,
+        offload=("none",) if adapters and args.offload == "auto" else
+        None if args.offload == "auto" else (args.offload,),
+        node_resident=(False,) if adapters else on[args.node_resident],
+        prefetch=(False,) if adapters else on[args.prefetch])
 
 
 def _context_parallel(value: str, workers: int, sizes) -> tuple:

@@ -107,7 +107,10 @@ def test_dta_plan_long_trajectories(long128k, model, workers, capsys):
     assert got["bytes_sent"] == pytest.approx(t["cp_bytes"] + t["sharding_bytes"] + t["ep_bytes"]
                                               + t["replica_bytes"]) and t["cp_bytes"] > 0
     assert got["step_seconds"] == pytest.approx(t["compute_s"] + t["cp_s"] + t["ep_s"]
-                                                + t["sharding_s"] + t["replica_s"] + t["host_s"])
+                                                + t["sharding_s"] + t["replica_s"] + t["host_s"]
+                                                - t["overlap_s"])  # what prefetch hides
+    assert got["bytes_sent"] == pytest.approx(t["intra_bytes"] + t["inter_bytes"])
+    assert (t["overlap_s"] > 0) == got["prefetch"] == bool(t["overlapped"])
     assert got["compute_share"] == pytest.approx(t["compute_s"] / got["step_seconds"])
     # the fastest of the candidates that fit, each priced in the JSON
     usable = got["usable_bytes"]

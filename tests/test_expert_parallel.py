@@ -131,10 +131,9 @@ def reduced_gradients(mode) -> dict:
             full = mine
         for i, (name, p) in enumerate(zip(f.names, f.params)):
             out[name] = full[f.offsets[i]:f.offsets[i + 1]].view(p.shape).clone()
-    if mode.name == "fsdp":
-        names = {id(p): n for n, p in mode.model.named_parameters()}
-        out.update({names[id(p)]: p.grad.full_tensor().detach().clone() for p in mode.sharded
-                    if p.grad is not None})
+    if mode.name in ("fsdp", "zero2"):
+        out.update({n: g.full_tensor().detach().clone()
+                    for n, g in zip(mode.names, mode.layer_part.gradients()) if g is not None})
     return out
 
 

@@ -60,10 +60,10 @@ def full_gradients(mode) -> dict:
         for i, (name, p) in enumerate(zip(f.names, f.params)):
             if has[i]:
                 out[name] = full[f.offsets[i]:f.offsets[i + 1]].view(p.shape).clone()
-    if mode.name == "fsdp":
-        for name, p in zip(mode.names, mode.sharded):
-            if p.grad is not None:
-                out[name] = p.grad.full_tensor().detach().clone()
+    if mode.name in ("fsdp", "zero2"):
+        for name, g in zip(mode.names, mode.layer_part.gradients()):
+            if g is not None:
+                out[name] = g.full_tensor().detach().clone()
     return out
 
 

@@ -203,12 +203,14 @@ def test_state_by_layout():
     z = estimate(A3B, 16, "zero1", expert_parallel=8, **kw)
     zo = estimate(A3B, 16, "zero1", expert_parallel=8, offload="optimizer", **kw)
     assert zo.optimizer == 0 and zo.grads == z.grads
-    # the states, the masters and the masters' gradient buffers
-    assert zo.host == z.optimizer + 2 * (z.params - zo.params)
+    # the states, the masters and the masters' gradient buffers (and AdamW's step counters)
+    assert zo.host - zo.steps == z.optimizer + 2 * (z.params - zo.params)
+    assert z.host == z.steps == zo.steps == 4 * shape.tensors
     r = estimate(A3B, 16, "replicate", expert_parallel=8, **kw)
     ro = estimate(A3B, 16, "replicate", expert_parallel=8, offload="optimizer", **kw)
     # the states, the stepped copy and its gradient buffer
-    assert ro.params == r.params and ro.optimizer == 0 and ro.host == r.optimizer + 2 * r.params
+    assert ro.params == r.params and ro.optimizer == 0
+    assert ro.host - ro.steps == r.optimizer + 2 * r.params
     assert ro.label().endswith("/expert parallel 8/offload optimizer")
     for bad, match in ((dict(expert_parallel=3), "expert_parallel=3 does not divide the world"),
                        (dict(expert_parallel=32), "does not divide the world of 16"),

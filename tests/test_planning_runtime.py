@@ -9,8 +9,11 @@ host).
   ``dta.model.expert_parallel`` cuts them): under E > 1, zero1 and fsdp hold the rank's
   slice whole in the compute dtype, its fp32 master and AdamW state a flat shard over the
   W / E expert replicas (not the HSDP shard group); fsdp gathers its layers without the
-  routed experts, keeps its layer shards in fp32 (offloaded too), and an offloaded mode's
-  host holds the states, the stepped weights and their gradient buffers.
+  routed experts, keeps its layer shards in fp32 (offloaded: in the compute dtype, the
+  masters on the host), zero2 holds fsdp's shards with every layer gathered all step, a
+  node-resident fsdp keeps its masters and optimizer state over the world and a
+  compute-dtype copy of its layers over the node, and an offloaded mode's host holds the
+  states, the stepped weights and their gradient buffers.
 * ``-m slow``: the real runtime on 2 and 4 gloo ranks (``experiments.local_ranks``), one
   step each, its ``state_bytes()`` against the planner: equal up to AdamW's ``step``
   counters (one 4-byte scalar per stepped tensor, which the planner does not price); the
@@ -34,11 +37,14 @@ def _tiny():
     return build_model("qwen3_moe", "tiny")
 
 
-def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str) -> dict:
+def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str,
+                 resident: bool = False) -> dict:
     """What rank 0 (the largest chunks) holds by runtime.sharding's rules, from the model's
-    parameters: zero1's flat shards (the dense part over S, the expert slices over the
-    W / E replicas), fsdp's Shard(0) layer shards (torch.chunk: ceil rows), its vocabulary
-    and expert flat shards, and its gathered layer (less the routed experts under E > 1)."""
+    parameters: zero1's flat shards (the dense part over S, the expert slices over the W / E
+    replicas), fsdp's and zero2's Shard(0) layer shards (torch.chunk: ceil rows; fp32,
+    offloaded or node-resident in the compute dtype), their vocabulary and expert flat
+    shards, and fsdp's gathered layer, zero2's every gathered layer (less the routed experts
+    under E > 1); node-resident: the masters over the world."""
     named = list(model.named_parameters())
     expert = {n for n, _ in named if ".mlp.experts." in n} if E > 1 else set()
     vocab = {"model.embed_tokens.weight", "lm_head.weight"}
@@ -54,32 +60,44 @@ def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str) -> 
         params = computed * C + (0 if off else shard * M)
     else:
         V = sum(local[n] for n in vocab)
-        body = sum(math.ceil(p.shape[0] / S) * (p.numel() // p.shape[0]) for n, p in named
-                   if n not in expert and n not in vocab)
+
+        def body_over(ranks):
+            return sum(math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0])
+                       for n, p in named if n not in expert and n not in vocab)
+
         layers = [sum(p.numel() for n, p in layer.named_parameters()
                       if f"model.layers.{i}.{n}" not in expert)
                   for i, layer in enumerate(model.model.layers)]
-        shard = body + math.ceil(V / S) + x
-        params = body * M + (V + X) * C + (0 if off else (shard - body) * M) + max(layers) * C
+        over = world if resident else S  # the masters' partition
+        shard = body_over(over) + math.ceil(V / over) + x
+        body = body_over(S)
+        masters = 0 if off else (shard - (0 if resident else body)) * M
+        gathered = sum(layers) if mode == "zero2" else max(layers)  # zero2: every layer kept
+        params = body * (C if off or resident else M) + (V + X) * C + masters + gathered * C
     optimizer = 2 * shard * M
     return {"params": params, "optimizer": 0 if off else optimizer,
             "host": optimizer + 2 * shard * M if off else 0}
 
 
 LAYOUTS = [("zero1", 2, 4), ("fsdp", 2, 4), ("zero1", 2, 2), ("fsdp", 2, 2), ("fsdp", 4, 2),
-           ("zero1", 4, 4), ("fsdp", 1, 4), ("zero1", 1, 2)]
+           ("zero1", 4, 4), ("fsdp", 1, 4), ("zero1", 1, 2), ("zero2", 2, 4), ("zero2", 1, 2),
+           ("zero2", 2, 2)]
+RESIDENT = [("fsdp", 1, 2), ("fsdp", 2, 2)]  # node-resident: S = 2 of 4 ranks
 
 
-@pytest.mark.parametrize("mode, E, S", LAYOUTS)
+@pytest.mark.parametrize("mode, E, S, resident", [(*x, False) for x in LAYOUTS]
+                         + [(*x, True) for x in RESIDENT])
 @pytest.mark.parametrize("offload", ["none", "optimizer"])
-def test_model_state_is_what_the_runtime_rules_hold(mode, E, S, offload):
+def test_model_state_is_what_the_runtime_rules_hold(mode, E, S, resident, offload):
     model = _tiny()
     shape = ModelShape.of(model.config)
     assert shape.params == sum(p.numel() for p in model.parameters())  # exact for qwen3_moe
     got = model_state(shape, 4, mode, compute_bytes=C, expert_parallel=E, shard_size=S,
-                      offload=offload)
-    want = held_by_rule(model, 4, mode, E, S, offload)
-    assert {k: got[k] for k in want} == want, (mode, E, S, offload)
+                      offload=offload, node_resident=resident)
+    want = held_by_rule(model, 4, mode, E, S, offload, resident)
+    assert {k: got[k] for k in want} == want, (mode, E, S, offload, resident)
+    # AdamW's step counters: a bound on every stepped tensor (one per parameter at most)
+    assert got["steps"] >= 4 * len(list(model.parameters())), got["steps"]
 
 
 def test_expert_slices_are_not_gathered_nor_sharded_like_the_dense_body():
@@ -105,8 +123,11 @@ def test_expert_slices_are_not_gathered_nor_sharded_like_the_dense_body():
     assert plain["params"] >= X // 8 * 2 + X // 16 * 4
     off = model_state(shape, 16, "fsdp", offload="optimizer", **kw)
     body = math.ceil((dense - shape.vocab_params) / 16)
-    assert off["params"] == plain["params"] - (math.ceil(shape.vocab_params / 16) + X // 16) * 4
-    assert off["params"] >= body * 4 + X // 8 * 2  # fp32 layer shards, the bf16 slice
+    # offloaded, the device keeps compute-dtype shards only: the layer shards in bf16, the
+    # masters (layer, vocabulary and expert shards) on the host
+    assert off["params"] == plain["params"] - (math.ceil(shape.vocab_params / 16) + X // 16) * 4 \
+        - body * 2
+    assert off["params"] >= body * 2 + X // 8 * 2  # bf16 layer shards, the bf16 slice
     assert off["host"] == 2 * plain["optimizer"]  # states + masters + gradient buffers
 
 
@@ -154,8 +175,21 @@ def _compare(world, cases, results):
               f"(step counters {steps}), planner {want}")
 
 
-TWO = [(m, 2, 2, o) for m in ("replicate", "zero1", "fsdp") for o in ("none", "optimizer")]
+TWO = [(m, 2, 2, o) for m in ("replicate", "zero1", "zero2", "fsdp")
+       for o in ("none", "optimizer")]
 FOUR = [("zero1", 2, 2, "none"), ("fsdp", 2, 2, "optimizer"), ("fsdp", 2, 4, "none")]
+
+
+ZERO2 = [("zero2", 1, 2, "none"), ("zero2", 2, 2, "optimizer")]
+
+
+def test_planner_prices_zero2_as_the_runtime_holds_it():
+    """zero2 on 2 ranks, without and with expert parallelism (offloaded): every decoder layer
+    gathered and kept, FSDP2's layer shards (fp32; offloaded: bf16, the fp32 masters and
+    AdamW state on the host) -- the runtime's state_bytes() equal to the planner's."""
+    from experiments.local_ranks import run_ranks
+
+    _compare(2, ZERO2, run_ranks(runtime_bytes, 2, ZERO2, timeout=900.0))
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from tests.test_sharding import _step
 
 TOL = 1e-12
 LAYOUTS = {"fsdp4c2": ("fsdp", 4, 2), "fsdp2c2": ("fsdp", 2, 2), "zero1w2": ("zero1", 2, 1),
-           "rep1": ("replicate", 1, 1)}
+           "rep1": ("replicate", 1, 1), "zero2w2": ("zero2", 2, 1), "zero2c2": ("zero2", 2, 2)}
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -62,7 +62,7 @@ def snapshot(w) -> list[tuple]:
     if flat is not None:
         for mp, pc in zip(flat.master_params, flat.pieces):
             add(flat.names[pc.index], mp, pc.start)
-    if mode.name == "fsdp":
+    if mode.name in ("fsdp", "zero2"):
         for n, p in w.core.model.named_parameters():
             if hasattr(p, "full_tensor"):
                 add(n, p, 0, whole=lambda t: t.full_tensor())

@@ -128,11 +128,13 @@ class TrainConfig:
     # with model.lora.r > 0: export_hf holds the adapter (PEFT format); true: merged weights
     export_merged: bool = False
     # How the workers hold the model: replicate (full replicas, gradient all-reduce) | zero1
-    # (fp32 masters + optimizer state sharded, one reduce-scatter per step) | fsdp (FSDP2:
-    # parameters sharded too, gathered per call) | auto (the cheapest that fits
+    # (fp32 masters + optimizer state sharded, one reduce-scatter per step) | zero2 (params
+    # resident, gradients reduce-scattered per call) | fsdp (FSDP2: parameters sharded too,
+    # gathered per call) | auto (the cheapest that fits
     # memory_budget_gib, by dta.planning.memory).
     sharding: str = "replicate"
     memory_budget_gib: Optional[float] = None  # per worker, for sharding=auto (null: the device's)
+    host_memory_budget_gib: Optional[float] = None  # per worker, for auto (null: unbudgeted)
     # Ranks per tree (docs/context-parallel.md): each group of this many workers walks the same
     # trees with their K/V spread over the group; the data-parallel size is ray.num_workers /
     # context_parallel (trees are balanced over the data-parallel groups). 1: off. auto: the
@@ -144,6 +146,10 @@ class TrainConfig:
     # tokens sent to their experts' owners and back. 1: off (every worker holds every expert).
     # auto: the memory model's choice (as `dta plan --memory --expert-parallel auto`).
     expert_parallel: Any = 1
+    # fsdp under HSDP (docs/sharding.md): masters + optimizer over all the workers, the layers
+    # gathered across the nodes once a step into a node-resident copy (hpZ) | auto
+    node_resident: Any = False
+    prefetch: Any = False  # fsdp: the next layer's all-gather issued before this one computes
     # HSDP (docs/sharding.md): zero1 / fsdp split the state over groups of this many
     # consecutive workers (a node) and replicate it across the groups; null: all the workers;
     # auto: the memory model's choice (all the workers, or one node).
@@ -323,6 +329,8 @@ CHOICES: dict[str, tuple] = {
     "optimizer.name": ("adamw", "sgd"),
     "train.sharding": (*SHARDINGS, AUTO),  # runtime.sharding registers one class each
     "train.offload": (*OFFLOADS, AUTO),
+    "train.node_resident": (False, True, AUTO),
+    "train.prefetch": (False, True, AUTO),
     "ray.placement": ("pack", "spread"),
     "actor.kl_estimator": ("k1", "k2", "k3"),
     "actor.adv_norm.mean_level": ("batch", "group", None),
@@ -359,6 +367,7 @@ _RANGES: dict[str, tuple] = {
     "train.stop_grace_s": (lambda v: v > 0, "> 0 (seconds a stop signal waits for the step "
                                             "and its save)"),
     "train.memory_budget_gib": (lambda v: v > 0, "> 0 (or null: the device's memory)"),
+    "train.host_memory_budget_gib": (lambda v: v > 0, "> 0 (or null: unbudgeted)"),
     "train.context_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(
         v, bool) and v >= 1), "an integer >= 1 (ranks per tree; 1: off) or auto"),
     "train.expert_parallel": (lambda v: v == AUTO or (isinstance(v, int) and not isinstance(

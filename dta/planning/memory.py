@@ -19,9 +19,11 @@ zero1       N c + N m / W                          N c + N m / W + W b m (a redu
 fsdp        (N−V) m / W + V c + V m / W + 1 layer  (N−V) m / W + V c + V m + 1 layer (c)      2 N m / W
 ==========  =====================================  ==========================================  ==========
 
-(b: the reduce-scatter bucket, 2^24 elements per rank. Replicate keeps its parameters and
-AdamW state in the compute dtype, so c = m there: pure 16-bit AdamW under bfloat16; the
-README table prices it in float32, the numerics zero1/fsdp keep with their fp32 masters.)
+(zero2, fsdp's node residency and prefetch, the offloaded layouts and AdamW's step counters:
+:mod:`dta.planning.state`'s table. b: the reduce-scatter bucket, 2^24 elements per rank.
+Replicate keeps its parameters and AdamW state in the compute dtype, so c = m there: pure
+16-bit AdamW under bfloat16; the README table prices it in float32, the numerics zero1/fsdp
+keep with their fp32 masters.)
 Activations (:func:`activation_split`, :mod:`dta.planning.activations`), with B the block
 (``dta.planning.blocks``: no call is longer than B; None: a call is a whole node, up to the
 largest):
@@ -63,7 +65,6 @@ exceeds the budget is ever chosen (the state is part of every total).
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import asdict, dataclass, field
 
 from dta.planning.activations import (  # noqa: F401 (re-exported)
@@ -72,10 +73,13 @@ from dta.planning.activations import (  # noqa: F401 (re-exported)
     check_context_parallel,
 )
 from dta.planning.cp import CP_SCHEME, check_scheme
+from dta.planning.lora import LORA_SHARDINGS, lora_params, with_lora  # noqa: F401
 from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401
-from dta.planning.state import OFFLOADS, check_layout, model_state  # noqa: F401
+from dta.planning.state import GATHERED, OFFLOADS, check_layout, model_state  # noqa: F401
 
-SHARDINGS = ("replicate", "zero1", "fsdp")  # cheapest communication first
+# the sharding modes, cheapest communication first: the one list (the runtime registers a
+# class for each, runtime.sharding; dta.planning.state has the layout knobs beside them)
+SHARDINGS = ("replicate", "zero1", "zero2", "fsdp")
 GIB = 2 ** 30
 
 
@@ -96,7 +100,11 @@ class MemoryEstimate:
     expert_parallel: int = 1  # E: ranks an MoE layer's routed experts are divided over
     shard_size: int | None = None  # S: ranks the sharded state spans (None: the world)
     offload: str = "none"  # OFFLOADS
-    host: int = 0  # bytes this rank keeps in host memory (the offloaded optimizer)
+    host: int = 0  # bytes this rank keeps in host memory (offloaded state, step counters)
+    node_resident: bool = False  # fsdp gathers from a node-resident copy (dta.planning.state)
+    prefetch: bool = False  # fsdp's next-layer all-gather overlaps the current layer
+    steps: int = 0  # of host: AdamW's step counters
+    refused: str = ""  # why a tried candidate does not fit (plan_memory): device or host
 
     def __post_init__(self):
         self.shard_size = self.world if self.shard_size is None else self.shard_size
@@ -127,6 +135,10 @@ class MemoryEstimate:
             cp += f"/expert parallel {self.expert_parallel}"
         if self.shard_size != self.world:
             cp += f"/shard {self.shard_size}"
+        if self.node_resident:
+            cp += "/node-resident"
+        if self.prefetch:
+            cp += "/prefetch"
         if self.offload != "none":
             cp += f"/offload {self.offload}"
         return f"{self.sharding}/{self.policy}/block {self.block_tokens or 'none'}{cp}"
@@ -137,13 +149,15 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
              logits_chunk: int = 1024, block_tokens: int | None = None,
              adapter_params: int = 0, context_parallel: int = 1,
              cp_scheme: str = CP_SCHEME, expert_parallel: int = 1,
-             shard_size: int | None = None, offload: str = "none") -> MemoryEstimate:
+             shard_size: int | None = None, offload: str = "none",
+             node_resident: bool = False, prefetch: bool = False) -> MemoryEstimate:
     """Per-rank peak bytes of one step (see the module doc). adapter_params > 0: a LoRA run
     (:func:`with_lora`: the frozen base in the compute dtype, state for the adapters only).
     context_parallel: ranks per tree, dividing ``world`` (the data-parallel groups are
     ``world / context_parallel``; sharding still spans the shard group), dividing the tree
     by ``cp_scheme`` (:mod:`dta.planning.cp`). expert_parallel, shard_size, offload: the
-    layout of :mod:`dta.planning.state` (checked there)."""
+    layout of :mod:`dta.planning.state` (checked there), with node_resident and prefetch
+    (fsdp's)."""
     if mode not in SHARDINGS:
         raise ValueError(f"unknown sharding mode {mode!r}; choose one of {SHARDINGS}")
     if int(world) < 1:
@@ -154,13 +168,14 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
     W = int(world)
     mode = "replicate" if W == 1 else mode
-    E, S = check_layout(shape, W, mode, expert_parallel, shard_size, offload)
+    E, S = check_layout(shape, W, mode, expert_parallel, shard_size, offload, node_resident,
+                        prefetch)
     if adapter_params and (E > 1 or S != W or offload != "none"):
         raise ValueError("a LoRA run is priced without expert parallelism, shard groups or "
                          "offload (expert_parallel=1, shard_size=world, offload=none)")
     c = DTYPE_BYTES[compute_dtype]
     st = model_state(shape, W, mode, compute_bytes=c, expert_parallel=E, shard_size=S,
-                     offload=offload)
+                     offload=offload, node_resident=node_resident, prefetch=prefetch)
     split = activation_split(shape, path_tokens=path_tokens, call_tokens=call_tokens,
                              policy=policy, compute_bytes=c, logits_chunk=logits_chunk,
                              block_tokens=block_tokens, context_parallel=C,
@@ -169,7 +184,8 @@ def estimate(config, world: int, mode: str, *, path_tokens: int, call_tokens: in
                          sum(split.values()), policy=policy, block_tokens=block_tokens or None,
                          split=split, context_parallel=C, cp_scheme=cp_scheme,
                          expert_parallel=E, shard_size=S, offload=offload,
-                         host=int(st["host"]))
+                         host=int(st["host"] + st["steps"]), node_resident=node_resident,
+                         prefetch=prefetch, steps=int(st["steps"]))
     return with_lora(est, shape, adapter_params, compute_dtype=compute_dtype) \
         if adapter_params else est
 
@@ -206,11 +222,12 @@ class MemoryPlan:
     rule: str = "memory"
     hardware: dict | None = None  # the time model's rates (rule throughput)
     pricer: object = field(default=None, repr=False)  # prices more estimates on the same batch
+    host_budget: float | None = None  # host bytes per rank (None: unbudgeted)
 
     @property
     def shortfall(self) -> float:
         """Bytes the cheapest combination lacks (0 when one fits)."""
-        return 0.0 if self.chosen is not None else self.cheapest.total - self.budget
+        return 0.0 if self.chosen is not None else max(0.0, self.cheapest.total - self.budget)
 
     @property
     def block_tokens(self) -> int | None:
@@ -222,9 +239,11 @@ class MemoryPlan:
                     if self.rule == "throughput" else "")
             return (f"{self.chosen.label()} fits: {self.chosen.total / GIB:.2f} GiB of "
                     f"{self.budget / GIB:.2f} GiB usable{fast}")
-        return (f"nothing fits {self.budget / GIB:.2f} GiB usable: the cheapest, "
+        host = "" if self.host_budget is None else \
+            f" and {self.host_budget / GIB:.2f} GiB of host memory"
+        return (f"nothing fits {self.budget / GIB:.2f} GiB usable{host}: the cheapest, "
                 f"{self.cheapest.label()}, needs {self.cheapest.total / GIB:.2f} GiB "
-                f"({self.shortfall / GIB:.2f} GiB over)")
+                f"({self.cheapest.refused or f'{self.shortfall / GIB:.2f} GiB over'})")
 
 
 def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | None = None,
@@ -233,7 +252,8 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
                 headroom: float = HEADROOM, adapter_params: int = 0,
                 context_parallel=(1,), tree=None, hardware=None,
                 cp_schemes=(CP_SCHEME,), walk=None, expert_parallel=(1,), shard_size=(None,),
-                offload=("none",)) -> MemoryPlan:
+                offload=("none",), node_resident=(False,), prefetch=(False,),
+                host_budget_bytes: float | None = None) -> MemoryPlan:
     """Data-parallel x context-parallel x layout x policy x block for ``budget_bytes`` less
     the ``headroom`` share (a block no shorter than the largest call is the same as none:
     skipped). adapter_params > 0 prices a LoRA run (fsdp is not offered with adapters).
@@ -241,8 +261,12 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
     group of C > 1 divides its tree (:mod:`dta.planning.cp`); expert_parallel, shard_size
     (None: the world) and offload: the layouts of :mod:`dta.planning.state` to try (the
     defaults: none of them; :func:`dta.planning.state.expert_parallel_sizes` and
-    :func:`~dta.planning.state.shard_sizes` list what a world allows). A shard size is
-    tried with replicate only when it is the world.
+    :func:`~dta.planning.state.shard_sizes` list what a world allows; ``layout_choices``
+    every knob's), node_resident and prefetch (tried with fsdp only; node_resident only with
+    a shard size below the world). A shard size is tried with replicate only when it is the
+    world. ``host_budget_bytes`` (None: unbudgeted): a candidate whose host bytes (offloaded
+    state, AdamW's step counters) exceed it does not fit either; every candidate that does
+    not fit says why (``refused``: device or host, by how much).
 
     With ``tree`` (the batch's PrefixTree; path_tokens and call_tokens default to its
     :func:`batch_extent`): **by modeled throughput**. Every candidate is priced
@@ -268,13 +292,27 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
         raise ValueError("plan_memory(tree=...) needs walk=, the run's dta.options.WalkOptions "
                          "(its packing settings plan each group's calls)")
     if adapter_params:
-        shardings = tuple(m for m in shardings if m != "fsdp")
+        shardings = tuple(m for m in shardings if m in LORA_SHARDINGS)
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     schemes = tuple(check_scheme(s) for s in cp_schemes)
     if not schemes:
         raise ValueError("plan_memory: no context-parallel scheme to price")
     budget_bytes = budget_bytes * (1 - headroom)
+    host_budget = float("inf") if host_budget_bytes is None else float(host_budget_bytes)
+    if not host_budget > 0:
+        raise ValueError(f"host_budget_bytes must be > 0 (or None), got {host_budget_bytes}")
+
+    def fits(e: MemoryEstimate) -> bool:
+        why = []
+        if e.total > budget_bytes:
+            why.append(f"device: {e.total / GIB:.2f} GiB, {(e.total - budget_bytes) / GIB:.2f} "
+                       f"GiB over the {budget_bytes / GIB:.2f} usable")
+        if e.host > host_budget:
+            why.append(f"host: {e.host / GIB:.2f} GiB, {(e.host - host_budget) / GIB:.2f} GiB "
+                       f"over the {host_budget / GIB:.2f} GiB host budget")
+        e.refused = "; ".join(why)
+        return not why
     tiers = [t for t in ([b for b in blocks if b is None or b >= SHORT_BLOCK],
                          [b for b in blocks if b is not None and b < SHORT_BLOCK]) if t]
     sizes = sorted(check_context_parallel(c) for c in context_parallel)
@@ -289,6 +327,10 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
     eps = sorted({check_layout(shape, W, "zero1", E, None, "none")[0] for E in expert_parallel})
     for off in offload:
         check_layout(shape, W, "zero1", 1, None, off)
+    residencies = tuple(sorted({bool(r) for r in node_resident}))  # False first
+    prefetches = tuple(sorted({bool(f) for f in prefetch}))
+    if not (residencies and prefetches):
+        raise ValueError("plan_memory: no node residency or prefetch choice to try")
     offloads = tuple(o for o in OFFLOADS if o in offload)  # none first
     pairs = [(S, E) for S in groups for E in eps if S % E == 0 or E % S == 0]
     if not (pairs and offloads):
@@ -301,14 +343,18 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
                 schemes if size > 1 else schemes[:1], pairs, shardings):
             if mode == "replicate" and S != W:
                 continue  # replicate shards nothing
-            for policy, block in itertools.product(policies, tier):
+            for resident, ahead, policy, block in itertools.product(
+                    residencies, prefetches, policies, tier):
+                if (resident or ahead) and mode not in GATHERED or resident and S == W:
+                    continue  # fsdp's knobs; node residency needs the node below the world
                 if block is not None and 0 < call_tokens <= block and len(tier) > 1:
                     continue  # the same as no cut
                 yield estimate(shape, W, mode, path_tokens=path_tokens, call_tokens=call_tokens,
                                policy=policy, block_tokens=block, compute_dtype=compute_dtype,
                                logits_chunk=logits_chunk, adapter_params=adapter_params,
                                context_parallel=size, cp_scheme=scheme, expert_parallel=E,
-                               shard_size=S, offload=off)
+                               shard_size=S, offload=off, node_resident=resident,
+                               prefetch=ahead)
 
     tried = []
     if tree is None:
@@ -317,8 +363,9 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
                 for tier in tiers:
                     for est in candidates(size, tier, off):
                         tried.append(est)
-                        if est.total <= budget_bytes:
-                            return MemoryPlan(float(budget_bytes), est, est, tried)
+                        if fits(est):
+                            return MemoryPlan(float(budget_bytes), est, est, tried,
+                                              host_budget=host_budget_bytes)
     else:
         from dta.planning.timing import Pricer
 
@@ -328,27 +375,34 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
             tier_ests = [pricer.price(e) for size in sizes for e in candidates(
                 size, tier, offloads[0])]
             for off in offloads[1:]:  # offload only where the same without it does not fit
-                missed = {_key(e) for e in tier_ests if e.total > budget_bytes}
+                missed = {_key(e) for e in tier_ests if e.total > budget_bytes}  # device
                 tier_ests += [pricer.price(e) for size in sizes for e in candidates(
                     size, tier, off) if offloads[0] != "none" or _key(e) in missed]
             tried += tier_ests
-            fits = [e for e in tier_ests if e.total <= budget_bytes]
-            if fits:
-                best = min(fits, key=lambda e: e.time.step_s)  # the first of equals
+            fitting = [e for e in tier_ests if fits(e)]
+            if fitting:
+                best = min(fitting, key=lambda e: e.time.step_s)  # the first of equals
                 return MemoryPlan(float(budget_bytes), best, best, tried, "throughput",
-                                  pricer.hardware_dict(), pricer)
+                                  pricer.hardware_dict(), pricer, host_budget_bytes)
     if not tried:
         raise ValueError("plan_memory: no mode, policy or block to try")
+    cheapest = min(tried, key=_cheapest)
     if tree is None:
-        return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried)
-    return MemoryPlan(float(budget_bytes), None, min(tried, key=lambda e: e.total), tried,
-                      "throughput", pricer.hardware_dict(), pricer)
+        return MemoryPlan(float(budget_bytes), None, cheapest, tried,
+                          host_budget=host_budget_bytes)
+    return MemoryPlan(float(budget_bytes), None, cheapest, tried, "throughput",
+                      pricer.hardware_dict(), pricer, host_budget_bytes)
+
+
+def _cheapest(e: MemoryEstimate) -> tuple:
+    """What misses the budgets least: the smallest device total, then the smallest host."""
+    return (e.total, e.host)
 
 
 def _key(e: MemoryEstimate) -> tuple:
     """A candidate less its offload (its twin under another offload has the same key)."""
     return (e.sharding, e.policy, e.block_tokens, e.context_parallel, e.cp_scheme,
-            e.expert_parallel, e.shard_size)
+            e.expert_parallel, e.shard_size, e.node_resident, e.prefetch)
 
 
 def batch_extent(tree) -> tuple[int, int]:
@@ -358,63 +412,3 @@ def batch_extent(tree) -> tuple[int, int]:
     lengths = np.asarray([len(s) for s in tree.sequences])
     nodes = [tree.length(u) for u in range(1, len(tree))]
     return int(lengths.max()) if len(lengths) else 0, int(max(nodes)) if nodes else 0
-
-
-# ---------------------------------------------------------------------------- LoRA --
-_LORA_SHAPES = {  # module -> (in, out) of its weight, by the shape's sizes (and an MLP's I)
-    "q_proj": lambda s, i: (s.hidden, s.heads * s.head_dim),
-    "k_proj": lambda s, i: (s.hidden, s.kv_heads * s.head_dim),
-    "v_proj": lambda s, i: (s.hidden, s.kv_heads * s.head_dim),
-    "o_proj": lambda s, i: (s.heads * s.head_dim, s.hidden),
-    "gate_proj": lambda s, i: (s.hidden, i),
-    "up_proj": lambda s, i: (s.hidden, i),
-    "down_proj": lambda s, i: (i, s.hidden),
-}
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def lora_params(config, r: int, targets) -> int:
-    """Adapter parameters of rank-``r`` LoRA on ``targets`` (module names of a Llama/Qwen
-    layer, or ``lm_head``): r (in + out) per adapted weight. On an MoE model the MLP names
-    are the dense layers' MLPs and the shared experts (the routed experts are not
-    ``nn.Linear`` modules: LoRA does not adapt them)."""
-    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
-    total = 0
-    for name in targets:
-        if name == "lm_head":
-            total += int(r) * (shape.hidden + shape.vocab)
-        elif name in _MLP:
-            shared = shape.experts.shared_inter
-            total += int(r) * (shape.dense_layers * sum(_LORA_SHAPES[name](shape, shape.intermediate))
-                               + (shape.sparse_layers * sum(_LORA_SHAPES[name](shape, shared))
-                                  if shared else 0))
-        elif name in _LORA_SHAPES:
-            total += shape.layers * int(r) * sum(_LORA_SHAPES[name](shape, 0))
-        else:
-            raise ValueError(f"LoRA target {name!r} is not priced; choose from "
-                             f"{', '.join(list(_LORA_SHAPES) + ['lm_head'])}")
-    return total
-
-
-def with_lora(est: MemoryEstimate, config, adapter_params: int, *,
-              compute_dtype: str = "bfloat16") -> MemoryEstimate:
-    """The estimate of a LoRA run in ``est``'s mode: the frozen base held whole in the compute
-    dtype (no master, gradient or optimizer state), the adapters priced as ``estimate`` prices
-    a model (replicate: all of them; zero1: fp32 masters and AdamW state sharded). fsdp is
-    not offered with LoRA (dta.config.schema refuses it)."""
-    if est.sharding == "fsdp":
-        raise ValueError("fsdp is not offered with LoRA; price replicate or zero1")
-    shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
-    c = DTYPE_BYTES[compute_dtype]
-    m = max(c, 4)
-    A, W = int(adapter_params), est.world
-    if est.sharding == "replicate":
-        params, grads, opt = A * c, A * c, 2 * A * c
-    else:
-        params = A * c + math.ceil(A / W) * m
-        grads = A * c + math.ceil(A / W) * m + W * min(BUCKET_ELEMS, math.ceil(A / W)) * m
-        opt = 2 * math.ceil(A / W) * m
-    return MemoryEstimate(est.sharding, W, int(shape.params * c + params), int(grads), int(opt),
-                          est.activations, policy=est.policy, block_tokens=est.block_tokens,
-                          split=est.split, context_parallel=est.context_parallel,
-                          cp_scheme=est.cp_scheme)

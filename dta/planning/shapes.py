@@ -250,6 +250,19 @@ class ModelShape:
         """The parameters one token uses: its ``top_k`` routed experts, not all of them."""
         return self.dense_params + self.sparse_layers * self.experts.top_k * self.expert_params
 
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors, a bound (what AdamW keeps a ``step`` counter for, one per
+        stepped tensor): per attention layer q, k, v, o, their biases and the q/k norms (9);
+        per Gated DeltaNet layer 8; a dense MLP 3; a sparse layer its router, its routed
+        experts as separate modules (3 per expert: more than the fused two) and a shared
+        expert with its gate; two norms a layer; the embedding, the final norm and an untied
+        LM head."""
+        e = self.experts
+        sparse = 1 + 3 * e.count + (4 if e.shared_inter else 0)
+        return (9 * self.attention_layers + 8 * self.gdn_layers + 3 * self.dense_layers
+                + sparse * self.sparse_layers + 2 * self.layers + 2 + (0 if self.tied else 1))
+
     def rank_params(self, expert_parallel: int = 1) -> int:
         """The parameters one rank computes with when each holds 1/``expert_parallel`` of
         the routed experts (the dense part whole)."""

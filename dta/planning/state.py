@@ -15,7 +15,18 @@ them; the runtime imports them from there):
   their R replicas, whatever S.
 * ``offload`` (:data:`OFFLOADS`): ``optimizer`` keeps the AdamW state and the weights it
   steps in host memory -- zero1's and fsdp's fp32 masters; replicate's parameters stay on
-  the device and the host steps its own copy in the compute dtype -- and steps there.
+  the device and the host steps its own copy in the compute dtype -- and steps there; the
+  device keeps compute-dtype shards only (below).
+* ``node_resident`` (fsdp, S < W: ZeRO++'s hpZ with the shard group as the node): the
+  masters and optimizer state over all W ranks, a compute-dtype copy of the layers over the
+  node, gathered across the nodes once a step (:data:`NODE_RESIDENT`).
+* ``prefetch`` (fsdp): the next layer's all-gather issued before the current layer computes
+  (forward; under recompute the re-forward and backward too): one more gathered layer held,
+  the gathers priced as overlapping the compute (``dta.planning.timing``; :data:`PREFETCH`).
+
+:func:`layout_choices` lists what the planner tries for each knob -- the one list ``dta plan
+--memory``, ``train.sharding=auto`` (``runtime.engine.resolve``) and
+``experiments.planning_table`` read.
 
 What one rank holds, as ``runtime.sharding``'s ``state_bytes()`` counts it (the largest
 rank's: chunks rounded up). N all the parameters, X the routed experts, V the
@@ -24,45 +35,72 @@ bytes (m = fp32 under 16-bit compute; replicate keeps no masters: c throughout).
 *shard-group part* G is what S shards: every parameter under E = 1 (the experts are dense
 parameters then), N − X under E > 1. A rank computes with N_l = G + X_E, X_E = X / E its
 routed experts (0 under E = 1); g = G / S is its dense shard, v = V / S the vocabulary's
-part of it, x = X_E / R = X / W its expert shard (0 under E = 1), s = g + x its whole shard
-(its masters and what its optimizer steps), b = 2^24 elements (a reduce-scatter bucket):
+part of it, l = (G − V) / S its layer shards (fsdp: FSDP2's Shard(0), ceil rows), x = X_E / R
+= X / W its expert shard (0 under E = 1), s its whole shard (its masters and what its
+optimizer steps: zero1's g + x; fsdp's and zero2's l + v + x), b = 2^24 elements (a reduce-scatter bucket), L the largest decoder layer
+(:func:`fsdp_layer_params`: under E > 1 less its routed experts, never gathered):
 
-==========  ===================================  =========================================  =======
-mode        params                               grads (peak)                               optim.
-==========  ===================================  =========================================  =======
-replicate   N_l c                                N_l c                                      2 N_l c
-zero1       N_l c + s m                          N_l c + s m + max(S min(b, g),             2 s m
-                                                 R min(b, x)) m
-fsdp        (g − v) m + (V + X_E) c              (g − v) m + (V + X_E) c + V m              2 s m
-            + (v + x) m + layer c                + (x + R min(b, x)) m + layer c
-==========  ===================================  =========================================  =======
+=============  ================================  =========================================  =======
+mode           params                            grads (peak)                               optim.
+=============  ================================  =========================================  =======
+replicate      N_l c                             N_l c                                      2 N_l c
+zero1          N_l c + s m                       N_l c + s m + B m                          2 s m
+zero2          l m + (G − V − h) c               as fsdp's                                  2 s m
+               + (V + X_E) c + (v + x) m
+fsdp           l m + (V + X_E) c + (v + x) m     l m + (V + X_E) c + V m                    2 s m
+               + L c (+ L c, prefetch)           + (x + R min(b, x)) m + L c
+fsdp, node-    l c + (V + X_E) c + s_W m         l m + l_W m + (V + X_E) c + V m            2 s_W m
+resident       + L c (+ L c, prefetch)           + (x + R min(b, x)) m + L c
+=============  ================================  =========================================  =======
+
+(B = max(S min(b, g), R min(b, x)): the larger part's reduce-scatter bucket; x's terms only
+under E > 1.)
 
 * zero1 holds every compute parameter (N_l c, its slice X_E whole), accumulates their
   gradients whole (N_l c) and keeps the fp32 masters of its shard: the dense part's over
   the shard group (g), its expert slice's over the expert replicas (x; one reduce-scatter
   and one all-gather of X_E over R per step, ``dta.planning.timing``). The grads column
   adds the reduced shards (s m) and the larger part's reduce-scatter bucket.
-* fsdp: the layer shards (g − v) in fp32 (FSDP2's sharded parameters, where the walk's
+* zero2 (``runtime.sharding.zero2``: FSDP2 told to keep what it gathers) is fsdp with every
+  decoder layer gathered once a step and kept for the whole walk: (G − V − h) c, all the
+  layers' parameters (h: the final norm, the root unit's, not sampled), beside fsdp's
+  fp32 layer shards (the masters) and its vocabulary and expert parts; each backward call
+  reduce-scatters its layers' gradients into the fp32 gradient shard, one layer's at a
+  time (the grads column is fsdp's). Per rank about 2 N + 16 N / S + 6 V bytes (bf16
+  compute, E = 1) against zero1's 4 N + 16 N / S.
+* fsdp: the layer shards (l) in fp32 (FSDP2's sharded parameters, where the walk's
   per-call gradients accumulate, in fp32 too); the vocabulary weights and, under E > 1, the
   rank's expert slice held whole in the compute dtype (V + X_E: not FSDP's, flat shards of
-  their own) with their fp32 masters (v over S, x over R); ``layer``: the largest decoder
-  layer gathered in the compute dtype for a call (:func:`fsdp_layer_params`: under E > 1
-  less its routed experts, which are never gathered). The grads column: the layer shards'
-  fp32 gradients, the vocabulary's and the slice's whole compute-dtype gradients, the
-  vocabulary's reduction (V m), the slice's reduced shard and bucket and a gathered layer's
-  gradient.
+  their own) with their fp32 masters (v over S, x over R); L c: the layer gathered for a
+  call, and with ``prefetch`` the next layer's too (its all-gather issued before the current
+  layer computes). The grads column: the layer shards' fp32 gradients, the vocabulary's and
+  the slice's whole compute-dtype gradients, the vocabulary's reduction (V m), the slice's
+  reduced shard and bucket and a gathered layer's gradient.
+* fsdp, ``node_resident`` (hpZ; S < W is the node): the fp32 masters and the optimizer
+  state partitioned over all W ranks (s_W = l_W + v_W + x, l_W = (G − V) / W, v_W = V / W);
+  the compute-dtype *secondary partition* of the layers over the node (l c), which the
+  step's first gather fills across the nodes once and every call gathers from inside the
+  node; the gradients reduce-scattered inside the node per call into an fp32 shard of the
+  node partition (l m) and across the nodes once a step into the rank's W-shard (l_W m).
 
-Offload ``optimizer`` empties the optimizer column; the host keeps, per rank, the optimizer
-state, the weights it steps and their gradient buffers (what the step copies the reduced
-gradients into): replicate 2 N_l c + N_l c + N_l c; zero1 and fsdp 2 s m + s m + s m (the
-masters move off the device: zero1's s m and fsdp's (v + x) m leave the params column;
-fsdp's layer shards stay on the device in fp32, where each call gathers from and the walk
-accumulates, the host stepping an fp32 copy). The gradients stay on the device until the
-step sends them to the host (``dta.planning.timing``).
+Offload ``optimizer`` empties the optimizer column and takes the masters off the device;
+the device keeps **compute-dtype shards only**: fsdp's layer shards become l c (node-resident:
+its secondary partition, already l c), zero1's and zero2's masters (s m) leave the params
+column, fsdp's (v + x) m (node-resident: s_W m) too. The fp32 gradient shard (the sum of the
+calls: fsdp's l m, zero2's s m) stays on the device, where the walk's gradients are summed,
+until the step sends it to the host. The host keeps, per rank, the optimizer state, the
+fp32 masters and their gradient buffers (what the step copies the reduced gradients into):
+replicate 2 N_l c + N_l c + N_l c (a stepped copy in the compute dtype); the others
+2 s m + s m + s m (node-resident: s_W).
 
-Not priced: AdamW's ``step`` counters (one 4-byte scalar per stepped tensor), FSDP2's
-padding of a parameter whose first dimension S does not divide, collective buffers
-outside the grads column.
+``steps``: AdamW's ``step`` counters, one 4-byte fp32 scalar per tensor the optimizer steps
+(torch keeps them on the host unless the optimizer is fused or capturable), priced as host
+memory for every mode: 4 x the model's parameter tensors (:attr:`ModelShape.tensors`), a
+bound on every mode (a flat shard steps one piece per tensor it overlaps; fsdp one shard per
+parameter).
+
+Not priced: FSDP2's padding of a parameter whose first dimension S does not divide,
+collective buffers outside the grads column.
 """
 from __future__ import annotations
 
@@ -72,6 +110,10 @@ from dataclasses import dataclass
 from dta.planning.shapes import BUCKET_ELEMS, ModelShape
 
 OFFLOADS = ("none", "optimizer")  # what the optimizer step keeps off the device
+NODE_RESIDENT = (False, True)  # fsdp's gathers from a node-resident copy (hpZ): S < W only
+PREFETCH = (False, True)  # fsdp's next-layer all-gather overlapping the current layer
+STEP_COUNTER_BYTES = 4  # AdamW's ``step``: one fp32 scalar per stepped tensor
+GATHERED = ("fsdp",)  # the modes that gather layers per call (node_resident, prefetch)
 
 
 def _count(value, name: str) -> int:
@@ -81,10 +123,12 @@ def _count(value, name: str) -> int:
 
 
 def check_layout(shape: ModelShape, world: int, mode: str, expert_parallel=1, shard_size=None,
-                 offload: str = "none") -> tuple[int, int]:
+                 offload: str = "none", node_resident: bool = False,
+                 prefetch: bool = False) -> tuple[int, int]:
     """(E, S) of a layout, validated: E divides the world and the routed experts (1 for a
-    dense model), S (None: the world) divides the world, E and S divide one another, and
-    replicate shards nothing (S = the world)."""
+    dense model), S (None: the world) divides the world, E and S divide one another,
+    replicate shards nothing (S = the world), node_resident is fsdp's with S < W (the node
+    inside the world), prefetch is fsdp's (the only mode that gathers per layer)."""
     W = int(world)
     E = _count(expert_parallel, "expert_parallel")
     S = W if shard_size is None else _count(shard_size, "shard_size")
@@ -104,6 +148,14 @@ def check_layout(shape: ModelShape, world: int, mode: str, expert_parallel=1, sh
                          f"world, {W})")
     if offload not in OFFLOADS:
         raise ValueError(f"unknown offload {offload!r}; choose one of {OFFLOADS}")
+    for name, value in (("node_resident", node_resident), ("prefetch", prefetch)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        if value and mode not in GATHERED:
+            raise ValueError(f"{name}: sharding={mode} gathers no layers (fsdp only)")
+    if node_resident and S == W:
+        raise ValueError(f"node_resident needs a shard size (the node) below the world of {W} "
+                         f"ranks, got shard_size={S}")
     return E, S
 
 
@@ -126,9 +178,9 @@ class Shards:
 
     def shard(self, mode: str) -> int:
         """The rank's sharded elements, its masters and what its optimizer steps: zero1's
-        flat shard of the group part, fsdp's layer shards and vocabulary shard, with the
-        expert shard."""
-        group = self.body + self.vocab if mode == "fsdp" else self.dense
+        flat shard of the group part, fsdp's and zero2's layer shards and vocabulary shard,
+        with the expert shard."""
+        group = self.body + self.vocab if mode in ("fsdp", "zero2") else self.dense
         return group + self.expert_shard
 
 
@@ -141,39 +193,58 @@ def shards(shape: ModelShape, world: int, E: int, S: int) -> Shards:
                   X // E, R, math.ceil(X // E / R))
 
 
+def master_shards(shape: ModelShape, world: int, E: int, S: int,
+                  node_resident: bool = False) -> Shards:
+    """The :class:`Shards` the masters and the optimizer state are cut by: over the shard
+    group, or under ``node_resident`` over all W ranks."""
+    return shards(shape, world, E, int(world) if node_resident else S)
+
+
 def model_state(shape: ModelShape, world: int, mode: str, *, compute_bytes: int,
                 expert_parallel: int = 1, shard_size: int | None = None,
-                offload: str = "none") -> dict:
-    """One rank's ``params``, ``grads``, ``optimizer`` (device bytes) and ``host`` bytes
-    (module doc), the layout validated by :func:`check_layout`."""
+                offload: str = "none", node_resident: bool = False,
+                prefetch: bool = False) -> dict:
+    """One rank's ``params``, ``grads``, ``optimizer`` (device bytes), ``host`` bytes and
+    ``steps`` (AdamW's step counters, host memory) (module doc), the layout validated by
+    :func:`check_layout`."""
     W, c = int(world), compute_bytes
-    E, S = check_layout(shape, W, mode, expert_parallel, shard_size, offload)
+    E, S = check_layout(shape, W, mode, expert_parallel, shard_size, offload, node_resident,
+                        prefetch)
     m = max(c, 4)
     local = shape.rank_params(E)
     off = offload == "optimizer"
+    steps = STEP_COUNTER_BYTES * shape.tensors
     if mode == "replicate" or W == 1:
         opt = 2 * local * c  # host: the stepped copy, its gradient buffer, the states
         return dict(params=local * c, grads=local * c, optimizer=0 if off else opt,
-                    host=opt + 2 * local * c if off else 0)
-    if mode not in ("zero1", "fsdp"):
+                    host=opt + 2 * local * c if off else 0, steps=steps)
+    if mode not in ("zero1", "zero2", "fsdp"):
         raise ValueError(f"unknown sharding mode {mode!r}")
     sh = shards(shape, W, E, S)
+    ms = master_shards(shape, W, E, S, node_resident)
     X, x, R = sh.experts, sh.expert_shard, sh.replicas
-    s = sh.shard(mode)
+    s = ms.shard(mode)  # the masters, what the optimizer steps
     opt = 2 * s * m
     host = opt + 2 * s * m if off else 0  # + the masters and their gradient buffers
     buckets = max(S * min(BUCKET_ELEMS, sh.dense), R * min(BUCKET_ELEMS, x)) * m
+    layer = fsdp_layer_params(shape, E) * c
     if mode == "zero1":
-        return dict(params=local * c + (0 if off else s * m),
-                    grads=local * c + s * m + buckets,
-                    optimizer=0 if off else opt, host=host)
-    V, layer = shape.vocab_params, fsdp_layer_params(shape, E) * c
-    # the layer shards in fp32 (offloaded too: FSDP2 accumulates the calls' gradients in
-    # them); the vocabulary and the expert slices whole in the compute dtype, their masters
-    params = sh.body * m + (V + X) * c + (0 if off else (sh.vocab + x) * m) + layer
-    grads = sh.body * m + (V + X) * c + V * m + (x * m + R * min(BUCKET_ELEMS, x) * m
-                                                 if X else 0) + layer
-    return dict(params=params, grads=grads, optimizer=0 if off else opt, host=host)
+        return dict(params=local * c + (0 if off else s * m), grads=local * c + s * m + buckets,
+                    optimizer=0 if off else opt, host=host, steps=steps)
+    V = shape.vocab_params
+    # the layer shards: fp32 (FSDP2 accumulates the calls' gradients in them), or compute-
+    # dtype only (offloaded; node-resident: the secondary partition); the vocabulary and the
+    # expert slices whole in the compute dtype; the masters; the gathered layer(s): fsdp's
+    # one (two with prefetch), zero2's every decoder layer (all but the root's final norm)
+    body = sh.body * (c if off or node_resident else m)
+    gathered = (sh.group - V - shape.hidden) * c if mode == "zero2" else \
+        layer * (2 if prefetch else 1)
+    params = body + (V + X) * c + (0 if off else (s - sh.body * (not node_resident)) * m) \
+        + gathered
+    grads = sh.body * m + (ms.body * m if node_resident else 0) + (V + X) * c + V * m \
+        + (x * m + R * min(BUCKET_ELEMS, x) * m if X else 0) + layer
+    return dict(params=params, grads=grads, optimizer=0 if off else opt, host=host,
+                steps=steps)
 
 
 def fsdp_layer_params(shape: ModelShape, E: int) -> int:
@@ -197,3 +268,24 @@ def shard_sizes(world: int, gpus_per_node: int) -> tuple:
     world of several nodes."""
     W, n = int(world), int(gpus_per_node)
     return (None, n) if n < W and W % n == 0 else (None,)
+
+
+def layout_choices(shape: ModelShape, world: int, gpus_per_node: int, **pinned) -> dict:
+    """What the planner tries for each layout knob, the one list (``dta plan --memory``,
+    ``train.sharding=auto``, ``experiments.planning_table``): every E
+    (:func:`expert_parallel_sizes`), S (:func:`shard_sizes`), offload (:data:`OFFLOADS`),
+    node residency (:data:`NODE_RESIDENT`) and prefetch (:data:`PREFETCH`) the world allows,
+    except the knobs ``pinned`` gives a value of (a tuple of candidates, or None: the knob's
+    list). node_resident and prefetch apply to fsdp only (``plan_memory`` skips them
+    elsewhere), node_resident only with S < W."""
+    unknown = set(pinned) - set(LAYOUT_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown layout knob(s) {sorted(unknown)}; the knobs are {LAYOUT_KNOBS}")
+    W = int(world)
+    every = dict(expert_parallel=expert_parallel_sizes(shape, W),
+                 shard_size=shard_sizes(W, gpus_per_node), offload=OFFLOADS,
+                 node_resident=NODE_RESIDENT if W > 1 else (False,), prefetch=PREFETCH)
+    return {k: every[k] if pinned.get(k) is None else tuple(pinned[k]) for k in LAYOUT_KNOBS}
+
+
+LAYOUT_KNOBS = ("expert_parallel", "shard_size", "offload", "node_resident", "prefetch")

@@ -10,6 +10,7 @@ runtime does (:mod:`dta.planning.work`) and prices one step:
            + sharding communication (inside the shard groups) + once a step across the
              world (the replicas' all-reduce, the expert slices' collectives)
            + the offloaded optimizer step (host transfers and host AdamW)
+           - what prefetch hides of fsdp's all-gathers under compute
     compute = FLOPs of the group's most loaded rank / (peak FLOP/s x utilisation)
     a collective = bytes this rank sends / the link's bandwidth + a latency per collective
 
@@ -19,10 +20,11 @@ layer's FLOPs are its ``top_k`` routed experts', its router's and its shared exp
 link is intra-node when the ranks of the collective sit in one node (a context-parallel
 group is C consecutive ranks, an EP group E, a shard group S; the sharding collectives
 without shard groups, the replicas' all-reduce and the expert replicas' collectives span
-all W), inter-node otherwise.
-Compute and communication do not overlap (the walk waits on each all-to-all; replicate and
-zero1 reduce after the walk; FSDP's prefetch, which hides part of its gathers, is not
-modeled). Sharding traffic per rank per step, P the trained parameters (N, or the LoRA
+all W), inter-node otherwise; every estimate splits its bytes so (``intra_bytes``,
+``inter_bytes``). Compute and communication do not overlap (the walk waits on each
+all-to-all; replicate and zero1 reduce after the walk), except fsdp's all-gathers under
+``prefetch`` (:func:`prefetched`: per call and overlapped pass max(compute, gathers) + the
+first layer's gather). Sharding traffic per rank per step, P the trained parameters (N, or the LoRA
 adapters), V the vocabulary-sized ones, c / m the compute / master bytes, f(n) = (n − 1) / n,
 G the shard-group part (:mod:`dta.planning.state`: every parameter under E = 1, all but the
 routed experts under E > 1), X_E = X / E a rank's routed experts (0 under E = 1):
@@ -32,16 +34,24 @@ replicate   ring all-reduce of the gradients in the compute dtype: 2 f(W) G c +
             2 f(W / E) X_E c (the experts over their replicas); LoRA: 2 f(W) P c
 zero1       reduce-scatter in the master dtype, all-gather of the update, in the shard
             group: f(S) G (m + c)
+zero2       fsdp's units gathered once a step and kept, each call's layer gradients
+            reduce-scattered (master dtype) into the fp32 shards, in the shard group:
+            f(S)(G − V)(calls m + c); the vocabulary weights once per step: f(S) V (m + c)
 fsdp        per decoder call (the most calls of any group: the lockstep keeps them
             matched) every layer all-gathered for the forward, the re-forward (recompute)
             and the backward and its gradient reduce-scattered, in the shard group:
             f(S)(G − V)(g c + m), g = 3 or 2 (under E > 1 the routed experts are not
             FSDP's: never gathered); the vocabulary weights once per step: f(S) V (m + c)
+            (node-resident: the per-call part inside the node of S; the vocabulary's
+            over the world, below)
 ==========  ============================================================================
 
-**Once a step across the world** (zero1 and fsdp; ``replica_bytes``, at the world's link):
-with shard groups (HSDP, S < W) one all-reduce of the sharded gradients (master dtype)
-across them, 2 f(W / S) (G / S) m; under E > 1 the expert slices' reduce-scatter (master
+**Once a step across the world** (zero1, zero2 and fsdp; ``replica_bytes``, at the world's
+link): with shard groups (HSDP, S < W) one all-reduce of the sharded gradients (master
+dtype) across them, 2 f(W / S) (G / S) m; node-resident fsdp instead reduce-scatters its
+node partition's gradient across the nodes and gathers the updated weights back into it,
+f(W / S) l (m + c) with l = (G − V) / S, and the vocabulary's flat shards over the world,
+f(W) V (m + c) -- whatever the number of calls; under E > 1 the expert slices' reduce-scatter (master
 dtype) and all-gather (compute dtype) over their R = W / E replicas (every E-th rank:
 across the nodes when the world spans several), f(R) X_E (m + c).
 
@@ -54,10 +64,10 @@ not their FLOPs (``expert_flops``: the routed experts' share of the rank's FLOPs
 
 **Offload** (``optimizer``): per step the rank's gradients go to the host and its updated
 weights come back over the host link (:attr:`Hardware.host_link_gbs`), and the host
-steps its parameters at :attr:`Hardware.host_adam_gparams` (zero1/fsdp: its shard, the
-gradient in the master dtype, the weights back in the compute dtype -- fsdp's layer shards
-in fp32, the dtype the device keeps them in; replicate: all it holds, in the compute
-dtype).
+steps its parameters at :attr:`Hardware.host_adam_gparams` (zero1 / zero2 / fsdp: its
+master shard, the gradient down in the master dtype, the weights back in the compute
+dtype, the device keeping compute-dtype shards only; replicate: all it holds, in the
+compute dtype).
 
 Not modeled: kernel efficiency falling with smaller calls or smaller row slices (one
 utilisation for every matmul), a masked pack's dropped pairs (FLOPs are the tree's), LoRA's
@@ -70,7 +80,7 @@ from dataclasses import asdict, dataclass
 
 from dta.planning import cp
 from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, ModelShape
-from dta.planning.state import shards
+from dta.planning.state import master_shards, shards
 from dta.planning.work import Workload
 
 # Dense peak FLOP/s of an H100 SXM (80 GB; the H200's are the same), by compute dtype:
@@ -122,7 +132,7 @@ class Hardware:
     def as_dict(self, compute_dtype: str) -> dict:
         return {**asdict(self), "peak_tflops": self.peak_tflops or PEAK_TFLOPS[compute_dtype],
                 "compute_dtype": compute_dtype, "flop_rate": self.flop_rate(compute_dtype),
-                "overlap": False}
+                "overlap": "prefetch: fsdp's all-gathers under compute (nothing else)"}
 
 
 @dataclass
@@ -152,6 +162,10 @@ class TimeEstimate:
     host_bytes: float = 0.0  # over the host link (offload: gradients down, weights up)
     host_s: float = 0.0  # host transfers + host AdamW
     compute_share: float = 1.0  # compute_s / step_s
+    intra_bytes: float = 0.0  # of bytes_sent, over links inside a node (NVLink)
+    inter_bytes: float = 0.0  # of bytes_sent, over links across nodes
+    overlap_s: float = 0.0  # fsdp's gathers hidden under compute by prefetch (step_s less it)
+    overlapped: str = ""  # which calls' gathers prefetch was assumed to overlap
 
 
 def _f(n: int) -> float:
@@ -160,10 +174,11 @@ def _f(n: int) -> float:
 
 def sharding_traffic(mode: str, world: int, shape: ModelShape, policy: str, calls: int,
                      compute_bytes: int, adapter_params: int = 0, *, expert_parallel: int = 1,
-                     shard_size: int | None = None) -> tuple[float, int]:
+                     shard_size: int | None = None,
+                     node_resident: bool = False) -> tuple[float, int]:
     """(bytes a rank sends, collectives) of a step's sharding communication inside its shard
-    group (module doc; the replicas' all-reduce and the expert slices' collectives are
-    :func:`replica_traffic`)."""
+    group (module doc; the replicas' all-reduce, node residency's crossings and the expert
+    slices' collectives are :func:`replica_traffic`)."""
     W, c = int(world), compute_bytes
     if W == 1:
         return 0.0, 0
@@ -177,16 +192,33 @@ def sharding_traffic(mode: str, world: int, shape: ModelShape, policy: str, call
         return 2 * (_f(W) * G + _f(W // E) * Xe) * c, math.ceil((G + Xe) / BUCKET_ELEMS)
     if mode == "zero1":
         return _f(S) * G * (m + c), math.ceil(math.ceil(G / S) / BUCKET_ELEMS) + 1
-    if mode != "fsdp":
+    if mode not in ("zero2", "fsdp"):
         raise ValueError(f"unknown sharding mode {mode!r}")
-    g = 3 if policy == "recompute" else 2
     V = shape.vocab_params
-    per_call = _f(S) * (G - V) * (g * c + m)
-    return calls * per_call + _f(S) * V * (m + c), calls * (shape.layers + 1) * (g + 1) + 2
+    vocab = 0.0 if node_resident else _f(S) * V * (m + c)  # node-resident: over the world
+    if mode == "zero2":  # the layers gathered once a step, reduce-scattered per call
+        return _f(S) * (G - V) * (calls * m + c) + vocab, \
+            (calls + 1) * (shape.layers + 1) + 2
+    per_call = gathers(policy) * gather_pass(S, G - V, c) + _f(S) * (G - V) * m
+    return calls * per_call + vocab, \
+        calls * (shape.layers + 1) * (gathers(policy) + 1) + 2 * (not node_resident)
+
+
+def gathers(policy: str) -> int:
+    """fsdp's all-gathers of every layer per call: forward, backward (and recompute's
+    re-forward)."""
+    return 3 if policy == "recompute" else 2
+
+
+def gather_pass(S: int, gathered: int, compute_bytes: int) -> float:
+    """Bytes a rank sends in one pass's all-gather of every decoder layer (``gathered``
+    parameters) in a shard group of S: f(S) x gathered x the compute bytes."""
+    return _f(S) * gathered * compute_bytes
 
 
 def replica_traffic(mode: str, world: int, shape: ModelShape, compute_bytes: int, *,
-                    expert_parallel: int = 1, shard_size: int | None = None) -> tuple[float, int]:
+                    expert_parallel: int = 1, shard_size: int | None = None,
+                    node_resident: bool = False) -> tuple[float, int]:
     """(bytes a rank sends, collectives) of zero1's and fsdp's once-a-step collectives
     across the world (module doc): the all-reduce of the sharded gradients across the
     shard groups (HSDP, S < W) and, under E > 1, the expert slices' reduce-scatter and
@@ -198,7 +230,13 @@ def replica_traffic(mode: str, world: int, shape: ModelShape, compute_bytes: int
     m = max(c, 4)
     sh = shards(shape, W, E, S)
     sent, colls = 0.0, 0
-    if S < W:
+    if node_resident:  # the node partition's gradient reduce-scattered across the nodes
+        # (master dtype), the updated weights all-gathered back into it (compute dtype); the
+        # vocabulary's flat shards over the world (reduce-scatter, all-gather)
+        V = shape.vocab_params
+        sent += _f(W // S) * sh.body * (m + c) + _f(W) * V * (m + c)
+        colls += 2 * math.ceil(sh.body / BUCKET_ELEMS) + 2
+    elif S < W:
         dense = sh.shard(mode) - sh.expert_shard
         sent += 2 * _f(W // S) * dense * m
         colls += math.ceil(dense / BUCKET_ELEMS)
@@ -223,7 +261,7 @@ def expert_exchange(shape: ModelShape, expert_parallel: int, policy: str, rows: 
 
 def offload_traffic(mode: str, world: int, shape: ModelShape, compute_bytes: int, *,
                     expert_parallel: int = 1, shard_size: int | None = None,
-                    offload: str = "none") -> tuple[float, int]:
+                    offload: str = "none", node_resident: bool = False) -> tuple[float, int]:
     """(bytes over the host link, parameters the host steps) of one step (module doc)."""
     if offload == "none":
         return 0.0, 0
@@ -232,11 +270,9 @@ def offload_traffic(mode: str, world: int, shape: ModelShape, compute_bytes: int
         local = shape.rank_params(E)
         return 2.0 * local * c, local  # gradients down, weights up, in the compute dtype
     m = max(c, 4)
-    sh = shards(shape, W, E, W if shard_size is None else int(shard_size))
-    s = sh.shard(mode)
-    if mode == "fsdp":  # the layer shards come back in fp32 (the device keeps them so)
-        return float(sh.body * 2 * m + (s - sh.body) * (m + c)), s
-    return float(s * (m + c)), s  # master-dtype gradient down, compute weights up
+    s = master_shards(shape, W, E, W if shard_size is None else int(shard_size),
+                      node_resident).shard(mode)
+    return float(s * (m + c)), s  # master-dtype gradient down, compute-dtype weights up
 
 
 class Pricer:
@@ -259,6 +295,12 @@ class Pricer:
         E, S, W = est.expert_parallel, est.shard_size, est.world
         rate, link, ep_link = hw.flop_rate(self.compute_dtype), hw.bandwidth(C), hw.bandwidth(E)
         lat = hw.latency_us * 1e-6
+        kw = dict(expert_parallel=E, shard_size=S)
+        resident = bool(getattr(est, "node_resident", False))
+        ahead = bool(getattr(est, "prefetch", False)) and est.sharding == "fsdp"
+        gathered = self.shape.params - (self.shape.routed_params if E > 1 else 0) \
+            - self.shape.vocab_params
+        gather_s = gather_pass(S, gathered, c) / hw.bandwidth(S)  # one pass, every layer
         worst = None
         groups = self.work.calls(est.data_parallel, est.block_tokens, est.policy)
         for calls in groups:
@@ -267,27 +309,70 @@ class Pricer:
             rows = calls.tokens if est.cp_scheme == "replicated" else calls.rows(C)
             ep, ep_colls = expert_exchange(self.shape, E, est.policy, rows, calls.calls, c)
             seconds = (rank / rate, sent / link + colls * lat, ep / ep_link + ep_colls * lat)
-            if worst is None or sum(seconds) > sum(worst[0]):
-                worst = (seconds, calls, rank, alone, sent, colls, ep, ep_colls, rows)
-        (compute_s, cp_s, ep_s), calls, rank, alone, sent, colls, ep, ep_colls, rows = worst
+            hidden = prefetched(calls, seconds[0], gather_s, est.policy, self.shape.layers) \
+                if ahead else 0.0
+            if worst is None or sum(seconds) - hidden > sum(worst[0]) - worst[-1]:
+                worst = (seconds, calls, rank, alone, sent, colls, ep, ep_colls, rows, hidden)
+        (compute_s, cp_s, ep_s), calls, rank, alone, sent, colls, ep, ep_colls, rows, hidden = \
+            worst
         most_calls = max(g.calls for g in groups)  # fsdp: every rank runs as many calls
-        kw = dict(expert_parallel=E, shard_size=S)
         sh_bytes, sh_colls = sharding_traffic(est.sharding, W, self.shape, est.policy, most_calls,
-                                              c, self.adapter_params, **kw)
+                                              c, self.adapter_params, node_resident=resident,
+                                              **kw)
         sharding_s = sh_bytes / hw.bandwidth(S) + sh_colls * lat
-        rep_bytes, rep_colls = replica_traffic(est.sharding, W, self.shape, c, **kw)
+        rep_bytes, rep_colls = replica_traffic(est.sharding, W, self.shape, c,
+                                               node_resident=resident, **kw)
         replica_s = rep_bytes / hw.bandwidth(W) + rep_colls * lat
         host_bytes, host_params = offload_traffic(est.sharding, W, self.shape, c,
-                                                  offload=est.offload, **kw)
+                                                  offload=est.offload, node_resident=resident,
+                                                  **kw)
         host_s = host_bytes / (hw.host_link_gbs * 1e9) + host_params / (hw.host_adam_gparams * 1e9)
         mult = cp.RECOMPUTE_FACTOR if est.policy == "recompute" else 1.0
         expert = mult * 6.0 * self.shape.experts.top_k * self.shape.expert_params \
             * self.shape.sparse_layers * rows
-        step = compute_s + cp_s + ep_s + sharding_s + replica_s + host_s
+        step = compute_s + cp_s + ep_s + sharding_s + replica_s + host_s - hidden
+        links = {}  # bytes by link class: in a node or across nodes
+        for ranks, sent_bytes in ((C, sent), (E, ep), (S, sh_bytes), (W, rep_bytes)):
+            where = "intra" if ranks <= hw.gpus_per_node else "inter"
+            links[where] = links.get(where, 0.0) + sent_bytes
+        passes = OVERLAPPED[est.policy] if ahead else ()
         est.time = TimeEstimate(
             calls.calls, calls.tokens, rank, alone, rank - alone / C, alone / (C * rank),
             sent, sh_bytes, sent + sh_bytes + ep + rep_bytes,
             colls + sh_colls + ep_colls + rep_colls, compute_s, cp_s, sharding_s, step,
             self.work.sequence_tokens / step, expert, ep, ep_s, rep_bytes, replica_s,
-            host_bytes, host_s, compute_s / step)
+            host_bytes, host_s, compute_s / step, links.get("intra", 0.0),
+            links.get("inter", 0.0), hidden,
+            f"{' and '.join(passes)} all-gathers of {calls.calls} calls" if passes else "")
         return est
+
+
+# fsdp's per-layer all-gathers prefetch overlaps with compute, by policy: under recompute a
+# call's re-forward and backward follow it at its pop (the next layer's gather issued ahead,
+# as in the forward); under retain the backward of a call comes later, not layer by layer
+# after its forward: only the forward's gathers overlap. The gradients' reduce-scatters are
+# not overlapped.
+OVERLAPPED = {"recompute": ("forward", "re-forward", "backward"), "retain": ("forward",)}
+PASS_SHARE = {"forward": 1.0, "re-forward": 1.0, "backward": 2.0}  # in forwards
+
+
+def prefetched(calls, compute_s: float, gather_s: float, policy: str, layers: int) -> float:
+    """Seconds of fsdp's all-gathers hidden under compute by prefetch on one group: per call
+    and overlapped pass (:data:`OVERLAPPED`), with q its compute (the group's compute by the
+    call's share of the rows and the pass's of the call: forward 1, backward 2, re-forward 1
+    of 3 or 4 forwards) and g one pass's gathers, the pass takes max(q, g) + g / layers (the
+    first layer's gather waits: nothing computes before it) instead of q + g: it hides
+    max(0, min(q, g) - g / layers). Never more than min(compute, gathers): a prefetched step
+    is never shorter than max(compute, communication)."""
+    import numpy as np
+
+    total = calls.tokens
+    if not total or gather_s <= 0:
+        return 0.0
+    share = np.asarray(calls.lengths, dtype=np.float64) / total * compute_s
+    forwards = 4.0 if policy == "recompute" else 3.0
+    hidden = 0.0
+    for name in OVERLAPPED[policy]:
+        q = share * PASS_SHARE[name] / forwards
+        hidden += float(np.maximum(0.0, np.minimum(q, gather_s) - gather_s / layers).sum())
+    return hidden

@@ -47,19 +47,23 @@ class Priced:
     expert_parallel: int = 1  # E (dta.planning.state)
     shard_size: int | None = None  # S as priced (the world: no shard groups)
     offload: str = "none"  # dta.planning.state.OFFLOADS
+    node_resident: bool = False  # fsdp gathers from a node-resident copy (hpZ)
+    prefetch: bool = False  # fsdp's next-layer all-gather overlaps the current layer
 
 
 def price(hf_config, *, world: int, budget_bytes: float, tree, walk, shardings=SHARDINGS,
           context_parallel=(1,), blocks=None, compute_dtype: str,
           lora: tuple[int, list] | None = None, expert_parallel=(1,), shard_size=(None,),
-          offload=("none",)) -> Priced:
+          offload=("none",), node_resident=(False,), prefetch=(False,),
+          host_budget_bytes: float | None = None) -> Priced:
     """The planner's choice. ``walk``: the run's walk settings (its policy, logits chunk and
     packing are priced; its block only where ``blocks`` says so). ``blocks``: the blocks to
     try (``NO_CUT`` for none); None: the planner's candidates. ``lora``: (rank,
     target_modules as the front door gives them). ``expert_parallel``, ``shard_size`` (None:
-    the world), ``offload``: the sizes / choices to try (``dta.planning.state``:
-    ``expert_parallel_sizes`` and ``shard_sizes`` list what a world allows, ``OFFLOADS``).
-    Raises ValueError when nothing fits, with the planner's message."""
+    the world), ``offload``, ``node_resident``, ``prefetch``: the sizes / choices to try
+    (``dta.planning.state.layout_choices`` lists what a world allows).
+    ``host_budget_bytes``: host memory per rank (None: unbudgeted). Raises ValueError when
+    nothing fits, with the planner's message (what misses: device or host memory)."""
     path, call = batch_extent(tree) if tree is not None else (0, 0)
     adapters = 0
     if lora:
@@ -74,7 +78,8 @@ def price(hf_config, *, world: int, budget_bytes: float, tree, walk, shardings=S
                        context_parallel=tuple(context_parallel), tree=tree,
                        walk=walk if tree is not None else None,
                        expert_parallel=tuple(expert_parallel), shard_size=tuple(shard_size),
-                       offload=tuple(offload))
+                       offload=tuple(offload), node_resident=tuple(node_resident),
+                       prefetch=tuple(prefetch), host_budget_bytes=host_budget_bytes)
     chosen = plan.chosen
     report = {"budget_bytes": int(budget_bytes), "usable_bytes": int(plan.budget),
               "path_tokens": path, "call_tokens": call, "policy": walk.policy,
@@ -85,6 +90,9 @@ def price(hf_config, *, world: int, budget_bytes: float, tree, walk, shardings=S
               "shard_size": chosen.shard_size if chosen is not None else None,
               "offload": chosen.offload if chosen is not None else None,
               "host_bytes": chosen.host if chosen is not None else None,
+              "host_budget_bytes": host_budget_bytes,
+              "node_resident": chosen.node_resident if chosen is not None else None,
+              "prefetch": chosen.prefetch if chosen is not None else None,
               "priced_expert_parallel": list(expert_parallel),
               "priced_shard_size": [world if s is None else s for s in shard_size],
               "priced_offload": list(offload),
@@ -95,5 +103,6 @@ def price(hf_config, *, world: int, budget_bytes: float, tree, walk, shardings=S
     if chosen is None:
         raise ValueError(plan.message())
     return Priced(chosen.sharding, chosen.block_tokens or NO_CUT, chosen.context_parallel, report,
-                  chosen.expert_parallel, chosen.shard_size, chosen.offload)
+                  chosen.expert_parallel, chosen.shard_size, chosen.offload,
+                  chosen.node_resident, chosen.prefetch)
 

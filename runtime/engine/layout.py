@@ -16,6 +16,8 @@ expert-parallel size E, the shard size S (HSDP), the offload choice and this ran
   place in their shard groups: the *replica* group). S = W (the default): plain sharding
   over the world.
 - ``offload``: where the optimizer's state lives (:data:`dta.planning.state.OFFLOADS`).
+- ``node_resident`` (fsdp, S < W: ZeRO++'s hpZ) and ``prefetch`` (fsdp): how its layers are
+  gathered (:mod:`runtime.sharding.fsdp`).
 
 Built and validated once, from any front door's configuration (:meth:`ParallelLayout.make`,
 naming the front door's keys in its errors): ``dta train``'s ``ray.num_workers`` /
@@ -41,7 +43,8 @@ __all__ = ["ParallelLayout", "LayoutError", "ProcessGroups", "Reporting", "build
 
 KEYS = {"world": "world size", "context_parallel": "context-parallel size",
         "sharding": "sharding mode", "rank": "rank", "expert_parallel": "expert-parallel size",
-        "shard_size": "shard size", "offload": "offload"}
+        "shard_size": "shard size", "offload": "offload", "node_resident": "node_resident",
+        "prefetch": "prefetch"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class ParallelLayout:
     expert_parallel: int = 1
     shard_size: int | None = None  # None: the world (plain sharding)
     offload: str = "none"
+    node_resident: bool = False  # fsdp under HSDP: hpZ (runtime.sharding.fsdp)
+    prefetch: bool = False  # fsdp: the next layer's all-gather before the current computes
     # (field, the front door's key) pairs: how its errors name a setting (make's spelling)
     keys: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -91,12 +96,25 @@ class ParallelLayout:
                               "(it shards nothing: HSDP needs zero1 or fsdp)")
         if self.offload not in OFFLOADS:
             bad("offload", f"one of {OFFLOADS}")
+        for field in ("node_resident", "prefetch"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "true or false")
+        if self.node_resident and (self.sharding != "fsdp" or self.shard_size == self.world):
+            bad("node_resident", f"false under sharding={self.sharding}, shard size "
+                                 f"{self.shard_size} of {self.world} (it is fsdp's under "
+                                 "HSDP: a shard size below the world, the node)")
+        if self.prefetch and self.sharding != "fsdp":
+            bad("prefetch", f"false under sharding={self.sharding} (fsdp gathers per layer)")
+        for field in ("node_resident", "prefetch"):  # priced by the planner, not built yet
+            if getattr(self, field):
+                raise NotImplementedError(f"{field}=true: the planner prices it, the runtime "
+                                          "does not build it yet (runtime.sharding)")
 
     @classmethod
     def make(cls, *, world: int, context_parallel: int = 1, sharding: str = "replicate",
              rank: int = 0, expert_parallel: int = 1, shard_size: int | None = None,
-             offload: str = "none", spelling: Mapping[str, str] | None = None
-             ) -> "ParallelLayout":
+             offload: str = "none", node_resident: bool = False, prefetch: bool = False,
+             spelling: Mapping[str, str] | None = None) -> "ParallelLayout":
         """The layout of a front door's settings (one rank: replicate, nothing to shard); an
         error names a setting as ``spelling`` says (field -> the front door's key)."""
         if world == 1 and sharding in _registered():
@@ -104,7 +122,8 @@ class ParallelLayout:
         try:
             return cls(world=world, context_parallel=context_parallel, sharding=sharding,
                        rank=rank, expert_parallel=expert_parallel, shard_size=shard_size,
-                       offload=offload, keys=tuple((spelling or {}).items()))
+                       offload=offload, node_resident=node_resident, prefetch=prefetch,
+                       keys=tuple((spelling or {}).items()))
         except LayoutError as exc:
             msg = str(exc)
             for field, key in (spelling or {}).items():
@@ -228,7 +247,8 @@ class ParallelLayout:
         return {"world": self.world, "context_parallel": self.context_parallel,
                 "data_parallel": self.data_parallel, "sharding": self.sharding,
                 "expert_parallel": self.expert_parallel, "shard_size": self.shard_size,
-                "offload": self.offload}
+                "offload": self.offload, "node_resident": self.node_resident,
+                "prefetch": self.prefetch}
 
 
 # ------------------------------------------------------------ against the model --

@@ -40,7 +40,9 @@ RUN_CONFIG_KEYS = {"world": "config key 'ray.num_workers'",
                    "sharding": "config key 'train.sharding'",
                    "expert_parallel": "config key 'train.expert_parallel'",
                    "shard_size": "config key 'train.shard_size'",
-                   "offload": "config key 'train.offload'"}
+                   "offload": "config key 'train.offload'",
+                   "node_resident": "config key 'train.node_resident'",
+                   "prefetch": "config key 'train.prefetch'"}
 
 
 @dataclass(frozen=True)
@@ -98,28 +100,45 @@ def needs_budget(cfg) -> bool:
     expert-parallel size, shard size or offload, or an ``auto`` block with a budget given."""
     t = cfg.train
     return AUTO in (str(t.sharding), t.context_parallel, t.expert_parallel, t.shard_size,
-                    str(t.offload)) or (
+                    str(t.offload), _optional(cfg, "node_resident"),
+                    _optional(cfg, "prefetch")) or (
         cfg.walker.block_tokens == AUTO and t.memory_budget_gib is not None)
 
 
 def _candidates(cfg, hf_config, W: int) -> dict:
-    """What the memory model tries for each layout key: the configured value, or for
-    ``auto`` every value the world (and the model's experts, the node size) allows."""
+    """What the memory model tries for each layout knob: the configured value, or for
+    ``auto`` every value the world (and the model's experts, the node size) allows -- the
+    one list, ``dta.planning.state.layout_choices``. ``train.node_resident`` /
+    ``train.prefetch`` are read where the config has them (runtime.sharding's layouts);
+    without them, neither is priced."""
     from dta.planning.memory import CONTEXT_PARALLEL
     from dta.planning.shapes import ModelShape
-    from dta.planning.state import OFFLOADS, expert_parallel_sizes, shard_sizes
+    from dta.planning.state import layout_choices
     from dta.planning.timing import Hardware
 
     t = cfg.train
     C, E, S, O = t.context_parallel, t.expert_parallel, t.shard_size, str(t.offload)
-    return dict(
-        context_parallel=tuple(c for c in CONTEXT_PARALLEL if W % c == 0) if C == AUTO
-        else (int(C),),
-        expert_parallel=expert_parallel_sizes(ModelShape.of(hf_config), W) if E == AUTO
-        else (int(E),),
-        shard_size=shard_sizes(W, Hardware().gpus_per_node) if S == AUTO
-        else (None if S is None or int(S) == W else int(S),),
-        offload=OFFLOADS if O == AUTO else (O,))
+
+    def flag(key):  # auto: both; true / false: pinned; absent: not priced (false)
+        v = _optional(cfg, key)
+        return None if v == AUTO else (bool(v),)
+
+    choices = layout_choices(
+        ModelShape.of(hf_config), W, Hardware().gpus_per_node,
+        expert_parallel=None if E == AUTO else (int(E),),
+        shard_size=None if S == AUTO else (None if S is None or int(S) == W else int(S),),
+        offload=None if O == AUTO else (O,),
+        node_resident=flag("node_resident"), prefetch=flag("prefetch"))
+    return dict(context_parallel=tuple(c for c in CONTEXT_PARALLEL if W % c == 0)
+                if C == AUTO else (int(C),), **choices)
+
+
+def _optional(cfg, key: str):
+    """``train.<key>`` where the config has it (the layouts runtime.sharding builds), else
+    false."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, f"train.{key}", default=False)
 
 
 def check_run_config(cfg, hf_config) -> None:
@@ -146,9 +165,12 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     E, S, offload = t.expert_parallel, t.shard_size, str(t.offload)
     check_run_config(cfg, hf_config)  # a setting the model cannot hold: before pricing
     walk, report = walk_options(cfg), None  # an auto block: the default, unless priced
+    # node_resident / prefetch: as configured, or where priced true (runtime.sharding's)
+    extras = {k: True for k in ("node_resident", "prefetch") if _optional(cfg, k) is True}
     if needs_budget(cfg):
         budget = cfg.train.memory_budget_gib
         budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)
+        host = cfg.train.host_memory_budget_gib
         lora = cfg.model.lora
         try:
             priced = price(hf_config, world=W, budget_bytes=budget, tree=tree, walk=walk,
@@ -156,20 +178,24 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
                            **_candidates(cfg, hf_config, W),
                            blocks=None if block == AUTO and tree is not None else
                            (walk.block_tokens,), compute_dtype=str(cfg.model.dtype),
+                           host_budget_bytes=None if host is None else float(host) * GIB,
                            lora=(int(lora.r), list(lora.target_modules)) if int(lora.r) else None)
         except ValueError as exc:
             what = "no mode fits" if mode == AUTO else f"train.sharding={mode} does not fit"
             raise ValueError(f"train.sharding={mode}, walker.block_tokens={block}, "
                              f"train.context_parallel={C}, train.expert_parallel={E}, "
                              f"train.shard_size={S}, train.offload={offload}: {what} "
-                             f"train.memory_budget_gib ({exc})") from None
+                             f"train.memory_budget_gib / train.host_memory_budget_gib "
+                             f"({exc})") from None
         mode, C, report = priced.sharding, priced.context_parallel, priced.report
         E, S, offload = priced.expert_parallel, priced.shard_size, priced.offload
+        extras = {k: v for k, v in (("node_resident", priced.node_resident),
+                                    ("prefetch", priced.prefetch)) if v}
         if block == AUTO and priced.block_tokens != walk.block_tokens:
             walk = walk.replace(block_tokens=priced.block_tokens)  # the memory model's block
     layout = ParallelLayout.make(world=W, context_parallel=int(C), sharding=mode,
                                  expert_parallel=int(E),
                                  shard_size=None if S is None else int(S),
-                                 offload=offload, spelling=RUN_CONFIG_KEYS)
+                                 offload=offload, spelling=RUN_CONFIG_KEYS, **extras)
     layout.check_model(hf_config, frozen=int(cfg.model.lora.r) > 0)  # what auto chose too
     return settle(walk, layout, report)

@@ -6,9 +6,12 @@ the model and the optimizer before the walk and does all the communication aroun
 - ``replicate`` (:mod:`.replicate`): full replicas, one gradient all-reduce per step;
 - ``zero1`` (:mod:`.zero1`): compute parameters gathered once per step, gradients
   accumulated locally, one reduce-scatter per step, fp32 masters and optimizer state sharded;
+- ``zero2`` (:mod:`.zero2`): fsdp's layout with every layer gathered once per walk and kept,
+  gradients reduce-scattered per call into the fp32 shard;
 - ``fsdp`` (:mod:`.fsdp`): FSDP2 ``fully_shard`` (parameters sharded, gathered per call).
 
-zero1 and fsdp shard within groups of ``train.shard_size`` ranks and replicate across them
+A mode is a list of parts (:mod:`.parts`), one per kind of trained state, and its step loops
+over them. zero1, zero2 and fsdp shard within groups of ``train.shard_size`` ranks and replicate across them
 (HSDP, :mod:`.hsdp`); every mode can keep the optimizer's state in host memory
 (``train.offload=optimizer``, :mod:`.offload`).
 
@@ -22,10 +25,10 @@ from __future__ import annotations
 import torch
 
 from dta.planning.memory import SHARDINGS as PRICED
-from runtime.sharding import fsdp, replicate, zero1  # noqa: F401  (registers the modes)
+from runtime.sharding import fsdp, replicate, zero1, zero2  # noqa: F401  (the modes)
 from runtime.sharding.base import Sharding, master_dtype_for, register, registered, sharding_class
 
-SHARDINGS = registered()  # replicate, zero1, fsdp: the priced modes, each registered once
+SHARDINGS = registered()  # the priced modes, each registered once
 if SHARDINGS != tuple(PRICED):
     raise ImportError(f"runtime.sharding registers {SHARDINGS}; the memory model prices "
                       f"{tuple(PRICED)}: every priced mode needs a registered class")

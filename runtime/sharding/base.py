@@ -32,12 +32,14 @@ Every mode takes the layout's HSDP shard size (:mod:`.hsdp`) and offload choice
 """
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
 
 from dta.planning.memory import SHARDINGS as PRICED
 from runtime.errors import ShardingRefused
+from runtime.sharding.common import tensor_bytes
 
 __all__ = ["Sharding", "register", "sharding_class", "registered"]
 
@@ -109,36 +111,90 @@ class Sharding:
         return [step for i in sorted(inner) for step in inner[i]]
 
     # ------------------------------------------------------------------ the step --
+    # A mode is built from parts (:mod:`.parts`): ``self.parts``, the optimizer over their
+    # ``stepped``, ``self.device`` (where the norms are summed) and ``self.frozen`` (weights
+    # held in the compute dtype, not trained). The step loops over the parts.
+    parts: list
+    frozen: list = []
+    _grad_bytes: int = 0
+
     def release_gathered(self) -> None:
         """After a walk with matched calls: free what the mode keeps gathered (fsdp's units)."""
 
     def zero_grad(self) -> None:
-        raise NotImplementedError
+        for part in self.parts:
+            part.zero_grad()
 
     def reduce_gradients(self) -> None:
-        raise NotImplementedError
+        """Each part's reduction inside its group, then HSDP's one sum across the replicas
+        (every part replicated over them, in one bucketed all-reduce)."""
+        from runtime.sharding.hsdp import sum_step_over_replicas
+
+        for part in self.parts:
+            part.reduce()
+        across = [p for p in self.parts if p.replicas is not None]
+        if across:
+            flats, grads, like, spans = [], [], [], []
+            for part in across:
+                f, g, lk = part.replica_terms()
+                flats += f
+                spans.append((len(grads), len(g)))
+                grads += g
+                like += lk
+            out = sum_step_over_replicas(across[0].replicas, flats, grads, like)
+            for part, (at, n) in zip(across, spans):
+                if n:
+                    part.replica_summed(out[at:at + n])
+        self._grad_bytes = sum(p.held_gradients() for p in self.parts)
+
+    @property
+    def expert_shards(self):
+        """The expert slices' flat shards (:class:`~runtime.sharding.flat.FlatShards`), if a
+        part holds them so."""
+        return next((getattr(p, "flat", None) for p in self.parts if p.expert), None)
+
+    def _norm(self, squared) -> float:
+        """√(Σ over the dense parts + the expert parts' Σ summed over the expert group)."""
+        dense = sum(squared(p) for p in self.parts if not p.expert)
+        experts = [squared(p) for p in self.parts if p.expert]
+        return math.sqrt(dense + (self._experts_squared(sum(experts)) if experts else 0.0))
+
+    def _experts_squared(self, value: float) -> float:
+        """The expert slices' Σ² (over their replicas), summed over the expert group."""
+        return self.experts.group_sum(value, self.device)
 
     def grad_norm(self) -> float:
-        raise NotImplementedError
+        return self._norm(lambda p: p.grad_squared())
 
     def scale_gradients(self, coef: float) -> None:
-        raise NotImplementedError
+        for part in self.parts:
+            part.scale(coef)
 
+    @torch.no_grad()
     def apply_update(self) -> None:
-        raise NotImplementedError
+        for part in self.parts:
+            part.to_optimizer()
+        self.optimizer.step()
+        for part in self.parts:
+            part.after_step()
 
     def discard_gradients(self) -> None:
-        raise NotImplementedError
+        for part in self.parts:
+            part.discard()
 
     # ------------------------------------------------------------ the masters --
+    @torch.no_grad()
     def load_masters(self, state: dict) -> None:
         """Whole tensors (by parameter name; those absent: from the model's parameters) into
         what the optimizer steps, after the model's weights were set from them."""
-        raise NotImplementedError
+        for part in self.parts:
+            part.load_masters(state)
 
+    @torch.no_grad()
     def masters_loaded(self) -> None:
         """The masters were loaded in place (a checkpoint): the model's weights from them."""
-        raise NotImplementedError
+        for part in self.parts:
+            part.masters_loaded()
 
     # ------------------------------------------------------------------ residence --
     def to(self, where: str, *, fresh: bool = False) -> None:
@@ -161,25 +217,43 @@ class Sharding:
     # --------------------------------------------------------------- reporting --
     def state_bytes(self) -> dict:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer`` on the device and
-        ``host`` (what offload keeps in host memory)."""
-        raise NotImplementedError
+        ``host`` (an offloaded part's masters, gradient buffers and optimizer state)."""
+        out = {"params": sum(tensor_bytes(p) for p in self.frozen), "grads": self._grad_bytes,
+               "optimizer": 0, "host": 0}
+        for part in self.parts:
+            b = part.bytes()
+            out["params"] += b["params"]
+            out["host"] += b["host"]
+            out["host" if part.offload else "optimizer"] += part.optimizer_bytes(self.optimizer)
+        return out
 
+    @torch.no_grad()
     def param_norm(self) -> float:
-        raise NotImplementedError
+        return self._norm(lambda p: p.param_squared())
 
+    @torch.no_grad()
     def full_state(self) -> dict:
-        raise NotImplementedError
+        """The model's state dict on the host, whole: FSDP2's shards and the expert slices
+        gathered (a collective: call it on every rank)."""
+        ep = self.experts.ep if self.experts is not None else None
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            t = v.full_tensor() if hasattr(v, "full_tensor") else \
+                ep.full_tensor(v) if ep is not None and id(v) in names and ep.is_expert(v) else v
+            out[k] = t.detach().cpu().clone()
+        return out
+
+    def held(self) -> list:
+        """This rank's pieces of the trained parameters (:class:`runtime.checkpoints.logical.
+        Held`: a box or a flat range of the whole parameter, and what the optimizer steps
+        for it), part by part."""
+        return [h for part in self.parts for h in part.held()]
 
     # ------------------------------------------------------------- checkpoints --
     # One layout-independent view of the training state (runtime.checkpoints.logical): a mode
     # declares what this rank holds of each trained parameter; saving, loading under any
     # other layout and re-cutting are generic.
-    def held(self) -> list:
-        """This rank's pieces of the trained parameters (:class:`runtime.checkpoints.logical.
-        Held`: a box or a flat range of the whole parameter, and what the optimizer steps
-        for it)."""
-        raise NotImplementedError
-
     def logical_shapes(self) -> list[tuple[str, tuple]]:
         """``(name, whole shape)`` of every trained parameter, in the model's order (a mode
         whose model holds a parameter's slice, e.g. experts, gives the whole shape)."""
@@ -197,6 +271,7 @@ class Sharding:
     def logical_loaded(self) -> None:
         """After a load wrote this rank's pieces: derive the rest (gather the compute
         weights, cast the masters into the model)."""
+        self.masters_loaded()
 
     def sharded_state(self) -> dict:
         """DCP's view (``runtime.checkpoints.sharded.save_sharded`` / ``load_sharded``): the logical state,

@@ -8,10 +8,12 @@ mode's rule (a SUM over the world). The global norm counts every expert once: th
 norm² (the same on every rank) plus the expert-parallel group's sum of its slices' norm².
 Whole tensors (a state dict, an export) gather a slice over the group (dim 0).
 
-``replicate`` all-reduces the slices' gradients over the replicas (:meth:`ExpertPart.reduce`);
-``zero1`` and ``fsdp`` hold them as flat shards over the replicas (:meth:`ExpertPart.flat`:
-ZeRO-1 of the slices -- fp32 master pieces and optimizer state split over the W / E ranks
-holding the same experts, one reduce-scatter per step); fsdp leaves them out of its units.
+The slices are one part of a mode (:mod:`.parts`, ``expert=True``: the mode sums their
+norm² over the expert-parallel group once): ``replicate`` all-reduces their gradients over
+the replicas (:meth:`ExpertPart.reduce`); the sharded modes hold them as flat shards over
+the replicas (ZeRO-1 of the slices -- fp32 master pieces and optimizer state split over the
+W / E ranks holding the same experts, one reduce-scatter per step); fsdp leaves them out of
+its units.
 """
 from __future__ import annotations
 
@@ -46,14 +48,6 @@ class ExpertPart:
         return ([(n, p) for n, p in named if not self.holds(p)],
                 [(n, p) for n, p in named if self.holds(p)])
 
-    def part(self, named: list):
-        """The slices as a sharded part (:class:`runtime.sharding.hsdp.Part`): their state
-        split over the expert replicas (zero1's / fsdp's flat shards; HSDP's shard groups
-        do not cut it further)."""
-        from runtime.sharding.hsdp import Part
-
-        return Part(tuple(named), self.replicas, None)
-
     def reduce(self, grads: list, like: list) -> list:
         """The slices' gradients (``like``: the slices) summed over the expert replicas."""
         from runtime.sharding.common import allreduce_gradients
@@ -67,14 +61,6 @@ class ExpertPart:
         t = torch.tensor([float(value)], dtype=torch.float64, device=device)
         dist.all_reduce(t, group=self.ep.group)
         return float(t[0])
-
-    @torch.no_grad()
-    def norm(self, dense: list, experts: list, *, device) -> float:
-        """√(Σ dense² + Σ over the group of its slices' Σ²): every expert counted once (the
-        sum over the group on ``device``: the tensors may be host copies, offloaded)."""
-        d = float(sum(t.double().pow(2).sum() for t in dense)) if dense else 0.0
-        e = float(sum(t.double().pow(2).sum() for t in experts)) if experts else 0.0
-        return math.sqrt(d + self.group_sum(e, device))
 
     # ------------------------------------------------ the logical view (checkpoints) --
     def whole_shape(self, p) -> tuple:
@@ -101,11 +87,3 @@ class ExpertPart:
             out.append(Held(h.name, self.whole_shape(p), h.stepped,
                             start=self.ep.slice_of(p)[0] * row + h.start))
         return out
-
-    @torch.no_grad()
-    def full_state(self, model) -> dict:
-        """The model's state dict on CPU, expert slices gathered into whole tensors (a
-        collective: every rank of the group calls it)."""
-        names = {n for n, p in model.named_parameters() if self.holds(p)}
-        return {k: (self.ep.full_tensor(v) if k in names else v.detach()).cpu().clone()
-                for k, v in model.state_dict().items()}

@@ -9,11 +9,10 @@ What a mode keeps where (``runtime.sharding.*``; ``state_bytes()['host']`` count
   masters' where kept), their gradients and the optimizer state;
 - ``zero1``: the compute parameters and their gradients on the device; the fp32 master slice,
   its gradient and the optimizer state on the host;
-- ``fsdp``: FSDP2's fp32 layer shards on the device (what each call gathers from, and where
-  FSDP accumulates the walk's per-call gradients: FSDP2 accumulates a parameter's gradient
-  in the parameter's dtype, so a 16-bit shard would sum the walk's many backward calls in
-  16 bits); on the host the fp32 master copy of those shards and of the vocabulary slice,
-  their gradients and the optimizer state.
+- ``fsdp`` / ``zero2``: compute-dtype shards only on the device -- FSDP2's layer shards in the
+  compute dtype (what each call gathers from) and their fp32 gradient shard (the walk's
+  calls summed in fp32, :mod:`.layers`); on the host the fp32 masters of those shards and of
+  the vocabulary slice, their gradients and the optimizer state.
 
 A step: the gradients are reduced, their norm taken and clipped on the device (the
 collectives run there); then copied device -> host (:func:`to_host`, one synchronization),

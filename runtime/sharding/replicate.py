@@ -24,9 +24,132 @@ import torch
 import torch.distributed as dist
 
 from runtime.sharding.base import Sharding, register
-from runtime.sharding.common import allreduce_gradients, optimizer_bytes, tensor_bytes
+from runtime.sharding.common import allreduce_gradients, tensor_bytes
 from runtime.sharding.experts import ExpertPart
 from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
+from runtime.sharding.parts import Part
+
+
+class ReplicaPart(Part):
+    """Parameters every rank of ``group`` holds whole (:mod:`.parts`): their gradients
+    all-reduced over it (``experts``: the expert slices, over their replicas). ``masters``:
+    keep copies in the built dtype (the model is then cast by the mode); ``offload``: what
+    the optimizer steps (the masters, else copies in ``compute_dtype``) on the host."""
+
+    def __init__(self, named, *, group=None, masters=False, offload=False, compute_dtype=None,
+                 experts=None):
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.group, self.offload = group, bool(offload)
+        self.experts, self.expert = experts, experts is not None
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.masters = [torch.nn.Parameter(host_copy(p) if self.offload else p.detach().clone())
+                        for p in self.params] if masters else None
+        self.host = [torch.nn.Parameter(host_copy(p, compute_dtype)) for p in self.params] \
+            if self.offload and not masters else None
+        self.stepped = self.masters if masters else self.host if self.host is not None \
+            else self.params
+        self.host_grads = [host_empty(s.shape, s.dtype) for s in self.stepped] \
+            if self.offload else []
+        self.reduced: list | None = None  # the reduced gradients, on the device
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for s in self.stepped:
+            s.grad = None
+        self.reduced = None
+
+    def reduce(self) -> None:
+        grads = [p.grad for p in self.params]
+        if self.masters is not None:  # reduced in the masters' dtype (fp32 under bf16)
+            grads = [None if g is None else g.detach().to(m.dtype)
+                     for g, m in zip(grads, self.masters)]
+            for p in self.params:
+                p.grad = None
+        self.grad_bytes = sum(tensor_bytes(g) for g in grads)
+        if self.expert:  # over the ranks holding the same slices
+            grads = self.experts.reduce(grads, self.params)
+        elif self.world > 1 and grads:
+            grads = allreduce_gradients(grads, self.params, group=self.group)
+        self.reduced = grads
+        if self.masters is None:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        elif not self.offload:
+            for m, g in zip(self.masters, grads):
+                m.grad = g
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [g for g in self.reduced or [] if g is not None]
+
+    def grad_squared(self) -> float:
+        return float(sum(g.double().pow(2).sum() for g in self._grads()))
+
+    @torch.no_grad()
+    def param_squared(self) -> float:
+        return float(sum(s.double().pow(2).sum() for s in self.stepped))
+
+    def scale(self, coef: float) -> None:
+        for g in self._grads():
+            g.mul_(coef)
+
+    @torch.no_grad()
+    def to_optimizer(self) -> None:
+        if not self.offload:
+            return
+        for g, buf in zip(self.reduced, self.host_grads):  # one synchronization
+            if g is not None:
+                to_host(buf, g)
+        synchronize(self.device)
+        for s, g, buf in zip(self.stepped, self.reduced, self.host_grads):
+            s.grad = None if g is None else buf
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The weights from what was stepped; the gradients stay readable (the model holds
+        the clipped ones, cast, where masters are kept)."""
+        self.masters_loaded()
+        if self.masters is not None:
+            for g, p in zip(self.reduced, self.params):
+                p.grad = None if g is None else g.to(p.dtype)
+
+    def discard(self) -> None:
+        self.zero_grad()
+
+    @torch.no_grad()
+    def load_masters(self, state: dict) -> None:
+        if self.stepped is self.params:
+            return
+        for s, name, p in zip(self.stepped, self.names, self.params):
+            s.copy_(state[name] if name in state else p)
+
+    @torch.no_grad()
+    def masters_loaded(self) -> None:
+        if self.stepped is self.params:
+            return
+        for s, p in zip(self.stepped, self.params):
+            to_device(p, s)
+
+    def held(self) -> list:
+        """Every parameter whole, as one box at the origin (what it steps); an expert slice
+        is its box of the whole tensor."""
+        from runtime.checkpoints.logical import Held
+
+        if self.expert:
+            return [self.experts.held_box(n, p, s)
+                    for n, p, s in zip(self.names, self.params, self.stepped)]
+        return [Held(n, tuple(p.shape), s, offsets=(0,) * p.dim())
+                for n, p, s in zip(self.names, self.params, self.stepped)]
+
+    def bytes(self) -> dict:
+        model = sum(tensor_bytes(p) for p in self.params)
+        kept = 0 if self.stepped is self.params else sum(tensor_bytes(s) for s in self.stepped)
+        if self.offload:
+            return {"params": model, "host": kept + sum(tensor_bytes(g)
+                                                        for g in self.host_grads)}
+        return {"params": model + kept, "host": 0}
 
 
 @register("replicate")
@@ -40,169 +163,31 @@ class Replicate(Sharding):
         return compute if masters is None else masters
 
     def __init__(self, model, make_optimizer, *, group=None, compute_dtype=None, groups=None,
-                 layout=None,
-                 **_):
+                 layout=None, **_):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
         self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
-        self.is_expert = [self.experts is not None and self.experts.holds(p) for p in self.params]
-        self.offload = layout is not None and layout.offload == "optimizer"
+        dense, slices = self.experts.split(named) if self.experts is not None else (named, [])
         built = next(model.parameters()).dtype
-        self.masters = None  # fp32 (the built dtype) copies of the trained parameters
-        if compute_dtype is not None and built != compute_dtype:
-            self.masters = [torch.nn.Parameter(host_copy(p) if self.offload else
-                                               p.detach().clone()) for p in self.params]
+        kw = dict(masters=compute_dtype is not None and built != compute_dtype,
+                  offload=layout is not None and layout.offload == "optimizer",
+                  compute_dtype=compute_dtype)
+        self.parts = [ReplicaPart(dense, group=group, **kw)] + (
+            [ReplicaPart(slices, group=self.experts.replicas, experts=self.experts, **kw)]
+            if slices else [])
         if compute_dtype is not None:
             self.model.to(compute_dtype)  # the parameter objects stay (the masters map on them)
-        self.host = None  # offloaded without masters: host copies in the compute dtype
-        if self.offload and self.masters is None:
-            self.host = [torch.nn.Parameter(host_copy(p)) for p in self.params]
-        self.host_grads = [host_empty(s.shape, s.dtype) for s in self.stepped] \
-            if self.offload else []
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
         self.optimizer = make_optimizer(self.stepped)
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self._reduced: list | None = None  # the reduced gradients, on the device
-        self._grad_bytes = 0
 
-    @property
-    def stepped(self) -> list:
-        """What the optimizer steps: the masters where kept, host copies when offloaded,
-        else the trained parameters."""
-        if self.masters is not None:
-            return self.masters
-        return self.host if self.host is not None else self.params
+    def _joined(self, attr: str) -> list | None:
+        lists = [getattr(part, attr) for part in self.parts]
+        return None if any(x is None for x in lists) else [x for xs in lists for x in xs]
 
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        for s in self.stepped:
-            s.grad = None
-        self._reduced = None
-
-    def reduce_gradients(self) -> None:
-        grads = [p.grad for p in self.params]
-        if self.masters is not None:  # reduced in the masters' dtype (fp32 under bf16)
-            grads = [None if g is None else g.detach().to(m.dtype)
-                     for g, m in zip(grads, self.masters)]
-            for p in self.params:
-                p.grad = None
-        self._grad_bytes = sum(tensor_bytes(g) for g in grads)
-        dense_g, expert_g = self._split(grads)
-        dense_p, expert_p = self._split(self.params)
-        if self.world > 1 and dense_g:
-            dense_g = allreduce_gradients(dense_g, dense_p, group=self.group)
-        if expert_g:  # over the ranks holding the same slices
-            expert_g = self.experts.reduce(expert_g, expert_p)
-        grads = self._join(dense_g, expert_g)
-        self._reduced = grads
-        if self.masters is None:
-            for p, g in zip(self.params, grads):
-                p.grad = g
-        elif not self.offload:
-            for m, g in zip(self.masters, grads):
-                m.grad = g
-
-    def _split(self, items: list) -> tuple[list, list]:
-        """(dense, expert slices) of a list in the order of ``self.params``."""
-        return ([x for x, e in zip(items, self.is_expert) if not e],
-                [x for x, e in zip(items, self.is_expert) if e])
-
-    def _join(self, dense: list, experts: list) -> list:
-        """Inverse of :meth:`_split`."""
-        d, e = iter(dense), iter(experts)
-        return [next(e) if x else next(d) for x in self.is_expert]
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [g for g in self._reduced or [] if g is not None]
-
-    def grad_norm(self) -> float:
-        if self.experts is not None:  # dense² + every expert once (the group's slices)
-            dense, experts = self._split(self._reduced or [None] * len(self.params))
-            return self.experts.norm([g for g in dense if g is not None],
-                                     [g for g in experts if g is not None], device=self.device)
-        grads = self._grads()  # as torch.nn.utils.clip_grad_norm_ computes it
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-
-    def scale_gradients(self, coef: float) -> None:
-        for g in self._grads():
-            g.mul_(coef)
-
-    @torch.no_grad()
-    def apply_update(self) -> None:
-        if self.offload:  # the reduced gradients to the host copies' (one synchronization)
-            for g, buf in zip(self._reduced, self.host_grads):
-                if g is not None:
-                    to_host(buf, g)
-            synchronize(self.device)
-            for s, g, buf in zip(self.stepped, self._reduced, self.host_grads):
-                s.grad = None if g is None else buf
-        self.optimizer.step()  # the gradients stay (readable after the step)
-        self.masters_loaded()
-        if self.masters is not None:  # the model holds the masters' cast, and their grads
-            for g, p in zip(self._reduced, self.params):
-                p.grad = None if g is None else g.to(p.dtype)
-
-    @torch.no_grad()
-    def masters_loaded(self) -> None:
-        """The model's weights from what the optimizer steps (the masters, the host copies)."""
-        if self.stepped is self.params:
-            return
-        for s, p in zip(self.stepped, self.params):
-            to_device(p, s)
-
-    def discard_gradients(self) -> None:
-        self.zero_grad()
-
-    @torch.no_grad()
-    def load_masters(self, state: dict) -> None:
-        """The masters (or host copies) from whole tensors (``state`` by parameter name;
-        those absent: from the model's parameters), after the model's weights were set."""
-        if self.stepped is self.params:
-            return
-        for s, name, p in zip(self.stepped, self.names, self.params):
-            s.copy_(state[name] if name in state else p)
-
-    def state_bytes(self) -> dict:
-        # every weight held (a LoRA model's frozen base too); grads/optimizer: trained only
-        model = sum(tensor_bytes(p) for p in self.model.parameters())
-        kept = sum(tensor_bytes(s) for s in self.stepped) if self.stepped is not self.params \
-            else 0
-        optimizer = optimizer_bytes(self.optimizer)
-        if self.offload:
-            host = kept + optimizer + sum(tensor_bytes(g) for g in self.host_grads)
-            return {"params": model, "grads": self._grad_bytes, "optimizer": 0, "host": host}
-        return {"params": model + kept, "grads": self._grad_bytes, "optimizer": optimizer,
-                "host": 0}
-
-    @torch.no_grad()
-    def param_norm(self) -> float:
-        if self.experts is not None:
-            return self.experts.norm(*self._split(self.stepped), device=self.device)
-        return float(sum(p.double().pow(2).sum() for p in self.stepped) ** 0.5)
-
-    def held(self) -> list:
-        """Every rank holds every trained parameter whole: what it steps (the masters where
-        kept, the host copies offloaded) as one box at the origin; an expert slice is its box
-        of the whole tensor."""
-        from runtime.checkpoints.logical import Held
-
-        out = []
-        for n, p, s in zip(self.names, self.params, self.stepped):
-            if self.experts is not None and self.experts.holds(p):
-                out.append(self.experts.held_box(n, p, s))
-            else:
-                out.append(Held(n, tuple(p.shape), s, offsets=(0,) * p.dim()))
-        return out
-
-    def logical_loaded(self) -> None:
-        self.masters_loaded()
-
-    @torch.no_grad()
-    def full_state(self) -> dict:
-        """The model's state dict (expert slices gathered: a collective where divided)."""
-        if self.experts is not None:
-            return self.experts.full_state(self.model)
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+    # the parts' lists joined (dense, then the expert slices): checkpoints and tests read them
+    names = property(lambda self: self._joined("names"))
+    params = property(lambda self: self._joined("params"))
+    stepped = property(lambda self: self._joined("stepped"))
+    masters = property(lambda self: self._joined("masters"))
+    _reduced = property(lambda self: self._joined("reduced"))

@@ -17,7 +17,7 @@ The layout (:func:`layout_of`, validated once by ``runtime.engine.ParallelLayout
 - ``ulysses_sequence_parallel_size`` is the context-parallel size C: groups of C consecutive
   ranks walk one tree together, each rank its rows of every pack and its heads inside
   attention (docs/context-parallel.md), as verl's Ulysses groups divide a micro-batch;
-- ``dta_sharding`` (``replicate`` | ``zero1`` | ``fsdp``) is how the training state is held;
+- ``dta_sharding`` (``replicate`` | ``zero1`` | ``zero2`` | ``fsdp``) is how the training state is held;
   unset, it is what verl's FSDP engine does with ``fsdp_size``: ``-1`` (verl's default: shard
   over the whole world) is ``fsdp``, ``1`` (a DDP mesh) is ``replicate``, ``1 < S < W`` is
   HSDP (``fsdp`` sharded within groups of S ranks, replicated across them, as verl's
@@ -66,7 +66,7 @@ SPELLING = {"world": "the world size of verl's process group",
 @dataclass
 class DTAEngineConfig(FSDPEngineConfig):
     """``FSDPEngineConfig`` plus ``dta`` (the walk's options: ``dta.options.WalkOptions``
-    fields but ``temperature``) and ``dta_sharding`` (``replicate`` | ``zero1`` | ``fsdp``;
+    fields but ``temperature``) and ``dta_sharding`` (``replicate`` | ``zero1`` | ``zero2`` | ``fsdp``;
     None: from ``fsdp_size``, see the module doc). In verl's config:
     ``actor_rollout_ref.actor.fsdp_config._target_=runtime.verl.DTAEngineConfig``,
     ``+...fsdp_config.dta.<option>=<value>`` and ``...fsdp_config.dta_sharding=zero1``."""

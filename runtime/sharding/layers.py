@@ -1,0 +1,227 @@
+"""The decoder layers as FSDP2 shards: fsdp's and zero2's :class:`LayerPart` (:mod:`.parts`).
+
+Kept two ways:
+
+- **fp32 shards** (the default): FSDP2's ``Shard(0)`` DTensors in the master dtype are the
+  masters -- what the optimizer steps -- and where FSDP2 sums the walk's per-call gradients
+  (FSDP2 accumulates a parameter's gradient in the parameter's dtype);
+- **compute-dtype shards** (``train.offload=optimizer``: :func:`compact_shards`): the
+  device keeps only the compute dtype's shards (what each call gathers from; half of the fp32
+  shards' bytes under bf16), the fp32 masters and the optimizer state live on the host, and
+  the gradients are summed over the walk's calls in an **fp32 gradient shard on the device**:
+  each unit's reduce-scatter output (fp32, FSDP2's ``reduce_dtype``) is added to it by
+  FSDP2's all-reduce hook (``set_all_reduce_hook``) before FSDP2 casts it to the shard's
+  dtype, and the 16-bit gradient FSDP2 then makes is dropped (a post-accumulate-grad hook),
+  so no call's gradient is ever summed in 16 bits. The step copies the fp32 shard to the
+  host, steps the fp32 masters there and copies them back, cast, into the shards.
+
+Either way the part is reduced per call by FSDP2 and summed over HSDP's replicas once per
+step by the mode.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from runtime.sharding.common import tensor_bytes
+from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
+from runtime.sharding.parts import Part
+
+__all__ = ["LayerPart", "compact_shards"]
+
+
+class _Summed:
+    """One FSDP2 unit's fp32 gradient shard: the sum of its reduce-scatter outputs (FSDP2's
+    flat layout: per parameter, in the unit's order, its padded ``Shard(0)`` chunk --
+    ``ceil(rows / S)`` rows -- of which the first ``to_local().numel()`` elements are this
+    rank's shard)."""
+
+    def __init__(self, params: list, ranks: int):
+        self.params = params
+        self.spans, at = [], 0
+        for p in params:
+            self.spans.append((at, p.to_local().shape))
+            at += math.ceil(p.shape[0] / ranks) * math.prod(p.shape[1:])
+        self.total, self.buf = at, None
+
+    def __call__(self, out: torch.Tensor) -> None:
+        if out.numel() != self.total:
+            raise RuntimeError(f"an FSDP2 unit reduced {out.numel()} elements, its fp32 "
+                               f"gradient shard expects {self.total} (FSDP2's layout changed)")
+        if self.buf is None:
+            self.buf = out.detach().clone()
+        else:
+            self.buf += out
+
+    def grads(self) -> list:
+        if self.buf is None:
+            return [None] * len(self.params)
+        return [self.buf[a:a + math.prod(shape)].view(shape) for a, shape in self.spans]
+
+
+def _drop_grad(p) -> None:
+    p.grad = None
+
+
+def compact_shards(units: list, compute_dtype: torch.dtype, ranks: int) -> list:
+    """Cast the FSDP2 units' shards to ``compute_dtype`` and sum their gradients in fp32 (the
+    module doc); returns one :class:`_Summed` per unit (in ``units``' order)."""
+    from torch.distributed.tensor import DTensor
+
+    def cast(t):
+        return t.to(compute_dtype) if isinstance(t, DTensor) and t.is_floating_point() else t
+
+    units[-1]._apply(cast)  # the root: every unit (FSDP2 re-registers the shards)
+    owned, summed = set(), []
+    for unit in units:  # the layers first: a unit's own shards are those no layer took
+        own = [p for p in unit.parameters() if isinstance(p, DTensor) and id(p) not in owned]
+        owned |= {id(p) for p in own}
+        acc = _Summed(own, ranks)
+        unit.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed flat layout
+        unit.set_all_reduce_hook(acc)
+        for p in own:
+            p.register_post_accumulate_grad_hook(_drop_grad)
+        summed.append(acc)
+    return summed
+
+
+class LayerPart(Part):
+    """The layers' FSDP2 shards (module doc). ``named``: ``(name, shard)``; ``summed``: the
+    units' fp32 gradient shards (:func:`compact_shards`) when the shards are in the compute
+    dtype, else None; ``masters``: host copies of the fp32 shards as built (their local
+    tensors; default: from the shards), what the host masters start from."""
+
+    def __init__(self, named, *, group, replicas, device, offload, summed=None, masters=None):
+        self.names = [n for n, _ in named]
+        self.sharded = [p for _, p in named]
+        self.group, self.replicas, self.device = group, replicas, device
+        self.offload, self.summed = bool(offload), summed
+        if self.offload and masters is None:
+            masters = [host_copy(p.to_local()) for p in self.sharded]
+        self.stepped = [torch.nn.Parameter(_like(p, m)) for p, m in zip(self.sharded, masters)] \
+            if self.offload else list(self.sharded)
+        self.host_grads = [host_empty(m.shape, m.dtype) for m in masters] \
+            if self.offload else []
+        order = {id(p): i for i, p in enumerate(self.sharded)}
+        self._order = None if summed is None else [
+            order[id(p)] for acc in summed for p in acc.params]
+        self.local: list | None = None  # compute-dtype shards: the fp32 gradients this step
+
+    def _grads(self) -> list:
+        """This rank's fp32 gradient shards, by parameter (None: no gradient)."""
+        if self.summed is None:
+            return [None if p.grad is None else p.grad.to_local() for p in self.sharded]
+        if self.local is None:
+            flat = [g for acc in self.summed for g in acc.grads()]
+            self.local = [None] * len(self.sharded)
+            for i, g in zip(self._order, flat):
+                self.local[i] = g
+        return self.local
+
+    def gradients(self) -> list:
+        """The reduced fp32 gradients as DTensors of the shards' mesh (None: no gradient),
+        by parameter: what tools and tests read, either way the shards are kept."""
+        return [None if g is None else _like(p, g) for p, g in zip(self.sharded, self._grads())]
+
+    def zero_grad(self) -> None:
+        self.discard()
+
+    def replica_terms(self):
+        return [], list(self._grads()), [p.to_local() for p in self.sharded]
+
+    def replica_summed(self, grads: list) -> None:
+        if self.summed is not None:
+            self.local = list(grads)
+            return
+        for p, g in zip(self.sharded, grads):
+            if p.grad is None and g is not None:  # only the other replicas had one
+                p.grad = _like(p, g)
+
+    def held_gradients(self) -> int:
+        return sum(tensor_bytes(g) for g in self._grads())
+
+    def grad_squared(self) -> float:
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in self._grads():
+            if g is not None:
+                local += g.double().pow(2).sum()
+        dist.all_reduce(local, group=self.group)
+        return float(local)
+
+    @torch.no_grad()
+    def param_squared(self) -> float:
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for h in self.stepped:
+            local += h.to_local().double().pow(2).sum().to(self.device)
+        dist.all_reduce(local, group=self.group)
+        return float(local)
+
+    def scale(self, coef: float) -> None:
+        for g in self._grads():
+            if g is not None:
+                g.mul_(coef)
+
+    @torch.no_grad()
+    def to_optimizer(self) -> None:
+        if not self.offload:
+            return
+        grads = self._grads()
+        for g, buf in zip(grads, self.host_grads):  # the fp32 gradient shards to the host
+            if g is not None:
+                to_host(buf, g)
+        synchronize(self.device)
+        for g, h, buf in zip(grads, self.stepped, self.host_grads):
+            h.grad = None if g is None else _like(h, buf)
+
+    def discard(self) -> None:
+        for p, h in zip(self.sharded, self.stepped):
+            p.grad = None
+            h.grad = None
+        for acc in self.summed or ():
+            acc.buf = None
+        self.local = None
+
+    @torch.no_grad()
+    def load_masters(self, state: dict) -> None:
+        """Offloaded: the host masters from the layer shards (set from ``state``; in the
+        compute dtype: from ``state`` itself, where it holds the parameter)."""
+        for n, p, h in zip(self.names, self.sharded, self.stepped):
+            if h is p:
+                continue
+            if self.summed is not None and n in state:
+                rows = _rows(p)
+                h.to_local().copy_(state[n].detach()[rows[0]:rows[1]].to(h.dtype))
+            else:
+                h.to_local().copy_(p.to_local())
+
+    @torch.no_grad()
+    def masters_loaded(self) -> None:
+        for p, h in zip(self.sharded, self.stepped):
+            if h is not p:
+                to_device(p.to_local(), h.to_local())
+
+    def held(self) -> list:
+        from runtime.checkpoints.logical import held_dtensor
+
+        return [held_dtensor(n, h) for n, h in zip(self.names, self.stepped)]
+
+    def bytes(self) -> dict:
+        host = sum(tensor_bytes(h) for h in self.stepped) + sum(
+            tensor_bytes(g) for g in self.host_grads) if self.offload else 0
+        return {"params": sum(tensor_bytes(p) for p in self.sharded), "host": host}
+
+
+def _rows(p) -> tuple[int, int]:
+    """The rows of the whole parameter this rank's ``Shard(0)`` piece holds."""
+    first = p.__create_chunk_list__()[0].offsets[0]
+    return first, first + p.to_local().shape[0]
+
+
+def _like(p, local: torch.Tensor):
+    """A DTensor of ``p``'s mesh, placements and shape with ``local`` as this rank's part."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
