@@ -113,7 +113,7 @@ def reduced_gradients(mode) -> dict:
     """Every reduced gradient as the mode holds it after its reduction (a collective: flat
     shards gathered over their groups, FSDP's DTensors over the world); an expert slice's
     stays the slice."""
-    import torch.distributed as dist
+    from dta.model.collectives import all_gather_single
 
     if mode.name == "replicate":
         return {n: p.grad.detach().clone() for n, p in zip(mode.names, mode.stepped)
@@ -126,7 +126,7 @@ def reduced_gradients(mode) -> dict:
         mine[: f.hi - f.lo].copy_(f.grad_shard)
         full = torch.empty(f.chunk * f.world, dtype=f.master_dtype)
         if f.world > 1:
-            dist.all_gather_single(full, mine, group=f.group)
+            all_gather_single(full, mine, group=f.group)
         else:
             full = mine
         for i, (name, p) in enumerate(zip(f.names, f.params)):

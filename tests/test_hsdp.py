@@ -44,7 +44,7 @@ def reference_overrides(case):
 def full_gradients(mode) -> dict:
     """Every reduced gradient, whole (a collective within the shard group: every rank calls
     it), right after ``reduce_gradients`` -- read from the mode's own state."""
-    import torch.distributed as dist
+    from dta.model.collectives import all_gather_single
 
     if mode.name == "replicate":
         return {n: g.detach().clone() for n, g in zip(mode.names, mode._reduced)
@@ -55,7 +55,7 @@ def full_gradients(mode) -> dict:
         mine = torch.zeros(f.chunk, dtype=f.master_dtype, device=f.device)
         mine[: f.hi - f.lo].copy_(f.grad_shard)
         full = torch.empty(f.chunk * f.world, dtype=f.master_dtype, device=f.device)
-        dist.all_gather_single(full, mine, group=f.group)
+        all_gather_single(full, mine, group=f.group)
         has = f.has_gradient()
         for i, (name, p) in enumerate(zip(f.names, f.params)):
             if has[i]:

@@ -112,11 +112,11 @@ class ExpertParallel:
     @torch.no_grad()
     def full_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The whole ``[n, ...]`` tensor of a slice ``t`` (a collective over the group)."""
-        import torch.distributed as dist
+        from dta.model.collectives import all_gather_single
 
         t = t.detach().contiguous()
         out = t.new_empty((t.shape[0] * self.size, *t.shape[1:]))
-        dist.all_gather_single(out, t, group=self.group)
+        all_gather_single(out, t, group=self.group)
         return out
 
     # --------------------------------------------------------- matched calls --

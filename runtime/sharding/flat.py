@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dta.model.collectives import all_gather_single, reduce_scatter_single
 from runtime.sharding.base import master_dtype_for
 from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
 
@@ -134,7 +135,7 @@ class FlatShards:
             for r in range(W):
                 self._copy_flat(send[r], r * S + j, r * S + j + width)
             if W > 1:
-                dist.reduce_scatter_single(shard[j:j + width], send.contiguous().view(-1),
+                reduce_scatter_single(shard[j:j + width], send.contiguous().view(-1),
                                            op=dist.ReduceOp.SUM, group=self.group)
             else:
                 shard[j:j + width].copy_(send[0])
@@ -183,7 +184,7 @@ class FlatShards:
         mine = torch.zeros(self.chunk, dtype=self.compute_dtype, device=self.device)
         to_device(mine[: self.hi - self.lo], self.master)
         if self.world > 1:
-            dist.all_gather_single(full, mine, group=self.group)
+            all_gather_single(full, mine, group=self.group)
         else:
             full = mine
         for p, a, n in zip(self.params, self.offsets, self.numels):
