@@ -1,1 +1,0 @@
-"""Training records: their fields and checks (``fields``) and the JSONL format (``jsonl``)."""

@@ -1,5 +1,0 @@
-import sys
-
-from dta_cli.main import main
-
-sys.exit(main())

@@ -1,1 +1,0 @@
-"""Examples of AReaL's RL loop with DTA (``python -m runtime.areal.examples.tau2_grpo``)."""
