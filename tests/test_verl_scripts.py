@@ -31,7 +31,8 @@ def test_example_grpo_step_through_verl_config(capsys):
     assert res["walk_options"]["block_tokens"] == "2048"
     assert res["layout"] == {"world": 1, "context_parallel": 1, "data_parallel": 1,
                              "sharding": "replicate", "expert_parallel": 1, "shard_size": 1,
-                             "offload": "none"}  # one process: nothing to shard
+                             "offload": "none", "node_resident": False,
+                             "prefetch": False}  # one process: nothing to shard
     (step,) = res["steps"]
     assert step["sequences"] == 9 and step["grad_norm"][0] > 0
     assert step["tree_token_ratio"][0] > 2.0  # multi-turn rows share prefixes
