@@ -144,14 +144,9 @@ def save_hf(core, meta: SaveLoadMeta, *, use_lora: bool) -> None:
 
 
 def load_dcp(core, meta: SaveLoadMeta, extra: dict | None) -> None:
-    try:
-        final, saved = core.find_checkpoint(str(meta.path))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no DCP checkpoint under {str(meta.path)!r} (expected "
-                                "step-*/meta.json written by save)") from None
-    if saved.get("kind") != DCP_KIND:
-        raise ValueError(f"checkpoint {final!r} is a {saved.get('kind')!r} checkpoint, not "
-                         f"a DTATrainEngine recover checkpoint ({DCP_KIND})")
+    final, _ = core.find_checkpoint(str(meta.path), kind=DCP_KIND, name="DCP checkpoint",
+                                    whose="a DTATrainEngine recover checkpoint",
+                                    writer="save")
     # the core's state is its layout-free view: written under any actor.dta.sharding,
     # world size or allocation, it loads under this engine's (runtime.checkpoints.reshard)
     core.load(final, extra_state=extra)

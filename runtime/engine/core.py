@@ -396,10 +396,21 @@ class EngineCore:
         return checkpoint.save(self, directory, step, meta, run_id=run_id, keep_last=keep_last,
                                dcp=dcp)
 
-    def find_checkpoint(self, path: str) -> tuple[str, dict]:
+    def find_checkpoint(self, path: str, *, kind: str, name: str, whose: str,
+                        writer: str) -> tuple[str, dict]:
         """The checkpoint at ``path`` (its folder, or the newest under a run's folder) and
-        its meta, read before anything is loaded."""
-        return checkpoint.find(path)
+        its meta, read before anything is loaded: a front door's own ``kind`` (``name`` /
+        ``whose`` call it so in the errors, ``writer`` is the call that writes it), anything
+        else refused in one line."""
+        try:
+            final, meta = checkpoint.find(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no {name} under {path!r} (expected "
+                                    f"step-*/meta.json written by {writer})") from None
+        if meta.get("kind") != kind:
+            raise ValueError(f"checkpoint {final!r} is a {meta.get('kind')!r} checkpoint, not "
+                             f"{whose} ({kind})")
+        return final, meta
 
     def load(self, path: str, *, extra_state: dict | None = None) -> dict:
         """The checkpoint at ``path`` (its folder, or the newest under a run's folder) into

@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+import runtime.sharding.residence as residence
 from dta.planning.memory import SHARDINGS as PRICED
 from runtime.errors import ShardingRefused
 from runtime.sharding.common import tensor_bytes
@@ -203,8 +204,6 @@ class Sharding:
         rollout takes the accelerator); ``"device"``: what went, back where it was. Views stay
         views, every layout alike (:mod:`.residence`). ``fresh``: copy every storage, even
         one already in place (a CPU-only machine's host is its device)."""
-        from runtime.sharding import residence
-
         if where not in ("host", "device"):
             raise ValueError(f"Sharding.to({where!r}): 'host' or 'device'")
         parked = getattr(self, "_parked", None)

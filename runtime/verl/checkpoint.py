@@ -36,12 +36,6 @@ def save_checkpoint(core, lr_scheduler, path: str, *, step: int = 0,
 def load_checkpoint(core, lr_scheduler, path: str) -> dict:
     """The newest checkpoint under ``path`` (or ``path`` itself, a ``step-*`` folder) into the
     core and the LR scheduler, in place (every rank); returns its meta."""
-    try:
-        final, meta = core.find_checkpoint(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no dta engine checkpoint under {path!r} (expected "
-                                "step-*/meta.json written by save_checkpoint)") from None
-    if meta.get("kind") != KIND:
-        raise ValueError(f"checkpoint {final!r} is a {meta.get('kind')!r} checkpoint, not the "
-                         f"dta verl engine's ({KIND})")
+    final, _ = core.find_checkpoint(path, kind=KIND, name="dta engine checkpoint",
+                                    whose="the dta verl engine's", writer="save_checkpoint")
     return core.load(final, extra_state=_extra(lr_scheduler))
