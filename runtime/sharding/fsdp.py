@@ -39,6 +39,11 @@ engine core matches the ranks' calls within the shard group where every context-
 expert-parallel group lies inside one (``ParallelLayout.lockstep_in_shard``), else over the
 world. The expert slices' flat shards are cut over their replicas, not the shard group.
 
+Node residency (``train.node_resident``, S < W: ZeRO++'s hpZ, :mod:`.node_resident`): the
+layer shards over the node in the compute dtype, their fp32 masters, AdamW state and
+cross-node gradient sum sharded across the replicas (one reduce-scatter and one all-gather
+across the nodes per step, whatever the calls); the vocabulary's flat shards over the world.
+
 Offload (``train.offload=optimizer``, :mod:`.offload`): the device keeps the layers' shards
 in the compute dtype only (what each call gathers from) and their gradients summed over the
 walk's calls in an fp32 gradient shard (:mod:`.layers`); the optimizer steps fp32 host masters
