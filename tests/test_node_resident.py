@@ -187,3 +187,21 @@ def test_node_resident_checkpoint_resumes_as_a_replica_and_back(tmp_path):
 @pytest.mark.slow
 def test_node_resident_checkpoint_resumes_under_fsdp_with_context_parallelism(tmp_path):
     _resume(tmp_path, fsdp_too=True)
+
+
+# ---------------------------------------------------------------------- the layout --
+def test_the_layout_builds_node_residency_and_refuses_it_without_a_node():
+    """``train.node_resident=true`` resolves to a layout (no longer refused as unbuilt);
+    without a shard group below the world, or under another mode, it is a one-line error
+    naming the key."""
+    from dta.config.schema import load_config
+    from runtime.engine import resolve_run_config
+    from runtime.errors import LayoutError
+
+    base = ["train.sharding=fsdp", "ray.num_workers=4", "train.node_resident=true"]
+    layout = resolve_run_config(load_config(None, base + ["train.shard_size=2"]), None).layout
+    assert layout.node_resident and layout.shard_size == 2 and layout.record()["node_resident"]
+    for extra in ([], ["train.shard_size=2", "train.sharding=zero1"]):
+        cfg = load_config(None, [*base, *extra])
+        with pytest.raises(LayoutError, match="node_resident"):
+            resolve_run_config(cfg, None)
