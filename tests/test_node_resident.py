@@ -205,3 +205,45 @@ def test_the_layout_builds_node_residency_and_refuses_it_without_a_node():
         cfg = load_config(None, [*base, *extra])
         with pytest.raises(LayoutError, match="node_resident"):
             resolve_run_config(cfg, None)
+
+
+# ------------------------------------------- with expert and context parallelism --
+COMPOSED = [("expert parallel 2", ["model.family=qwen3_moe", "train.expert_parallel=2"]),
+            ("context parallel 2", ["train.context_parallel=2"])]
+
+
+def composed_on_ranks(rank, world):
+    torch.set_num_threads(1)
+    return [record(rank, world, overrides("fsdp", "recompute", 2) + RESIDENT + extra)
+            for _, extra in COMPOSED]
+
+
+@pytest.mark.slow
+def test_node_resident_with_expert_and_context_parallelism_equals_one_process():
+    """2 nodes of 2 with E = 2 (the expert slices: flat shards over their replicas, beside
+    the node-resident layers) and with C = 2 (a tree's ranks inside one node): log-probs,
+    each step's loss, the parameters after two steps and every dense gradient (the expert
+    slices' are not read back here) equal one process's."""
+    from tests.test_hsdp import TOL, rel, rel_state
+
+    results = run_ranks(composed_on_ranks, 4, timeout=900.0)
+    for i, (what, extra) in enumerate(COMPOSED):
+        family = [x for x in extra if x.startswith("model.family")]
+        ref = record(0, 1, overrides("fsdp", "recompute") + family, counted=False)
+        ranks = [results[r][i] for r in range(4)]
+        heads = ranks[::2] if "context" in what else ranks  # a CP group's loss: its head's
+        for k, step in enumerate(ref["steps"]):
+            loss = sum(r["steps"][k]["loss"] for r in heads)
+            assert abs(loss - step["loss"]) <= TOL * abs(step["loss"]), (what, k, loss)
+        worst = 0.0
+        for got in ranks:
+            for j in (0, 1):
+                worst = max(worst, rel(got["logprobs"][j], ref["logprobs"][j]))
+            for k, step in enumerate(ref["steps"]):
+                worst = max(worst, rel_state(got["steps"][k]["state"], step["state"]))
+                dense = set(got["steps"][k]["grads"])
+                assert dense and dense <= set(step["grads"]), (what, k)
+                for name in dense:
+                    worst = max(worst, rel(got["steps"][k]["grads"][name], step["grads"][name]))
+        assert worst <= TOL, (what, worst)
+        print(f"node-resident 2 x 2, {what}: worst relative error vs one process {worst:.2g}")
