@@ -15,6 +15,8 @@ the Ray worker runs them:
   collectives, ``experiments.bench_node_resident``'s count) are the same for two numbers of
   calls (whole paths vs blocks of 16 tokens: the in-node collectives differ), and are the
   planner's ``replica_traffic`` figure plus the step's scalars (norms, presence flags);
+- with expert parallelism (E = 2) and context parallelism (C = 2) too (slow); the mode moves to
+  the host and back bit-identically (slow, 2 ranks as 2 nodes of 1);
 - a checkpoint saved under node residency resumes under fsdp on 2 ranks and under one
   replica, and a replica's resumes under node residency (tests/test_resume_layouts.py's
   snapshot, relative L2 <= 1e-12 after step 4).
@@ -247,3 +249,27 @@ def test_node_resident_with_expert_and_context_parallelism_equals_one_process():
                     worst = max(worst, rel(got["steps"][k]["grads"][name], step["grads"][name]))
         assert worst <= TOL, (what, worst)
         print(f"node-resident 2 x 2, {what}: worst relative error vs one process {worst:.2g}")
+
+
+# ------------------------------------------------------------------- residence --
+def _round_trips(rank, world, move):
+    import tests.test_residence as tr
+
+    plain = tr.overrides
+    tr.overrides = lambda *case: plain(*case) + ["train.node_resident=true"]
+    return tr.round_trips(rank, world, ("fsdp", "recompute", 1, "none"), move)
+
+
+@pytest.mark.slow
+def test_node_resident_moves_to_the_host_and_back_bit_identically():
+    """2 ranks as 2 nodes of 1: every storage the mode holds (the node shards, the flat
+    master slices and their AdamW state) moved to the host and back (``Sharding.to``,
+    tests/test_residence.py's check); two more steps equal the run without the moves."""
+    from tests.test_residence import _same
+
+    moved = run_ranks(_round_trips, 2, True)
+    plain = run_ranks(_round_trips, 2, False)
+    for rank, (got, ref) in enumerate(zip(moved, plain)):
+        assert got["held"] > 0 and got["kept"] == 0 and got["back_kept"] == 0, (rank, got)
+        assert got["same"] and got["count"][0] == got["count"][1] == got["held"], (rank, got)
+        assert _same(got["state"], ref["state"]), rank
