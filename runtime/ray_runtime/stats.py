@@ -88,6 +88,9 @@ def summarize(history: list[StepStats], trainer=None) -> dict:
             out["placement"] = group.placement.strategy if group.placement else None
             out["rendezvous"] = group.rendezvous
         out["completed_steps"] = trainer.completed_steps
+        settings = getattr(trainer, "_settings", None)  # the resolved run settings
+        if settings is not None:  # the layout: shard size, offload, node residency, ...
+            out["layout"] = settings.layout.record()
         cp = getattr(trainer, "context_parallel", 1)  # docs/context-parallel.md
         if isinstance(cp, int):
             W = len(history[0].workers)

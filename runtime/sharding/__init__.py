@@ -12,7 +12,8 @@ the model and the optimizer before the walk and does all the communication aroun
 
 A mode is a list of parts (:mod:`.parts`), one per kind of trained state, and its step loops
 over them. zero1, zero2 and fsdp shard within groups of ``train.shard_size`` ranks and replicate across them
-(HSDP, :mod:`.hsdp`); every mode can keep the optimizer's state in host memory
+(HSDP, :mod:`.hsdp`; fsdp's node residency, ``train.node_resident``, shards its masters
+across those groups too: :mod:`.node_resident`); every mode can keep the optimizer's state in host memory
 (``train.offload=optimizer``, :mod:`.offload`).
 
 A mode is a registered class behind one interface (:mod:`.base`: ``Sharding``,

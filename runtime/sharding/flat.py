@@ -107,13 +107,23 @@ class FlatShards:
             dist.all_reduce(t, group=self.group)
         return t
 
-    def _copy_flat(self, dst: torch.Tensor, lo: int, hi: int) -> None:
+    def gradients(self) -> list:
+        """The gradients to reduce, by parameter (None: none): the parameters' ``.grad``
+        (a subclass may keep them elsewhere: :mod:`.node_resident`)."""
+        return [p.grad for p in self.params]
+
+    def release_gradients(self) -> None:
+        """After the reduction: drop :meth:`gradients`."""
+        for p in self.params:
+            p.grad = None
+
+    def _copy_flat(self, dst: torch.Tensor, lo: int, hi: int, grads: list) -> None:
         """dst[:] = the gradients' flat elements [lo, hi) (zeros past N or without grad)."""
         dst.zero_()
-        for p, a, n in zip(self.params, self.offsets, self.numels):
+        for g, a, n in zip(grads, self.offsets, self.numels):
             s, e = max(a, lo), min(a + n, hi)
-            if s < e and p.grad is not None:
-                dst[s - lo:e - lo].copy_(p.grad.reshape(-1)[s - a:e - a])
+            if s < e and g is not None:
+                dst[s - lo:e - lo].copy_(g.reshape(-1)[s - a:e - a])
 
     def reduce_gradients(self, bucket_elems: int = BUCKET_ELEMS) -> None:
         """Reduce-scatter the compute parameters' ``.grad`` into this rank's slice (SUM over
@@ -122,7 +132,8 @@ class FlatShards:
         is ceil(S / b), a property of the model, never of the walk. Sets ``grad_shard`` (on
         the device) and ``presence`` (per parameter, how many ranks of the group had a
         gradient; HSDP adds the other replicas' before :meth:`step_gradients`)."""
-        present = torch.tensor([p.grad is not None for p in self.params],
+        grads = self.gradients()
+        present = torch.tensor([g is not None for g in grads],
                                dtype=self.master_dtype, device=self.device)
         self._all_reduce(present)
         S, W = self.chunk, self.world
@@ -133,15 +144,14 @@ class FlatShards:
             width = min(b, S - j)
             send = buf[:, :width]
             for r in range(W):
-                self._copy_flat(send[r], r * S + j, r * S + j + width)
+                self._copy_flat(send[r], r * S + j, r * S + j + width, grads)
             if W > 1:
                 reduce_scatter_single(shard[j:j + width], send.contiguous().view(-1),
                                            op=dist.ReduceOp.SUM, group=self.group)
             else:
                 shard[j:j + width].copy_(send[0])
-        del buf
-        for p in self.params:
-            p.grad = None
+        del buf, grads
+        self.release_gradients()
         self.grad_shard = shard[: self.hi - self.lo]
         self.presence = present
 

@@ -39,6 +39,11 @@ engine core matches the ranks' calls within the shard group where every context-
 expert-parallel group lies inside one (``ParallelLayout.lockstep_in_shard``), else over the
 world. The expert slices' flat shards are cut over their replicas, not the shard group.
 
+Node residency (``train.node_resident``, S < W: ZeRO++'s hpZ, :mod:`.node_resident`): the
+layer shards over the node in the compute dtype, their fp32 masters, AdamW state and
+cross-node gradient sum sharded across the replicas (one reduce-scatter and one all-gather
+across the nodes per step, whatever the calls); the vocabulary's flat shards over the world.
+
 Offload (``train.offload=optimizer``, :mod:`.offload`): the device keeps the layers' shards
 in the compute dtype only (what each call gathers from) and their gradients summed over the
 walk's calls in an fp32 gradient shard (:mod:`.layers`); the optimizer steps fp32 host masters
@@ -54,6 +59,7 @@ from runtime.sharding.common import tensor_bytes
 from runtime.sharding.experts import ExpertPart
 from runtime.sharding.hsdp import dense_part, shard_mesh
 from runtime.sharding.layers import LayerPart, compact_shards
+from runtime.sharding.node_resident import node_resident_layers
 from runtime.sharding.offload import host_copy
 from runtime.sharding.parts import FlatPart
 
@@ -88,7 +94,10 @@ class FSDP(Sharding):
         decoder = model.get_decoder()
         vocab = self.vocab_params()
         flat = dict(compute_dtype=self.compute_dtype, offload=offload)
-        self.vocab_part = FlatPart(vocab, group=self.group, replicas=dense.replicas, **flat)
+        node = layout is not None and layout.node_resident  # hpZ (runtime.sharding.node_resident)
+        # node-resident: the vocabulary's flat shards over the world, not replicated per node
+        self.vocab_part = FlatPart(vocab, group=groups.world if node else self.group,
+                                   replicas=None if node else dense.replicas, **flat)
         self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
         slices = self.experts.split(list(model.named_parameters()))[1] if self.experts else []
         trained = [(n, p) for n, p in slices if p.requires_grad]
@@ -122,15 +131,21 @@ class FSDP(Sharding):
         layers = [(n, p) for n, p in model.named_parameters() if p.requires_grad
                   and id(p) not in vocab_ids and id(p) not in expert_ids]
         summed = built_shards = None
-        if offload:  # the device keeps compute-dtype shards only (runtime.sharding.layers)
+        if node:
+            self.layer_part = node_resident_layers(
+                layers, units=self.units, compute_dtype=self.compute_dtype, shard=self.group,
+                replicas=dense.replicas, world=groups.world, device=device, offload=offload,
+                model=model)
+        elif offload:  # the device keeps compute-dtype shards only (runtime.sharding.layers)
             built_shards = [host_copy(p.to_local()) for _, p in layers]  # the fp32 masters
             summed = compact_shards(self.units, self.compute_dtype,
                                     dist.get_world_size(self.group))
             names = {n for n, _ in layers}
             layers = [(n, p) for n, p in model.named_parameters() if n in names]
-        self.layer_part = LayerPart(layers, group=self.group, replicas=dense.replicas,
-                                    device=device, offload=offload, summed=summed,
-                                    masters=built_shards)
+        if not node:
+            self.layer_part = LayerPart(layers, group=self.group, replicas=dense.replicas,
+                                        device=device, offload=offload, summed=summed,
+                                        masters=built_shards)
         del built_shards
         self.parts = [self.layer_part, self.vocab_part, *expert_parts]
         for part in self.parts[1:]:
