@@ -60,5 +60,8 @@ LAYOUTS = {
 }
 
 # The parallel axes every layout is crossed with: (context parallel C, expert parallel E,
-# the MoE model); E > 1 needs an MoE model (the tiny Qwen3-MoE).
-AXES = {"plain": (1, 1, False), "cp2": (2, 1, False), "ep2": (1, 2, True)}
+# the MoE model, further overrides); E > 1 needs an MoE model (the tiny Qwen3-MoE). The last
+# composes both on 2 ranks (E = C: one tree, each rank routing its own rows) under the
+# walker's retain policy (a pack's backward long after its forward: the lockstep's rounds).
+AXES = {"plain": (1, 1, False, ()), "cp2": (2, 1, False, ()), "ep2": (1, 2, True, ()),
+        "cp2-ep2-retain": (2, 2, True, ("walker.policy=retain",))}

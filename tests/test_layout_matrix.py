@@ -3,7 +3,7 @@ zero2, fsdp; HSDP shard sizes; optimizer offload) x every front door (the Ray wo
 ``DFSWorker`` on local gloo ranks without Ray, verl's ``DTAEngine``, AReaL's
 ``DTATrainEngine``, each spelling the layout its own way: tests/test_engine_front_doors.py) x
 every parallel axis (none, context parallel C = 2, expert parallel E = 2 on the tiny
-Qwen3-MoE) trains 2 AdamW steps in float64 and ends at the parameters the same door reaches
+Qwen3-MoE, both at once under the retain policy) trains 2 AdamW steps in float64 and ends at the parameters the same door reaches
 in one process: relative L2 <= 1e-10 over every parameter, and the parameter norm; C = 2's
 K/V and E = 2's routed rows really cross the ranks. A layout the runtime cannot do
 (``Layout.refused``) is refused on every rank with a one-line error before anything trains.
@@ -41,10 +41,10 @@ def cases_on_ranks(rank, world, door, cases):
     out = []
     for name, axis in cases:
         lay = LAYOUTS[name]
-        cp, ep, moe = AXES[axis]
+        cp, ep, moe, more = AXES[axis]
         try:
             got = FRONT_DOORS[door](rank, world, lay.sharding, cp, ep, moe=moe, shard=lay.shard,
-                                   offload=lay.offload, extra=lay.extra)
+                                   offload=lay.offload, extra=(*lay.extra, *more))
         except Exception as exc:  # noqa: BLE001  (a refusal: checked against the layout's)
             out.append({"refused": f"{type(exc).__name__}: {exc}"})
             continue
@@ -75,7 +75,7 @@ def verdict(door: str, name: str, axis: str, ranks: list) -> tuple[str, float | 
     """``("pass", worst relative L2)`` or ``("refused", the line)``; raises on anything else
     (a wrong result, a refusal not expected, a refusal of another kind or on some ranks)."""
     lay = LAYOUTS[name]
-    cp, ep, moe = AXES[axis]
+    cp, ep, moe, _ = AXES[axis]
     what = f"{door} {name} {axis}"
     refused = [r.get("refused") for r in ranks]
     if lay.refused is not None or any(refused):
