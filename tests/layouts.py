@@ -22,7 +22,7 @@ class Layout:
     world: int = 2  # ranks (ray.num_workers)
     shard: int | None = None  # train.shard_size (HSDP); None: the world
     offload: str = "none"  # train.offload
-    extra: tuple = ()  # further "train.key=value" overrides (a door must spell each one)
+    extra: tuple = ()  # further "key=value" overrides (a door must spell each one)
     refused: str | None = None  # the refusal expected, for a layout the runtime cannot do
 
     def overrides(self) -> list[str]:
@@ -54,6 +54,8 @@ LAYOUTS = {
                                   extra=("train.node_resident=true",),
                                   refused="'train.node_resident': True must be false "
                                           "under sharding=zero2"),
+    "zero2-lora": Layout("zero2", extra=("model.lora.r=4",),
+                         refused="sharding=zero2 trains every weight"),
     "zero2-prefetch": Layout("zero2", extra=("train.prefetch=true",),
                              refused="'train.prefetch': True must be false under "
                                      "sharding=zero2"),

@@ -72,6 +72,7 @@ def ray_worker(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     assert all(s["updated"] for s in stats)
     return {"state": state(w)["model"], "param_norm": w.param_norm(),
+            "loss": [s["loss"] for s in stats],  # this rank's share of each step's loss
             "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats),
             "expert_sent": sum(s["expert_parallel_sent_bytes"] for s in stats)}
 

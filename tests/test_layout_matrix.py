@@ -4,7 +4,8 @@ zero2, fsdp; HSDP shard sizes; optimizer offload) x every front door (the Ray wo
 ``DTATrainEngine``, each spelling the layout its own way: tests/test_engine_front_doors.py) x
 every parallel axis (none, context parallel C = 2, expert parallel E = 2 on the tiny
 Qwen3-MoE, both at once under the retain policy) trains 2 AdamW steps in float64 and ends at the parameters the same door reaches
-in one process: relative L2 <= 1e-10 over every parameter, and the parameter norm; C = 2's
+in one process: relative L2 <= 1e-10 over every parameter, and the parameter norm (the Ray
+worker's door: each step's loss too, the ranks' shares summed, where C = 1); C = 2's
 K/V and E = 2's routed rows really cross the ranks. A layout the runtime cannot do
 (``Layout.refused``) is refused on every rank with a one-line error before anything trains.
 
@@ -50,6 +51,7 @@ def cases_on_ranks(rank, world, door, cases):
             continue
         ly = got["layout"]
         out.append({"state": got["state"], "param_norm": got["param_norm"],
+                    "loss": got.get("loss"),
                     "layout": (ly.sharding, ly.world, ly.shard_size, ly.offload,
                                ly.context_parallel, ly.expert_parallel, ly.rank),
                     "sent": got["sent"], "expert_sent": got["expert_sent"]})
@@ -105,6 +107,12 @@ def verdict(door: str, name: str, axis: str, ranks: list) -> tuple[str, float | 
             raise AssertionError(f"{what} rank {rank}: relative L2 {err:.3g}, parameter norm "
                                  f"{norm:.3g} vs one process (tolerance {TOL})")
         worst = max(worst, err, norm)
+    if cp == 1 and ref.get("loss") is not None:  # the ranks' shares add up to each step's
+        for k, want in enumerate(ref["loss"]):
+            err = abs(sum(r["loss"][k] for r in ranks) - want) / abs(want)
+            if not err <= TOL:
+                raise AssertionError(f"{what}: step {k} loss {err:.3g} vs one process")
+            worst = max(worst, err)
     return "pass", worst
 
 
