@@ -54,8 +54,9 @@ LAYOUTS = {
                                   extra=("train.node_resident=true",),
                                   refused="'train.node_resident': True must be false "
                                           "under sharding=zero2"),
+    # (zero2 trains every weight; at E > 1 expert parallelism refuses a LoRA base first)
     "zero2-lora": Layout("zero2", extra=("model.lora.r=4",),
-                         refused="sharding=zero2 trains every weight"),
+                         refused="this model has frozen ones (a LoRA base)"),
     "zero2-prefetch": Layout("zero2", extra=("train.prefetch=true",),
                              refused="'train.prefetch': True must be false under "
                                      "sharding=zero2"),
