@@ -44,10 +44,11 @@ def _rel_l2(a, b):
 
 
 # ------------------------------------------------------------------ front doors --
-def run_config(world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
+def run_config(world, mode, cp, ep=1, moe=False, shard=None, offload="none", extra=()):
     """What every front door trains: ``dta train``'s run config (blocks of 16 tokens: the
     paths span several packs, so C = 2 spreads their K/V); ``moe``: the tiny Qwen3-MoE;
-    ``shard``: HSDP's shard size (``train.shard_size``), ``offload``: ``train.offload``."""
+    ``shard``: HSDP's shard size (``train.shard_size``), ``offload``: ``train.offload``;
+    ``extra``: further ``train.key=value`` overrides (tests/layouts.py)."""
     return load_config(None, ["workload.scale=tiny", "model.dtype=float64",
                               "walker.policy=recompute", "walker.block_tokens=16",
                               "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
@@ -55,43 +56,48 @@ def run_config(world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
                               f"train.context_parallel={cp}", f"train.expert_parallel={ep}",
                               f"train.offload={offload}",
                               *(["model.family=qwen3_moe"] if moe else []),
-                              *([f"train.shard_size={shard}"] if shard is not None else [])])
+                              *([f"train.shard_size={shard}"] if shard is not None else []),
+                              *extra])
 
 
-def ray_worker(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
+def ray_worker(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none",
+               extra=()):
     """``dta train``'s worker: the run config, the driver's resolved settings, 2 steps of
     the driver's batches (the trees balanced over the data-parallel groups)."""
     from tests.test_sharding import _step
     from tests.workers import local_worker
 
-    cfg = run_config(world, mode, cp, ep, moe, shard, offload)
+    cfg = run_config(world, mode, cp, ep, moe, shard, offload, extra)
     w = local_worker(cfg, rank, world, truly_float64=True)
     stats = [_step(w, cfg, k, rank, world) for k in range(2)]
     assert all(s["updated"] for s in stats)
     return {"state": state(w)["model"], "param_norm": w.param_norm(),
+            "loss": [s["loss"] for s in stats],  # this rank's share of each step's loss
             "layout": w.core.layout, "sent": sum(s["context_parallel_sent_bytes"] for s in stats),
             "expert_sent": sum(s["expert_parallel_sent_bytes"] for s in stats)}
 
 
-def verl_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
+def verl_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none",
+                extra=()):
     """verl's ``DTAEngine`` (``strategy: dta``; ``dta_sharding``,
     ``ulysses_sequence_parallel_size``, ``fsdp_size``, ``optimizer_offload``): the run config's
     model, batches, loss and optimizer as verl writes them, 2 ``train_batch`` steps
     (tests/test_verl_layouts.py: front_door)."""
     from tests.test_verl_layouts import front_door
 
-    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe, shard, offload),
-                      ep)
+    cfg = run_config(world, mode, cp, ep, moe, shard, offload, extra)
+    return front_door(rank, world, mode, cp, cfg, ep)
 
 
-def areal_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none"):
+def areal_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none",
+                 extra=()):
     """AReaL's ``DTATrainEngine`` (``fsdp:d{W/C}c{C}`` + ``actor.dta.sharding`` /
     ``shard_size`` / ``offload``): the run config's model, batches, loss and optimizer as
     AReaL writes them, 2 ``train_batch`` steps (tests/areal_front_door.py)."""
     from tests.areal_front_door import front_door
 
-    return front_door(rank, world, mode, cp, run_config(world, mode, cp, ep, moe, shard, offload),
-                      ep)
+    cfg = run_config(world, mode, cp, ep, moe, shard, offload, extra)
+    return front_door(rank, world, mode, cp, cfg, ep)
 
 
 FRONT_DOORS = {"ray_worker": ray_worker, "verl": verl_engine, "areal": areal_engine}

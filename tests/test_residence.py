@@ -1,6 +1,7 @@
 """A sharding mode moves every tensor it holds to the host and back (``Sharding.to``,
 ``runtime/sharding/residence.py``: AReaL's colocated ``offload()`` / ``onload()``) under
-replicate, zero1 and fsdp on 2 gloo ranks, and zero1 with the optimizer offloaded: after a
+replicate, zero1 and fsdp on 2 gloo ranks, and (``-m slow``) zero1 / fsdp with the optimizer
+offloaded and zero2 with and without (its layers gathered for a whole walk): after a
 step, every storage the mode holds is copied into a new one (``fresh``: on a CPU-only machine
 the host is the device, so the copy is forced) and back, views kept views; two more steps then
 give parameters and optimizer state bit-identical to the same run without the moves. A tensor
@@ -19,7 +20,8 @@ from tests.workers import state
 
 CASES = [("replicate", "recompute", None, "none"), ("zero1", "retain", None, "none"),
          ("fsdp", "recompute", None, "none")]
-SLOW = [("zero1", "recompute", None, "optimizer"), ("fsdp", "retain", None, "optimizer")]
+SLOW = [("zero1", "recompute", None, "optimizer"), ("fsdp", "retain", None, "optimizer"),
+        ("zero2", "recompute", None, "none"), ("zero2", "retain", None, "optimizer")]
 
 
 def _storages(mode) -> dict:

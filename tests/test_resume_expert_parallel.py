@@ -20,7 +20,7 @@ from tests.test_sharding import _step, _worker
 
 TOL = 1e-12
 LAYOUTS = {"ep2-replicate": (2, "replicate", 2), "ep2-zero1": (2, "zero1", 2),
-           "ep2-fsdp": (2, "fsdp", 2),
+           "ep2-fsdp": (2, "fsdp", 2), "ep2-zero2": (2, "zero2", 2),
            "one": (1, "replicate", 1), "zero1": (1, "zero1", 2)}
 
 
@@ -118,3 +118,14 @@ def test_expert_slices_resume_across_modes(tmp_path):
     ep, fsdp, one = on("ep2-zero1", d), on("ep2-fsdp", d), on("one", d)
     _check_all([(on("zero1", d, "ep2-zero1"), ep), (on("ep2-zero1", d, "one"), one),
                 (on("zero1", d, "ep2-fsdp"), fsdp), (on("ep2-fsdp", d, "one"), one)])
+
+
+@pytest.mark.slow
+def test_zero2_expert_slices_resume_across_layouts(tmp_path):
+    """zero2 with E = 2 (the slices' flat shards beside FSDP2's layer units) saved at step 2,
+    resumed by one process, by replicated slices (E = 2) and by zero1 without expert
+    parallelism; one process's checkpoint resumed by zero2 with E = 2."""
+    d = str(tmp_path)
+    zero2, one = on("ep2-zero2", d), on("one", d)
+    _check_all([(on("one", d, "ep2-zero2"), zero2), (on("ep2-replicate", d, "ep2-zero2"), zero2),
+                (on("zero1", d, "ep2-zero2"), zero2), (on("ep2-zero2", d, "one"), one)])

@@ -16,21 +16,26 @@ import torch
 
 from dta.config.schema import load_config
 from experiments.local_ranks import run_ranks
+from tests.layouts import LAYOUTS as MATRIX
+from tests.layouts import Layout
 from tests.test_sharding import _step
 
 TOL = 1e-12
-LAYOUTS = {"fsdp4c2": ("fsdp", 4, 2), "fsdp2c2": ("fsdp", 2, 2), "zero1w2": ("zero1", 2, 1),
-           "rep1": ("replicate", 1, 1), "zero2w2": ("zero2", 2, 1), "zero2c2": ("zero2", 2, 2)}
+# name -> (layout, context parallel C): the issue-48 layouts by their names, and every layout
+# of the one list (tests/layouts.py, under its own name, C = 1) that the runtime can do
+LAYOUTS = {"fsdp4c2": (Layout("fsdp", world=4), 2), "fsdp2c2": (MATRIX["fsdp"], 2),
+           "zero1w2": (MATRIX["zero1"], 1), "rep1": (Layout("replicate", world=1), 1),
+           "zero2w2": (MATRIX["zero2"], 1), "zero2c2": (MATRIX["zero2"], 2),
+           **{n: (lay, 1) for n, lay in MATRIX.items() if lay.refused is None}}
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
 def overrides(layout):
-    mode, world, cp = LAYOUTS[layout]
+    lay, cp = LAYOUTS[layout]
     # blocks of 16 tokens: the paths span several packs, so under C=2 their K/V are spread
     return ["workload.scale=tiny", "model.dtype=float64", "walker.policy=recompute",
-            f"train.sharding={mode}", "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5",
-            "walker.block_tokens=16", f"ray.num_workers={world}",
-            f"train.context_parallel={cp}"]
+            "optimizer.lr=1e-3", "optimizer.max_grad_norm=0.5", "walker.block_tokens=16",
+            f"train.context_parallel={cp}", *lay.overrides()]
 
 
 def _worker(cfg, rank, world):
@@ -62,10 +67,9 @@ def snapshot(w) -> list[tuple]:
     if flat is not None:
         for mp, pc in zip(flat.master_params, flat.pieces):
             add(flat.names[pc.index], mp, pc.start)
-    if mode.name in ("fsdp", "zero2"):
-        for n, p in w.core.model.named_parameters():
-            if hasattr(p, "full_tensor"):
-                add(n, p, 0, whole=lambda t: t.full_tensor())
+    if mode.name in ("fsdp", "zero2"):  # the layer shards, or their host masters (offload)
+        for n, p in zip(mode.layer_part.names, mode.layer_part.stepped):
+            add(n, p, 0, whole=lambda t: t.full_tensor())
     return out
 
 
@@ -137,7 +141,7 @@ def on_layout(layout, directory, resume_from=None, straight=True):
 
 def on_layouts(jobs, directory):
     """Per job ``(layout, resume_from, straight)`` (one world size), its ranks' results."""
-    world = {LAYOUTS[layout][1] for layout, _, _ in jobs}
+    world = {LAYOUTS[layout][0].world for layout, _, _ in jobs}
     if len(world) != 1:
         raise ValueError(f"one world size per spawn, not {sorted(world)}")
     world = world.pop()
@@ -214,3 +218,54 @@ def test_fsdp_four_ranks_c2_resumes_as_zero1_and_a_replica_and_back(tmp_path):
             (("fsdp4c2", fsdp), ("zero1w2", zero1), ("rep1", rep))}
     _check([("fsdp4c2", "zero1w2", zero1), ("fsdp4c2", "rep1", rep),
             ("zero1w2", "fsdp4c2", back), ("rep1", "fsdp4c2", back)], refs, shapes)
+
+
+# every layout of the one list (tests/layouts.py), a replica on one rank and fsdp / zero2 under
+# C = 2 (4-rank C = 2: the test above); HUBS: resumed by and resuming every other
+PAIRS = ["rep1", "fsdp2c2", "zero2c2", *(n for n, lay in MATRIX.items() if lay.refused is None)]
+HUBS = ("rep1", "zero2")
+
+
+def resume_pairs(names, directory, hubs=None) -> dict:
+    """Each layout of ``names`` runs uninterrupted (saving at step 2), then resumes the
+    checkpoints of the others -- every other (``hubs`` None), or only where the saver or the
+    resumer is one of ``hubs``; returns ``{(saved by, resumed by): errors vs the saver's
+    uninterrupted run}`` (raises past TOL, naming every pair past it)."""
+    pairs = [(s, r) for s in names for r in names
+             if s != r and (hubs is None or s in hubs or r in hubs)]
+    shapes, worlds = shapes_of(), {}
+    for n in names:
+        worlds.setdefault(LAYOUTS[n][0].world, []).append(n)
+    straight, resumed = {}, {}
+    for group in worlds.values():
+        straight.update(zip(group, on_layouts([(n, None, True) for n in group], directory)))
+    for group in worlds.values():
+        jobs = [(r, {s: checkpoint_of(directory, s) for s, r2 in pairs if r2 == r},
+                 False) for r in group]
+        resumed.update(zip(group, on_layouts(jobs, directory)))
+    out, bad = {}, []
+    for saver, resumer in pairs:
+        results = resumed[resumer]
+        if any((r[saver]["meta"]["step"], r[saver]["at"]) != (2, 2) for r in results):
+            bad.append(f"{saver} -> {resumer}: not resumed at step 2")
+            continue
+        errs = compare(state(results, saver, shapes), state(straight[saver], "straight",
+                                                              shapes))
+        out[saver, resumer] = errs
+        print(f"RESUME saved by {saver}, resumed by {resumer}: after step 4 vs "
+              f"uninterrupted: " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items()))
+        if max(errs.values()) > TOL:
+            bad.append(f"{saver} -> {resumer}: {errs}")
+    assert not bad, f"{len(bad)} of {len(pairs)} resumes:\n" + "\n".join(bad)
+    return out
+
+
+@pytest.mark.slow  # 16 layouts: 16 runs of 4 steps, 58 resumes of 2 steps
+def test_every_layout_resumes_and_is_resumed_by_zero2_and_a_replica(tmp_path):
+    """Every layout's checkpoint resumed by zero2 (2 ranks) and by one replica, and theirs by
+    every layout: each layout's save and each layout's load shown (the logical view is one
+    format whatever saved it, so any other pair goes through the same two halves)."""
+    pairs = resume_pairs(PAIRS, str(tmp_path), HUBS)
+    assert len(pairs) == 2 * 2 * (len(PAIRS) - 1) - 2
+    print(f"{len(pairs)} resumes, worst relative L2 "
+          f"{max(max(e.values()) for e in pairs.values()):.2g}")

@@ -93,7 +93,8 @@ class ParallelLayout:
                               "sharded over that many ranks, replicated across the groups)")
         if self.shard_size != self.world and not _mode_sharded(self.sharding):
             bad("shard_size", f"the world size {self.world} under sharding={self.sharding} "
-                              "(it shards nothing: HSDP needs zero1 or fsdp)")
+                              "(it shards nothing: HSDP needs one of "
+                              f"{tuple(m for m in registered() if _mode_sharded(m))})")
         if self.offload not in OFFLOADS:
             bad("offload", f"one of {OFFLOADS}")
         for field in ("node_resident", "prefetch"):

@@ -56,12 +56,11 @@ import torch.distributed as dist
 
 from runtime.sharding.base import Sharding, master_dtype_for, register
 from runtime.sharding.common import tensor_bytes
-from runtime.sharding.experts import ExpertPart
 from runtime.sharding.hsdp import dense_part, shard_mesh
 from runtime.sharding.layers import LayerPart, compact_shards
 from runtime.sharding.node_resident import node_resident_layers
 from runtime.sharding.offload import host_copy
-from runtime.sharding.parts import FlatPart
+from runtime.sharding.parts import FlatPart, expert_flat_parts, offloaded, split_experts
 
 
 @register("fsdp")
@@ -89,7 +88,7 @@ class FSDP(Sharding):
                            group=group, groups=groups)
         self.group = dense.shard  # the collectives of the sharded state stay inside it
         self.mesh = shard_mesh(dense, device.type)
-        offload = layout is not None and layout.offload == "optimizer"
+        offload = offloaded(layout)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=built)
         decoder = model.get_decoder()
         vocab = self.vocab_params()
@@ -98,12 +97,10 @@ class FSDP(Sharding):
         # node-resident: the vocabulary's flat shards over the world, not replicated per node
         self.vocab_part = FlatPart(vocab, group=groups.world if node else self.group,
                                    replicas=None if node else dense.replicas, **flat)
-        self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
-        slices = self.experts.split(list(model.named_parameters()))[1] if self.experts else []
-        trained = [(n, p) for n, p in slices if p.requires_grad]
-        # the expert slices: flat shards over their replicas, not FSDP's
-        expert_parts = [FlatPart(trained, group=self.experts.replicas, experts=self.experts,
-                                 **flat)] if trained else []
+        # the expert slices (None: no expert parallelism): flat shards over their replicas,
+        # not FSDP's
+        self.experts, _, slices = split_experts(model, groups, model.named_parameters())
+        expert_parts = expert_flat_parts(self.experts, slices, **flat)
         expert_ids = {id(p) for _, p in slices}
         in_decoder = {id(p) for p in decoder.parameters()}
         self.units = []

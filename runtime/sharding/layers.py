@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.sharding.common import tensor_bytes
-from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
+from runtime.sharding.offload import grads_to_host, host_copy, host_empty, to_device
 from runtime.sharding.parts import Part
 
 __all__ = ["LayerPart", "compact_shards"]
@@ -167,13 +167,9 @@ class LayerPart(Part):
     def to_optimizer(self) -> None:
         if not self.offload:
             return
-        grads = self._grads()
-        for g, buf in zip(grads, self.host_grads):  # the fp32 gradient shards to the host
-            if g is not None:
-                to_host(buf, g)
-        synchronize(self.device)
-        for g, h, buf in zip(grads, self.stepped, self.host_grads):
-            h.grad = None if g is None else _like(h, buf)
+        # the fp32 gradient shards to the host
+        for h, g in zip(self.stepped, grads_to_host(self._grads(), self.host_grads, self.device)):
+            h.grad = None if g is None else _like(h, g)
 
     def discard(self) -> None:
         for p, h in zip(self.sharded, self.stepped):

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HOST", "host_empty", "host_copy", "to_host", "to_device", "synchronize"]
+__all__ = ["HOST", "host_empty", "host_copy", "to_host", "to_device", "synchronize",
+           "grads_to_host"]
 
 HOST = torch.device("cpu")
 
@@ -70,3 +71,14 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's pending copies (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def grads_to_host(grads: list, buffers: list, device: torch.device) -> list:
+    """The reduced gradients ``grads`` (None: none) into their host ``buffers``, one
+    synchronization for all: the host gradients, None where there was none (what an
+    offloaded part hands its optimizer)."""
+    for g, buf in zip(grads, buffers):
+        if g is not None:
+            to_host(buf, g)
+    synchronize(device)
+    return [None if g is None else buf for g, buf in zip(grads, buffers)]

@@ -19,15 +19,47 @@ norm contribution (``grad_squared`` / ``param_squared``: Σ over its group; an `
 part's is summed over the expert-parallel group once, by the mode), its bytes and
 ``held()`` for the logical checkpoint view (:mod:`.logical`). The mode
 (:class:`~runtime.sharding.base.Sharding`) loops over its parts.
+
+What every mode asks alike is answered here, once: whether its parts offload
+(:func:`offloaded`), which parameters are expert slices (:func:`split_experts`) and the
+sharded modes' one choice for them (:func:`expert_flat_parts`); tests/test_sharding_parts.py
+holds the modes to it.
 """
 from __future__ import annotations
 
 import torch
 
 from runtime.sharding.common import tensor_bytes
+from runtime.sharding.experts import ExpertPart
 from runtime.sharding.flat import FlatShards
 
-__all__ = ["Part", "FlatPart"]
+__all__ = ["Part", "FlatPart", "offloaded", "split_experts", "expert_flat_parts"]
+
+
+def offloaded(layout) -> bool:
+    """Whether the layout keeps the parts' masters and optimizer state on the host
+    (``train.offload=optimizer``, :mod:`.offload`); no layout: on the device."""
+    return layout is not None and layout.offload == "optimizer"
+
+
+def split_experts(model, groups, named) -> tuple:
+    """``(experts, dense, slices)``: the model's :class:`~runtime.sharding.experts.ExpertPart`
+    (None without expert parallelism) and ``named``'s ``(name, parameter)`` pairs split into
+    the dense ones and the expert slices (none without expert parallelism), in order."""
+    named = list(named)
+    experts = ExpertPart.of(model, groups)
+    if experts is None:
+        return None, named, []
+    return (experts, *experts.split(named))
+
+
+def expert_flat_parts(experts, slices, **flat) -> list:
+    """The sharded modes' part for the expert slices: the trained ones as flat shards over
+    their replicas (ZeRO-1 of the slices, ``flat``: :class:`FlatPart`'s compute dtype and
+    offload); none where no slice is trained."""
+    trained = [(n, p) for n, p in slices if p.requires_grad]
+    return [FlatPart(trained, group=experts.replicas, experts=experts, **flat)] \
+        if trained else []
 
 
 class Part:

@@ -25,9 +25,8 @@ import torch.distributed as dist
 
 from runtime.sharding.base import Sharding, register
 from runtime.sharding.common import allreduce_gradients, tensor_bytes
-from runtime.sharding.experts import ExpertPart
-from runtime.sharding.offload import host_copy, host_empty, synchronize, to_device, to_host
-from runtime.sharding.parts import Part
+from runtime.sharding.offload import grads_to_host, host_copy, host_empty, to_device
+from runtime.sharding.parts import Part, offloaded, split_experts
 
 
 class ReplicaPart(Part):
@@ -99,12 +98,8 @@ class ReplicaPart(Part):
     def to_optimizer(self) -> None:
         if not self.offload:
             return
-        for g, buf in zip(self.reduced, self.host_grads):  # one synchronization
-            if g is not None:
-                to_host(buf, g)
-        synchronize(self.device)
-        for s, g, buf in zip(self.stepped, self.reduced, self.host_grads):
-            s.grad = None if g is None else buf
+        for s, g in zip(self.stepped, grads_to_host(self.reduced, self.host_grads, self.device)):
+            s.grad = g
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -166,11 +161,10 @@ class Replicate(Sharding):
                  layout=None, **_):
         self.model, self.group = model, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.experts = ExpertPart.of(model, groups)  # None without expert parallelism
-        dense, slices = self.experts.split(named) if self.experts is not None else (named, [])
+        self.experts, dense, slices = split_experts(model, groups, named)  # experts: or None
         built = next(model.parameters()).dtype
         kw = dict(masters=compute_dtype is not None and built != compute_dtype,
-                  offload=layout is not None and layout.offload == "optimizer",
+                  offload=offloaded(layout),
                   compute_dtype=compute_dtype)
         self.parts = [ReplicaPart(dense, group=group, **kw)] + (
             [ReplicaPart(slices, group=self.experts.replicas, experts=self.experts, **kw)]

@@ -23,26 +23,20 @@ from __future__ import annotations
 import torch
 
 from runtime.sharding.base import Sharding, register
-from runtime.sharding.experts import ExpertPart
 from runtime.sharding.hsdp import dense_part
-from runtime.sharding.parts import FlatPart
+from runtime.sharding.parts import FlatPart, expert_flat_parts, offloaded, split_experts
 
 
 def flat_parts(model, *, group, groups, compute_dtype, offload) -> tuple[list, object]:
     """zero1's parts: the dense parameters as flat shards over the shard group (HSDP: summed
     over the replicas once per step) and the expert slices as flat shards over their
-    replicas; and the model's :class:`ExpertPart` (None without expert parallelism)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    experts = ExpertPart.of(model, groups)
-    slices = []
-    if experts is not None:
-        named, slices = experts.split(named)
+    replicas; and the model's ``ExpertPart`` (None without expert parallelism)."""
+    experts, named, slices = split_experts(
+        model, groups, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
     dense = dense_part(named, group=group, groups=groups)
-    parts = [FlatPart(dense.named, group=dense.shard, replicas=dense.replicas,
-                      compute_dtype=compute_dtype, offload=offload)]
-    if slices:
-        parts.append(FlatPart(slices, group=experts.replicas, compute_dtype=compute_dtype,
-                              offload=offload, experts=experts))
+    flat = dict(compute_dtype=compute_dtype, offload=offload)
+    parts = [FlatPart(dense.named, group=dense.shard, replicas=dense.replicas, **flat)]
+    parts += expert_flat_parts(experts, slices, **flat)
     return parts, experts
 
 
@@ -67,7 +61,7 @@ class Zero1(Sharding):
         # masters from the parameters as built (fp32), then the compute copy is cast
         self.parts, self.experts = flat_parts(
             model, group=group, groups=groups, compute_dtype=compute_dtype,
-            offload=layout is not None and layout.offload == "optimizer")
+            offload=offloaded(layout))
         for part in self.parts:
             part.masters_loaded()  # the compute copy (cast) from the masters
         self.optimizer = make_optimizer([s for part in self.parts for s in part.stepped])
