@@ -105,7 +105,7 @@ class ParallelLayout:
                                  "HSDP: a shard size below the world, the node)")
         if self.prefetch and self.sharding != "fsdp":
             bad("prefetch", f"false under sharding={self.sharding} (fsdp gathers per layer)")
-        for field in ("node_resident", "prefetch"):  # priced by the planner, not built yet
+        for field in ("node_resident",):  # priced by the planner, not built yet
             if getattr(self, field):
                 raise NotImplementedError(f"{field}=true: the planner prices it, the runtime "
                                           "does not build it yet (runtime.sharding)")

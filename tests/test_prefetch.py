@@ -1,0 +1,173 @@
+"""``train.prefetch=true`` (runtime/sharding/prefetch.py): fsdp's next-layer all-gather issued
+before the current layer computes.
+
+Float64, the tiny Qwen3, τ²-airline batches, local gloo ranks as the Ray worker runs them:
+log-probs before and after training, each step's loss, every reduced gradient and the
+parameters after one and two AdamW steps equal one process's within 1e-10
+(tests/test_hsdp.py's comparisons) -- recompute on 2 ranks in the default suite; under
+``-m slow`` retain on 2 ranks, both policies on 4 ranks and on the branched "small" batches
+(packs of several nodes, the ranks' pops interleaving differently).
+
+That the prefetch is issued: at the start of every layer's forward compute the next layer's
+all-gather is already issued and not yet consumed (FSDP2's pending gather), and under
+recompute at the start of every layer's backward compute the previous layer's; without
+prefetch never. The all-gathers per step are as many as without prefetch (every prefetched
+gather is used, none repeated), and a prefetched gather left unused after a walk is refused.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dta.config.schema import load_config
+from experiments.local_ranks import run_ranks
+from tests.test_hsdp import assert_matches, overrides, record
+
+BLOCK = ["walker.block_tokens=16"]  # the paths span several calls
+SMALL = ["workload.scale=small"]  # branched: packs of several nodes, nested pops
+ON = ["train.prefetch=true"]
+
+
+def case_overrides(policy, extra=(), prefetch=True):
+    return overrides("fsdp", policy) + (ON if prefetch else []) + list(extra)
+
+
+# ------------------------------------------------------------------- on the ranks --
+def install_markers(mode) -> list:
+    """Per layer compute start, forward and backward: (pass, layer, whether the layer the
+    prefetch targets -- i + 1 forward, i - 1 backward -- holds an issued, unused gather)."""
+    from runtime.sharding.prefetch import pending
+
+    layers, log = mode.units[:-1], []
+
+    def forward_mark(i):
+        def hook(module, args):
+            if i + 1 < len(layers):
+                log.append(("forward", i, pending(layers[i + 1])))
+        return hook
+
+    def mlp_mark(i):
+        def hook(module, args, out):
+            if out.requires_grad and i > 0:  # its gradient: layer i's backward starts
+                out.register_hook(lambda g: log.append(("backward", i, pending(layers[i - 1]))))
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.input_layernorm.register_forward_pre_hook(forward_mark(i))
+        layer.mlp.register_forward_hook(mlp_mark(i))
+    return log
+
+
+def observe(rank, world, over):
+    """One step with the markers: their counts by (pass, prefetched) and the step's
+    all-gathers."""
+    from experiments.comm_count import CommCounter
+    from tests.test_sharding import _step, _worker
+
+    cfg = load_config(None, over)
+    w = _worker(cfg, rank, world)
+    log = install_markers(w.core.sharding)
+    counter = CommCounter()
+    with counter:
+        _step(w, cfg, 0, rank, world)
+    counts = {}
+    for kind, _, ahead in log:
+        counts[kind, ahead] = counts.get((kind, ahead), 0) + 1
+    ops = [op for op, _, _ in counter.calls]
+    return {"marks": counts, "all_gathers": ops.count("all_gather_single"),
+            "reduce_scatters": ops.count("reduce_scatter_single")}
+
+
+def run_cases(rank, world, cases, observed):
+    torch.set_num_threads(1)
+    return ([record(rank, world, case_overrides(*case)) for case in cases],
+            [observe(rank, world, case_overrides(*case)) for case in observed])
+
+
+def one_process(case):
+    threads = torch.get_num_threads()
+    try:
+        return record(0, 1, case_overrides(*case, prefetch=False), counted=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check(cases, world, results):
+    for i, case in enumerate(cases):
+        ranks = [results[r][0][i] for r in range(world)]
+        worst = assert_matches(ranks, one_process(case), f"fsdp+prefetch {case} on {world}")
+        assert all(r["layout"].prefetch for r in ranks)
+        print(f"fsdp+prefetch {case} on {world} ranks: worst relative error vs one process "
+              f"{ {k: f'{v:.2g}' for k, v in worst.items()} }")
+
+
+def check_issued(observed, results, world):
+    """``observed``: (policy, extra, prefetch) cases run by :func:`observe`."""
+    by = {}
+    for j, (policy, extra, ahead) in enumerate(observed):
+        for r in range(world):
+            got = results[r][1][j]
+            marks = got["marks"]
+            forward = marks.get(("forward", True), 0) + marks.get(("forward", False), 0)
+            backward = marks.get(("backward", True), 0) + marks.get(("backward", False), 0)
+            assert forward > 0 and backward > 0, marks
+            # prefetched: every layer's next gather issued before it computes; else none
+            assert marks.get(("forward", ahead), 0) == forward, (policy, ahead, marks)
+            back = ahead and policy == "recompute"  # the planner's passes (retain: forward)
+            assert marks.get(("backward", back), 0) == backward, (policy, ahead, marks)
+            by.setdefault((policy, tuple(extra)), {})[ahead, r] = got
+    for key, got in by.items():  # as many gathers and reduce-scatters as without prefetch
+        for r in range(world):
+            on, off = got[True, r], got[False, r]
+            assert on["all_gathers"] == off["all_gathers"] > 0, (key, on, off)
+            assert on["reduce_scatters"] == off["reduce_scatters"], (key, on, off)
+        print(f"{key} rank 0: markers {got[True, 0]['marks']} with prefetch, "
+              f"{got[False, 0]['marks']} without; all-gathers {got[True, 0]['all_gathers']}")
+
+
+FAST = [("recompute", BLOCK)]
+OBSERVED = [("recompute", BLOCK, True), ("recompute", BLOCK, False)]
+
+
+def test_prefetch_on_two_ranks_equals_one_process_and_is_issued():
+    results = run_ranks(run_cases, 2, FAST, OBSERVED, timeout=900.0)
+    check(FAST, 2, results)
+    check_issued(OBSERVED, results, 2)
+
+
+@pytest.mark.slow
+def test_prefetch_retain_and_packs_on_two_ranks():
+    cases = [("retain", BLOCK), ("retain", SMALL), ("recompute", SMALL)]
+    observed = [("retain", SMALL, True), ("retain", SMALL, False)]
+    results = run_ranks(run_cases, 2, cases, observed, timeout=1800.0)
+    check(cases, 2, results)
+    check_issued(observed, results, 2)
+
+
+@pytest.mark.slow
+def test_prefetch_on_four_ranks_both_policies():
+    cases = [("recompute", BLOCK), ("retain", BLOCK)]
+    results = run_ranks(run_cases, 4, cases, [], timeout=1800.0)
+    check(cases, 4, results)
+
+
+def test_a_prefetched_gather_left_unused_is_refused():
+    """A walk's end with a unit holding an issued, unused gather (a decoder call that
+    skipped its layers) is an error, not a stale weight served after the update."""
+    results = run_ranks(_unused, 2, timeout=300.0)
+    for msg in results:
+        assert "layer 1" in msg and "never used" in msg, msg
+
+
+def _unused(rank, world):
+    from tests.test_sharding import _worker
+
+    torch.set_num_threads(1)
+    w = _worker(load_config(None, case_overrides("recompute")), rank, world)
+    mode = w.core.sharding
+    mode.units[1].unshard(async_op=True)  # issued, never waited for nor used
+    try:
+        mode.release_gathered()
+    except RuntimeError as exc:
+        return str(exc)
+    return "not refused"
