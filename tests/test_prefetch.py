@@ -171,3 +171,26 @@ def _unused(rank, world):
     except RuntimeError as exc:
         return str(exc)
     return "not refused"
+
+
+def test_the_plan_and_the_run_report_say_which_calls_prefetch_overlaps(capsys):
+    """`dta plan --memory --prefetch on` names the passes it priced as overlapped; a run's
+    settings record (``dta train --json``'s settings) names what its prefetch overlaps: the
+    forward of every call, the backward too under recompute (the planner's same passes)."""
+    from dta_cli.main import main
+    from tests.workers import settings_for
+
+    assert main(["plan", "--workload", "tau2-airline", "--scale", "0.05", "--workers", "8",
+                 "--memory", "--model", "qwen3-14b", "--budget-gib", "80", "--sharding",
+                 "fsdp", "--prefetch", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "prefetch assumed overlapped: the forward all-gathers of " in out, out
+    said = {}
+    for policy in ("recompute", "retain"):
+        for ahead in (True, False):
+            cfg = load_config(None, case_overrides(policy, prefetch=ahead))
+            said[policy, ahead] = settings_for(cfg, 2).record().get("prefetch_overlaps")
+    assert said["recompute", False] is None and said["retain", False] is None
+    assert said["recompute", True].startswith("the forward of every decoder call and the "
+                                              "backward of every call with gradient")
+    assert "backward is not prefetched" in said["retain", True]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dta.planning.timing import OVERLAPPED
 
-__all__ = ["passes", "configure", "pending", "check_consumed", "forward_steps"]
+__all__ = ["passes", "describe", "configure", "pending", "check_consumed", "forward_steps"]
 
 
 def passes(policy: str) -> tuple:
@@ -43,6 +43,18 @@ def passes(policy: str) -> tuple:
     if policy not in OVERLAPPED:
         raise ValueError(f"prefetch: unknown walker policy {policy!r} ({sorted(OVERLAPPED)})")
     return OVERLAPPED[policy]
+
+
+def describe(policy: str) -> str:
+    """Which calls' all-gathers prefetch overlaps under ``policy``, in words (the layout
+    report's ``prefetch_overlaps``; the planner's ``time.overlapped`` names the same passes)."""
+    done = passes(policy)
+    what = "the forward of every decoder call"
+    if "backward" in done:
+        what += " and the backward of every call with gradient (a leaf's, a pop's re-forward's)"
+    else:
+        what += " (a call's backward is not prefetched: under retain it runs at its pop)"
+    return f"{what}: the next layer's all-gather issued before the current layer computes"
 
 
 def configure(layers: list, root, policy: str, prefetch: bool) -> None:
