@@ -137,8 +137,12 @@ def test_prefetch_on_two_ranks_equals_one_process_and_is_issued():
 
 @pytest.mark.slow
 def test_prefetch_retain_and_packs_on_two_ranks():
+    """Exact on branched batches (packs of several nodes) under both policies; issued along
+    a 4-layer chain (the "small" Qwen3 size) under recompute, and under retain."""
     cases = [("retain", BLOCK), ("retain", SMALL), ("recompute", SMALL)]
-    observed = [("retain", SMALL, True), ("retain", SMALL, False)]
+    deep = ["model.size=small"] + BLOCK
+    observed = [("retain", SMALL, True), ("retain", SMALL, False), ("recompute", deep, True),
+                ("recompute", deep, False)]
     results = run_ranks(run_cases, 2, cases, observed, timeout=1800.0)
     check(cases, 2, results)
     check_issued(observed, results, 2)
@@ -149,6 +153,37 @@ def test_prefetch_on_four_ranks_both_policies():
     cases = [("recompute", BLOCK), ("retain", BLOCK)]
     results = run_ranks(run_cases, 4, cases, [], timeout=1800.0)
     check(cases, 4, results)
+
+
+def _ep_on_ranks(rank, world, cases):
+    """tests/test_expert_parallel.py's ranks, with prefetch (its one process: without)."""
+    import tests.test_expert_parallel as ep
+
+    base = ep.overrides
+    ep.overrides = lambda *a, **k: base(*a, **k) + ON
+    try:
+        return ep.on_ranks(rank, world, cases)
+    finally:
+        ep.overrides = base
+
+
+@pytest.mark.slow
+def test_prefetch_with_expert_parallelism_under_retain():
+    """fsdp + prefetch with E = 2 under retain (Mixtral, float64): a B round's forward
+    without a forward follows the prefetched order -- layer i + 1's gather before layer i's
+    expert exchanges -- or the ranks' gloo collectives would not match; equal to one process
+    (tests/test_expert_parallel.py's checks, <= 1e-10)."""
+    from tests.test_expert_parallel import compare
+    from tests.test_expert_parallel import one_process as ep_one_process
+
+    cases = [("mixtral", "retain", 8, 2, "fsdp", 1)]
+    results = run_ranks(_ep_on_ranks, 2, cases, timeout=900.0)
+    for i, case in enumerate(cases):
+        ranks = [results[r][i] for r in range(2)]
+        err = compare(case, ranks, ep_one_process(case))
+        lock = ranks[0]["lockstep"]
+        assert lock["B"] > 0 and lock["mixed_backwards"] > 0, lock  # forward_steps ran
+        print(f"{case} + prefetch: worst relative error {err:.2g}, lockstep {lock}")
 
 
 def test_a_prefetched_gather_left_unused_is_refused():
@@ -194,3 +229,16 @@ def test_the_plan_and_the_run_report_say_which_calls_prefetch_overlaps(capsys):
     assert said["recompute", True].startswith("the forward of every decoder call and the "
                                               "backward of every call with gradient")
     assert "backward is not prefetched" in said["retain", True]
+
+
+def test_prefetch_is_refused_outside_fsdp():
+    """zero1 / zero2 / replicate gather no layer per call: prefetch=true is a one-line error
+    naming the key."""
+    from runtime.engine import ParallelLayout
+    from runtime.errors import LayoutError
+
+    for mode in ("zero1", "zero2", "replicate"):
+        with pytest.raises(LayoutError, match="train.prefetch.*fsdp gathers per layer"):
+            ParallelLayout.make(world=2, sharding=mode, prefetch=True,
+                                spelling={"prefetch": "train.prefetch"})
+    assert ParallelLayout.make(world=2, sharding="fsdp", prefetch=True).prefetch
