@@ -122,33 +122,43 @@ def _covered(spans: list, by: list) -> float:
 
 
 def overlap_of(events, device_type: str) -> dict:
-    """All-gather time of a profiled step and the part of it covered by compute: on cuda the
-    device kernels (all-gather kernels / the rest that is not communication or a copy), on
-    cpu the operators' CPU events of the profiled thread (top level: a gather's own inner
-    operators are not compute beside it)."""
+    """All-gather time of a profiled step and the part of it covered by compute. The
+    all-gathers: the device's all-gather kernels (nccl) where there are any, else the CPU
+    events of the gathers (gloo: the host runs the transfer); the compute: on cuda the
+    device kernels that are neither communication nor copies, on cpu the top-level operators
+    of the profiled thread (a gather's own inner operators are not compute beside it)."""
     from torch.autograd import DeviceType
 
-    want = DeviceType.CUDA if device_type == "cuda" else DeviceType.CPU
-    gathers, compute = [], []
+    kernels, cpu_gathers, compute = [], [], []
     for e in events:
-        if e.device_type != want or e.time_range.end <= e.time_range.start:
+        if e.time_range.end <= e.time_range.start:
             continue
-        name = e.name.lower()
-        span = (e.time_range.start, e.time_range.end)
-        if "allgather" in name or "all_gather" in name:
-            gathers.append(span)
-        elif device_type == "cuda" and not any(c in name for c in COMM):
-            compute.append(span)
-        elif device_type == "cpu" and name.startswith("aten::") and e.cpu_parent is None:
-            compute.append(span)
+        name, span = e.name.lower(), (e.time_range.start, e.time_range.end)
+        gather = ("allgather" in name or "all_gather" in name) and "copy" not in name
+        if e.device_type == DeviceType.CUDA:
+            if gather:
+                kernels.append(span)
+            elif not any(c in name for c in COMM):
+                compute.append(span)
+        elif e.device_type == DeviceType.CPU:
+            if gather:
+                cpu_gathers.append(span)
+            elif device_type == "cpu" and name.startswith("aten::") and e.cpu_parent is None:
+                compute.append(span)
+    gathers = kernels or cpu_gathers
     g, c = _union(gathers), _union(compute)
     total = sum(b - a for a, b in g)
     hidden = _covered(g, c)
-    return {"all_gathers": len(gathers), "all_gather_us": total, "overlapped_us": hidden,
+    return {"gathers_from": "device kernels" if kernels else "cpu events",
+            "all_gathers": len(gathers), "all_gather_us": total, "overlapped_us": hidden,
             "overlap_fraction": hidden / total if total else 0.0}
 
 
-def _profiled(rank, world, size, scale, dtype, prefetch, out_dir, use_gpu):
+def _profiled(rank, world, size, scale, dtype, out_dir, use_gpu):
+    """On each local rank, fsdp without then with prefetch: a warm-up step, then one step
+    profiled on rank 0 (stage 2); returns rank 0's rows."""
+    import gc
+
     import torch
     from omegaconf import OmegaConf
 
@@ -161,44 +171,55 @@ def _profiled(rank, world, size, scale, dtype, prefetch, out_dir, use_gpu):
     from runtime.ray_runtime.worker import DFSWorker
 
     torch.set_num_threads(1)
-    cfg = _config(size, scale, dtype, "recompute",
-                  ["train.sharding=fsdp", f"train.prefetch={str(prefetch).lower()}"])
-    settings = resolve_run_config(OmegaConf.merge(cfg, {"ray": {"num_workers": world}}), None)
-    w = DFSWorker(rank, world, as_dict(cfg), settings, use_gpu=use_gpu)
-    w.parallelize()  # run_ranks made the process group
-    source = BatchSource(cfg, 512)
+    rows = []
+    for prefetch in (False, True):
+        cfg = _config(size, scale, dtype, "recompute",
+                      ["train.sharding=fsdp", f"train.prefetch={str(prefetch).lower()}"])
+        settings = resolve_run_config(OmegaConf.merge(cfg, {"ray": {"num_workers": world}}),
+                                      None)
+        w = DFSWorker(rank, world, as_dict(cfg), settings, use_gpu=use_gpu)
+        w.parallelize()  # run_ranks made the process group
+        source = BatchSource(cfg, 512)
 
-    def step(k):
-        batch = source.batch(k)
-        ids = assign_workers(PrefixTree(batch.input_ids), world).workers[rank]
-        return w.step(k, batch.subset(ids) if ids else None, batch_totals(batch))
+        def step(k):
+            batch = source.batch(k)
+            ids = assign_workers(PrefixTree(batch.input_ids), world).workers[rank]
+            return w.step(k, batch.subset(ids) if ids else None, batch_totals(batch))
 
-    step(0)  # warm-up
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if w.device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    if rank != 0:
-        stats = step(1)
-        return {"wall_s": stats.get("wall_s")}
-    with torch.profiler.profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        step(1)
-        wall = time.perf_counter() - t0
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(out_dir, f"fsdp-prefetch-{prefetch}.json"))
-    return {"prefetch": prefetch, "step_s": wall, **overlap_of(prof.events(), w.device.type)}
+        step(0)  # warm-up
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if w.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        if rank != 0:
+            step(1)
+        else:
+            with torch.profiler.profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                step(1)
+                wall = time.perf_counter() - t0
+            if out_dir:
+                os.makedirs(out_dir, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(out_dir,
+                                                      f"fsdp-prefetch-{prefetch}.json.gz"))
+            rows.append({"prefetch": prefetch, "step_s": wall,
+                         **overlap_of(prof.events(), w.device.type)})
+            del prof
+        del w
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
 
 
 def overlap(size, scale, dtype, world, out_dir, use_gpu) -> list:
     from experiments.local_ranks import run_ranks
 
-    rows = []
-    for ahead in (False, True):
-        got = run_ranks(_profiled, world, size, scale, dtype, ahead, out_dir, use_gpu,
-                        timeout=600.0)
-        rows.append(got[0])
-    return rows
+    try:
+        return run_ranks(_profiled, world, size, scale, dtype, out_dir, use_gpu,
+                         timeout=600.0)[0]
+    except Exception as exc:  # noqa: BLE001 (reported: the memory rows stand)
+        why = str(exc).strip().splitlines()[-1][:300]
+        return [{"prefetch": ahead, "error": why} for ahead in (False, True)]
 
 
 # ------------------------------------------------------------------------ main --
@@ -242,8 +263,13 @@ def main(argv=None) -> int:
         prof = overlap(args.size, args.scale, args.dtype, args.world, args.out,
                        device.type == "cuda")
         for r in prof:
+            if "error" in r:
+                print(f"fsdp{' + prefetch' if r['prefetch'] else ''} on {args.world} ranks: "
+                      f"failed: {r['error']}")
+                continue
             print(f"fsdp{' + prefetch' if r['prefetch'] else ''} on {args.world} ranks, rank 0: "
-                  f"{r['all_gathers']} all-gathers, {r['all_gather_us'] / 1e3:.1f} ms, "
+                  f"{r['all_gathers']} all-gathers ({r['gathers_from']}), "
+                  f"{r['all_gather_us'] / 1e3:.1f} ms, "
                   f"{r['overlap_fraction']:.2f} of it under compute; step {r['step_s']:.2f} s")
     if args.json:
         print(json.dumps({"device": args.device, "size": args.size, "dtype": args.dtype,
