@@ -242,3 +242,37 @@ def test_prefetch_is_refused_outside_fsdp():
             ParallelLayout.make(world=2, sharding=mode, prefetch=True,
                                 spelling={"prefetch": "train.prefetch"})
     assert ParallelLayout.make(world=2, sharding="fsdp", prefetch=True).prefetch
+
+
+def _bytes_on_ranks(rank, world, cases):
+    """tests/test_planning_runtime.py's ranks (tiny Qwen3-MoE, bf16), with prefetch."""
+    import tests.test_planning_runtime as pr
+
+    base = pr.overrides
+    pr.overrides = lambda *a, **k: base(*a, **k) + ON
+    try:
+        return pr.runtime_bytes(rank, world, cases)
+    finally:
+        pr.overrides = base
+
+
+@pytest.mark.slow
+def test_planner_prices_the_prefetched_layer_as_the_runtime_holds_it():
+    """fsdp + prefetch on 2 ranks (without and with expert parallelism, offloaded): the
+    runtime's state_bytes() params -- the gathered layer and the issued gather of the next
+    -- equal the planner's (model_state(..., prefetch=True)) byte for byte, one gathered
+    layer more than without prefetch."""
+    from dta.planning.memory import ModelShape, model_state
+    from tests.test_planning_runtime import C, _tiny
+
+    cases = [("fsdp", 1, 2, "none"), ("fsdp", 2, 2, "optimizer")]
+    results = run_ranks(_bytes_on_ranks, 2, cases, timeout=900.0)
+    shape = ModelShape.of(_tiny().config)
+    for i, (mode, E, S, offload) in enumerate(cases):
+        sb = results[0][i]["state_bytes"]
+        kw = dict(compute_bytes=C, expert_parallel=E, shard_size=S, offload=offload)
+        want = model_state(shape, 2, mode, prefetch=True, **kw)
+        without = model_state(shape, 2, mode, **kw)
+        assert sb["params"] == want["params"] > without["params"], (E, offload, sb, want)
+        print(f"fsdp + prefetch E={E} offload={offload}: runtime params {sb['params']}, "
+              f"planner {want['params']} (without prefetch {without['params']})")
