@@ -5,8 +5,9 @@ Float64, the tiny Qwen3, τ²-airline batches, local gloo ranks as the Ray worke
 log-probs before and after training, each step's loss, every reduced gradient and the
 parameters after one and two AdamW steps equal one process's within 1e-10
 (tests/test_hsdp.py's comparisons) -- recompute on 2 ranks in the default suite; under
-``-m slow`` retain on 2 ranks, both policies on 4 ranks and on the branched "small" batches
-(packs of several nodes, the ranks' pops interleaving differently).
+``-m slow`` retain on 2 ranks, both policies on 4 ranks, HSDP 2 x 2, expert parallelism
+under retain, and the branched "small" batches (packs of several nodes, the ranks' pops
+interleaving differently).
 
 That the prefetch is issued: at the start of every layer's forward compute the next layer's
 all-gather is already issued and not yet consumed (FSDP2's pending gather), and under
@@ -87,7 +88,9 @@ def run_cases(rank, world, cases, observed):
 def one_process(case):
     threads = torch.get_num_threads()
     try:
-        return record(0, 1, case_overrides(*case, prefetch=False), counted=False)
+        over = [o for o in case_overrides(*case, prefetch=False)
+                if not o.startswith("train.shard_size=")]  # one process: nothing to shard
+        return record(0, 1, over, counted=False)
     finally:
         torch.set_num_threads(threads)
 
@@ -148,11 +151,19 @@ def test_prefetch_retain_and_packs_on_two_ranks():
     check_issued(observed, results, 2)
 
 
+HSDP = ["train.shard_size=2"]
+
+
 @pytest.mark.slow
-def test_prefetch_on_four_ranks_both_policies():
-    cases = [("recompute", BLOCK), ("retain", BLOCK)]
+def test_prefetch_on_four_ranks_both_policies_and_hsdp():
+    """4 ranks, both policies; and HSDP 2 x 2 (the gathers inside the shard groups, the
+    replicas summed once per step: tests/test_hsdp.py's traffic check)."""
+    from tests.test_hsdp import check_hsdp_traffic
+
+    cases = [("recompute", BLOCK), ("retain", BLOCK), ("recompute", BLOCK + HSDP)]
     results = run_ranks(run_cases, 4, cases, [], timeout=1800.0)
     check(cases, 4, results)
+    check_hsdp_traffic([results[r][0][2] for r in range(4)], "fsdp+prefetch HSDP 2 x 2")
 
 
 def _ep_on_ranks(rank, world, cases):
