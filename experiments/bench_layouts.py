@@ -51,6 +51,22 @@ def _config(size: str, scale: str, dtype: str, policy: str, extra=()):
                               "optimizer.lr=1e-5", *extra])
 
 
+def _batch(cfg, step: int):
+    """The workload's batch of ``step`` (as ``dta train`` makes it from a generated workload,
+    its advantages kept, its rewards dropped; vocabulary 512)."""
+    from dta.batch import Batch
+    from experiments.workloads import make_workload
+
+    w = cfg.workload
+    scale = str(w.scale)
+    scale = scale if scale in ("tiny", "small", "full") else float(scale)
+    vocab = int(w.vocab_size or 512)
+    records = make_workload(w.name, scale=scale, seed=int(w.seed) + step,
+                            vocab_size=vocab).records
+    records = [{k: v for k, v in r.items() if k != "reward"} for r in records]
+    return Batch.from_records(records, vocab_size=vocab)
+
+
 # ----------------------------------------------------------------- 1. memory --
 def memory(layout: str, cfg, device) -> dict:
     """One step of ``layout`` on a 1-rank group in this process (stage 1)."""
@@ -59,7 +75,6 @@ def memory(layout: str, cfg, device) -> dict:
 
     from dta.losses import batch_totals
     from dta.train import accumulate_gradients
-    from dta_cli.batches import BatchSource
     from runtime.engine.step import optimizer_step
     from runtime.ray_runtime.worker import build_replica, make_training_loss
     from runtime.sharding import make_sharding, sharding_class
@@ -74,7 +89,7 @@ def memory(layout: str, cfg, device) -> dict:
     policy = str(cfg.walker.policy)
     mode = make_sharding(name, model, optimizer_factory(cfg.optimizer), group=dist.group.WORLD,
                          compute_dtype=compute, policy=policy, layout=_OneRank(prefetch=ahead))
-    batch = BatchSource(cfg, 512).batch(0)
+    batch = _batch(cfg, 0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -166,7 +181,6 @@ def _profiled(rank, world, size, scale, dtype, out_dir, use_gpu):
     from dta.losses import batch_totals
     from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree
-    from dta_cli.batches import BatchSource
     from runtime.engine import resolve_run_config
     from runtime.ray_runtime.worker import DFSWorker
 
@@ -179,10 +193,8 @@ def _profiled(rank, world, size, scale, dtype, out_dir, use_gpu):
                                       None)
         w = DFSWorker(rank, world, as_dict(cfg), settings, use_gpu=use_gpu)
         w.parallelize()  # run_ranks made the process group
-        source = BatchSource(cfg, 512)
-
         def step(k):
-            batch = source.batch(k)
+            batch = _batch(cfg, k)
             ids = assign_workers(PrefixTree(batch.input_ids), world).workers[rank]
             return w.step(k, batch.subset(ids) if ids else None, batch_totals(batch))
 
