@@ -103,70 +103,18 @@ def test_bytes_across_the_nodes_do_not_grow_with_the_calls():
 
 
 # ------------------------------------------------------------------ checkpoints --
-HPZ = "hpz4"  # fsdp on 4 ranks, 2 nodes of 2, node-resident
-
-
-def _patched():
-    """tests/test_resume_layouts.py knowing the node-resident layout: its config keys, and
-    its snapshot reading the layers' master slices (flat pieces of the node shards: whole
-    element ``first row x row size + k``) with their AdamW state."""
-    import tests.test_resume_layouts as rl
-
-    if HPZ in rl.LAYOUTS:
-        return rl
-    rl.LAYOUTS[HPZ] = ("fsdp", 4, 1)
-    plain_overrides, plain_snapshot = rl.overrides, rl.snapshot
-
-    def overrides_(layout):
-        extra = ["train.shard_size=2", "train.node_resident=true"] if layout == HPZ else []
-        return plain_overrides(layout) + extra
-
-    def snapshot_(w):
-        mode = w.core.sharding
-        if not w.core.layout.node_resident:
-            return plain_snapshot(w)
-        opt, out = w.core.optimizer, []
-        part = mode.layer_part
-        flat = part.flat
-        shards = dict(zip(part.names, part.sharded))
-        for mp, pc in zip(flat.master_params, flat.pieces):
-            name = flat.names[pc.index]
-            p = shards[name]
-            first = p.__create_chunk_list__()[0].offsets[0]
-            start = first * math.prod(p.shape[1:]) + pc.start
-            st = opt.state.get(mp) or {}
-            out.append((name, "param", start, mp.detach().reshape(-1).clone()))
-            for k in rl.KEYS[1:]:
-                out.append((name, k, start, st[k].reshape(-1).clone()))
-            out.append((name, "step", 0, torch.tensor([float(st.get("step", 0))])))
-        v = mode.vocab
-        for mp, pc in zip(v.master_params, v.pieces):
-            st = opt.state.get(mp) or {}
-            out.append((v.names[pc.index], "param", pc.start, mp.detach().reshape(-1).clone()))
-            for k in rl.KEYS[1:]:
-                out.append((v.names[pc.index], k, pc.start, st[k].reshape(-1).clone()))
-            out.append((v.names[pc.index], "step", 0, torch.tensor([float(st.get("step", 0))])))
-        return out
-
-    rl.overrides, rl.snapshot = overrides_, snapshot_
-    return rl
-
-
-def _jobs(rank, world, jobs, directory):
-    return _patched().run_jobs(rank, world, jobs, directory)
+HPZ = "fsdp-hsdp-hpz"  # tests/layouts.py: fsdp on 4 ranks, 2 nodes of 2, node-resident
 
 
 def _on(jobs, directory):
-    rl = _patched()
-    world = {rl.LAYOUTS[layout][1] for layout, _, _ in jobs}.pop()
-    if world == 1:
-        return rl.on_layouts(jobs, directory)
-    per_rank = run_ranks(_jobs, world, jobs, directory, timeout=900.0)
-    return [[r[i] for r in per_rank] for i in range(len(jobs))]
+    import tests.test_resume_layouts as rl
+
+    return rl.on_layouts(jobs, directory)
 
 
 def _resume(tmp_path, *, fsdp_too: bool):
-    rl = _patched()
+    import tests.test_resume_layouts as rl
+
     d, shapes = str(tmp_path), rl.shapes_of()
     (rep,) = _on([("rep1", None, True)], d)
     (hpz,) = _on([(HPZ, {"rep1": rl.checkpoint_of(d, "rep1")}, True)], d)

@@ -9,6 +9,7 @@ state) equal the uninterrupted run's, relative L2 <= 1e-12, and the step counts 
 fsdp 4 x C=2 -> zero1 2 and -> replicate 1, and zero1 2 / replicate 1 -> fsdp 4 x C=2."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -67,7 +68,15 @@ def snapshot(w) -> list[tuple]:
     if flat is not None:
         for mp, pc in zip(flat.master_params, flat.pieces):
             add(flat.names[pc.index], mp, pc.start)
-    if mode.name in ("fsdp", "zero2"):  # the layer shards, or their host masters (offload)
+    if w.core.layout.node_resident:  # the layers' master slices: flat pieces of the node
+        part = mode.layer_part          # shards (whole element first row x row size + k)
+        shards = dict(zip(part.names, part.sharded))
+        for mp, pc in zip(part.flat.master_params, part.flat.pieces):
+            name = part.flat.names[pc.index]
+            p = shards[name]
+            first = p.__create_chunk_list__()[0].offsets[0]
+            add(name, mp, first * math.prod(p.shape[1:]) + pc.start)
+    elif mode.name in ("fsdp", "zero2"):  # the layer shards, or their host masters (offload)
         for n, p in zip(mode.layer_part.names, mode.layer_part.stepped):
             add(n, p, 0, whole=lambda t: t.full_tensor())
     return out
