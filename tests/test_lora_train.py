@@ -78,13 +78,16 @@ def test_state_bytes_count_the_adapters(trained):
 
 
 def test_checkpoint_holds_the_adapters_and_resumes(trained):
-    from runtime.checkpoints.checkpoint import load_tensors
+    from runtime.checkpoints.files import read_dcp_metadata
     from tests.workers import local_worker
 
     w = trained["worker"]
-    saved = load_tensors(os.path.join(trained["ckpt"], "model.pt"))
+    held = read_dcp_metadata(trained["ckpt"]).state_dict_metadata  # the one format's index
+    saved = {k[len("logical.model."):]: tuple(m.size) for k, m in held.items()
+             if k.startswith("logical.model.")}
     trainable = {n: p for n, p in w.model.named_parameters() if p.requires_grad}
-    assert set(saved) == set(trainable)
+    assert saved == {n: tuple(p.shape) for n, p in trainable.items()}  # the adapters only
+    assert not any(k.startswith("logical.model.") and "lora_" not in k for k in held)
     threads = torch.get_num_threads()
     try:
         fresh = local_worker(trained["cfg"])

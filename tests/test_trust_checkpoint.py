@@ -64,13 +64,26 @@ def test_round_trip_restores_model_optimizer_and_rng(saved):
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
 
 
+def test_one_format_every_file_checksummed(saved):
+    d, path, run, model, opt = saved
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "manifest.json",
+                                        "meta.json", "rng.pt"]  # the logical view as DCP
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    assert meta["format"] == "dcp" and meta["logical"] == 1 and meta["world_size"] == 1
+    assert meta["optimizer_groups"][0]["lr"] == 1e-2 and meta["optimizer_groups"][0]["betas"] \
+        == [0.9, 0.999]
+    files = json.load(open(os.path.join(path, ckpt.MANIFEST)))["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "meta.json", "rng.pt"]
+
+
+@pytest.mark.parametrize("planted", [".metadata", "rng.pt"])  # DCP's pickle; a torch.save
 @pytest.mark.parametrize("fix_manifest", [False, True])
-def test_planted_pickle_is_refused_and_nothing_runs(saved, tmp_path, fix_manifest):
+def test_planted_pickle_is_refused_and_nothing_runs(saved, tmp_path, fix_manifest, planted):
     d, path, run, model, opt = saved
     marker = tmp_path / "pwned"
-    with open(os.path.join(path, "optimizer.pt"), "wb") as f:
+    with open(os.path.join(path, planted), "wb") as f:
         pickle.dump({"state": Planted(str(marker)), "param_groups": []}, f)
-    if fix_manifest:  # an attacker who also rewrites the manifest: weights_only still refuses
+    if fix_manifest:  # an attacker who also rewrites the manifest: the allow-lists refuse
         ckpt.write_manifest(path, run_id=run.run_id, step=1)
     target, target_opt = tiny()
     with torch.no_grad():
@@ -78,8 +91,8 @@ def test_planted_pickle_is_refused_and_nothing_runs(saved, tmp_path, fix_manifes
     before = params(target)
     with pytest.raises(CheckpointError) as info:
         ckpt.load_checkpoint(path, target, target_opt)
-    assert "optimizer.pt" in str(info.value)
-    assert ("more than tensors" in str(info.value)) if fix_manifest else (
+    assert planted in str(info.value)
+    assert ("holds more than" in str(info.value)) if fix_manifest else (
         "SHA-256" in str(info.value) or "bytes" in str(info.value))
     assert not marker.exists()  # the payload never ran
     assert all(torch.equal(before[k], v) for k, v in params(target).items())  # untouched
@@ -87,12 +100,51 @@ def test_planted_pickle_is_refused_and_nothing_runs(saved, tmp_path, fix_manifes
 
 def test_flipped_byte_is_detected(saved):
     d, path, run, model, opt = saved
-    f = os.path.join(path, "model.pt")
+    f = os.path.join(path, "__0_0.distcp")
     data = bytearray(open(f, "rb").read())
     data[len(data) // 2] ^= 0x01
     open(f, "wb").write(bytes(data))
-    with pytest.raises(CheckpointError, match=r"file 'model.pt' fails its SHA-256 check"):
+    with pytest.raises(CheckpointError, match=r"file '__0_0.distcp' fails its SHA-256 check"):
         ckpt.load_checkpoint(path, *tiny())
+
+
+def test_another_model_is_refused_before_anything_is_touched(saved):
+    d, path, run, model, opt = saved
+    other = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    before = params(other)
+    with pytest.raises(CheckpointError, match=r"does not fit this run: parameter '0.bias' "
+                                              r"has shape \(8,\) there and \(6,\) here"):
+        ckpt.load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
+    assert all(torch.equal(before[k], v) for k, v in params(other).items())
+
+
+def test_a_legacy_replica_checkpoint_still_loads(tmp_path):
+    """A checkpoint DTA wrote up to a946503 (model.pt / optimizer.pt / rng.pt, built here in
+    the old layout) loads through the one legacy reader: weights, moments, hyperparameters,
+    RNG; another model is refused naming the version that wrote it."""
+    from tests.legacy_checkpoints import write_legacy_replica
+
+    model, opt = tiny()
+    opt.param_groups[0]["lr"] = 3e-3  # a hyperparameter the fresh optimizer does not have
+    torch.manual_seed(7)
+    path = write_legacy_replica(str(tmp_path / "old"), 4, model, opt)
+    want = torch.rand(3)
+    fresh, fresh_opt = tiny()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    assert ckpt.load_checkpoint(path, fresh, fresh_opt)["step"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(params(fresh).values(), params(model).values()))
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert all(torch.equal(fresh_opt.state[a][k], opt.state[b][k])
+                   for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert fresh_opt.param_groups[0]["lr"] == 3e-3 and fresh_opt.param_groups[0]["betas"] == (
+        0.9, 0.999)
+    assert torch.equal(torch.rand(3), want)  # the RNG continues as saved
+    other = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    with pytest.raises(CheckpointError, match=r"\(written by DTA up to a946503 \(2026-12-07\)\)"
+                                              r" does not fit this run"):
+        ckpt.load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
 
 
 def test_file_added_after_the_fact_or_missing_manifest_is_refused(saved):

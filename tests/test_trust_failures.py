@@ -163,9 +163,10 @@ def test_a_run_folder_whose_first_save_failed_can_start_again(tmp_path):
 def test_causes_are_one_line_with_their_path():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    full = OSError(errno.ENOSPC, "No space left on device", "/ck/.tmp-step-000002-x/model.pt")
+    full = OSError(errno.ENOSPC, "No space left on device",
+                   "/ck/.tmp-step-000002-x/__0_0.distcp")
     assert describe(full) == ("OSError: [Errno 28] No space left on device: "
-                              "'/ck/.tmp-step-000002-x/model.pt'")
+                              "'/ck/.tmp-step-000002-x/__0_0.distcp'")
     wrapped = CheckpointException("CheckpointException ranks:dict_keys([1, 0])\nTraceback...",
                                   {1: (ValueError("late"), None), 0: (full, None)})
     assert describe(wrapped) == describe(full)  # DCP's wrapper: rank 0's own error
@@ -174,7 +175,7 @@ def test_causes_are_one_line_with_their_path():
     out = storage_failure(wrapped, "saving the engine (dcp) to '/ck' on rank 0", "/ck")
     assert isinstance(out, OSError) and out.errno == errno.ENOSPC
     assert str(out) == ("[Errno 28] saving the engine (dcp) to '/ck' on rank 0 failed: No "
-                        "space left on device: '/ck/.tmp-step-000002-x/model.pt'")
+                        "space left on device: '/ck/.tmp-step-000002-x/__0_0.distcp'")
     rust = RuntimeError("Error while serializing: I/O error: No space left on device (os "
                         "error 28)")  # safetensors' SafetensorError text
     out = storage_failure(rust, "saving the engine (hf) to '/hf' on rank 0", "/hf")

@@ -5,18 +5,23 @@ Layout of ``<dir>``::
     run.json              the run that owns the folder: {"run_id", "created", "format",
                           "started", "pid", "host"}; locked while that run lives
     step-000003/          one directory per checkpoint (written as .tmp-*, then renamed)
-        model.pt          model state_dict (tensors; a LoRA model: its adapters only)
-        optimizer.pt      optimizer state_dict (tensors, numbers, lists)
-        rng.pt            torch (+ CUDA), numpy and python RNG states (tensors, numbers)
-        meta.json         step, config (resolved), plan settings, run statistics
+        __0_0.distcp      DCP files of the training state's logical view, one per writing
+                          rank (runtime.checkpoints.logical: per trained parameter, by name
+                          and whole shape, the weights the optimizer steps and its state;
+                          a LoRA model: its adapters only) -- written by every layout
+        .metadata         DCP's index of them (read with an allow-list: DCP's classes only)
+        rng.pt            rank 0's torch (+ CUDA), numpy and python RNG states (tensors)
+        meta.json         step, format, run, the optimizer's hyperparameters, config
+                          (resolved), plan settings, run statistics
         manifest.json     run id, step, and the SHA-256 and size of every file above
     latest                the name of the newest complete checkpoint (replaced atomically)
 
 Trust rules:
 
 * **Nothing but tensors is unpickled**: every ``.pt`` file is read with
-  ``torch.load(weights_only=True)``; a file holding anything else (a planted pickle) is
-  refused and nothing of it runs.
+  ``torch.load(weights_only=True)`` (DCP reads its tensors so too) and DCP's ``.metadata``
+  with an allow-list of DCP's own classes; a file holding anything else (a planted pickle)
+  is refused and nothing of it runs.
 * **Checksums first**: a checkpoint is loaded only after every file matches its manifest
   (size and SHA-256), so a flipped byte is an error naming the file, never 6e28 weights.
   All files are read before any is applied: a refused checkpoint leaves model and
@@ -52,14 +57,12 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dta.model.lora import trained_state
 from dta.paths import check_path
 from runtime.checkpoints.claim import Claim, claim_folder, create_record, run_record
 from runtime.checkpoints.files import (  # noqa: F401
@@ -77,8 +80,10 @@ from runtime.checkpoints.files import (  # noqa: F401
 )
 from runtime.checkpoints.folders import RUN_FILE, foreign_folder
 
-LATEST = "latest"  # the newest complete checkpoint's name (every format)
-META = "meta.json"  # a checkpoint's step, run and settings (every format)
+LATEST = "latest"  # the newest complete checkpoint's name
+META = "meta.json"  # a checkpoint's step, run and settings
+RNG = "rng.pt"  # rank 0's RNG states (torch, CUDA, numpy, python)
+GROUPS = "optimizer_groups"  # meta.json: the optimizer's hyperparameters per group
 _STEP = re.compile(r"^step-(\d{6,})$")
 
 
@@ -250,13 +255,10 @@ def _manifest_run(path: str) -> str | None:
 
 
 # ------------------------------------------------------------------ save / load --
-def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | None = None, *,
-                    run_id: str | None = None, keep_last: int | None = None,
-                    weights: dict | None = None) -> str:
-    """Write checkpoint ``step`` atomically (with its manifest); returns its final path.
-    ``run_id`` defaults to the folder's (``run.json``); ``keep_last`` deletes all but the
-    newest N checkpoints afterwards; ``weights``: tensors that stand for the model's own in
-    ``model.pt`` (the fp32 masters a replica steps, by parameter name)."""
+def folder_run(directory: str, run_id: str | None) -> str:
+    """The run a one-process save writes for: ``run_id``, default the folder's (``run.json``);
+    a folder of another run is refused, one without ``run.json`` (the Python API, no
+    :func:`prepare_run`) is named this run's by its first save."""
     refused = foreign_folder(directory)
     if refused:
         raise CheckpointError(refused)
@@ -276,31 +278,80 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
                                       f"not to this run ({run_id}); refusing to mix two runs")
             mine = theirs or mine
         run_id = mine
-    final = os.path.join(directory, step_name(step))
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=directory)
-    try:
-        os.chmod(tmp, 0o755)
-        save_tensors({k: v.detach().cpu() for k, v in {**trained_state(model),
-                                                       **(weights or {})}.items()},
-                     os.path.join(tmp, "model.pt"))
-        save_tensors(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        save_tensors(rng_state(), os.path.join(tmp, "rng.pt"))
-        _write_json(os.path.join(tmp, "meta.json"), {"step": int(step), "run_id": run_id,
-                                                     **(meta or {})})
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        write_manifest(tmp, run_id=run_id, step=int(step))
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return run_id
+
+
+def optimizer_groups(optimizer) -> list[dict]:
+    """The optimizer's hyperparameters per group (``param_groups`` without the parameters),
+    as JSON for meta.json; restored by :func:`restore_groups`."""
+    out = []
+    for group in [] if optimizer is None else optimizer.param_groups:
+        saved = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, tuple):
+                v = list(v)
+            if v is None or isinstance(v, (bool, int, float, str, list)):
+                saved[k] = v
+        out.append(saved)
+    return out
+
+
+def restore_groups(optimizer, groups) -> None:
+    """Hyperparameters saved by :func:`optimizer_groups` (or a legacy ``optimizer.pt``'s
+    ``param_groups``) into ``optimizer``, when it has as many groups."""
+    if optimizer is None or not groups or len(groups) != len(optimizer.param_groups):
+        return
+    for group, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            if k == "params" or k not in group:
+                continue
+            now = group[k]
+            if isinstance(now, torch.Tensor):
+                now.fill_(v)
+            else:
+                group[k] = tuple(v) if isinstance(now, tuple) else v
+
+
+def save_local(directory: str, step: int, mode, meta: dict | None = None, *,
+               run_id: str | None = None, keep_last: int | None = None) -> str:
+    """The whole state of ``mode`` (a one-shard layout: a replica, or a plain model as
+    :class:`runtime.checkpoints.logical.WholeModel`) written by this process alone in the one
+    format (:mod:`runtime.checkpoints.sharded`), atomically; returns its final path."""
+    from runtime.checkpoints.sharded import save_sharded
+
+    run_id = folder_run(directory, run_id)
+    final = save_sharded(directory, step, mode.sharded_state(), local=True,
+                         meta={**(meta or {}), **replica_meta(mode.optimizer), "run_id": run_id},
+                         files=replica_files())
     if keep_last:
         prune(directory, int(keep_last), keep=final, run_id=run_id)
     return final
+
+
+def replica_meta(optimizer) -> dict:
+    """What meta.json holds beside the state for a replica's resume: the hyperparameters."""
+    return {GROUPS: optimizer_groups(optimizer)}
+
+
+def replica_files() -> dict:
+    """The files beside the state (rank 0's): its RNG states (tensors and numbers)."""
+    return {RNG: rng_state()}
+
+
+def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | None = None, *,
+                    run_id: str | None = None, keep_last: int | None = None) -> str:
+    """Write checkpoint ``step`` of a plain model (a LoRA model: its adapters) and its
+    optimizer atomically, in the one format (a one-shard layout); returns its final path.
+    ``run_id`` defaults to the folder's (``run.json``); ``keep_last`` deletes all but the
+    newest N checkpoints afterwards."""
+    from runtime.checkpoints.logical import WholeModel
+
+    return save_local(directory, step, WholeModel(model, optimizer), meta, run_id=run_id,
+                      keep_last=keep_last)
 
 
 def prune(directory: str, keep_last: int, keep: str | None = None,
@@ -353,30 +404,11 @@ def check_owner(path: str, manifest: dict) -> None:
 
 
 def load_checkpoint(path: str, model, optimizer=None, *, restore_rng: bool = True) -> dict:
-    """Verify ``path`` (manifest, run), read every file (tensors only), then load them into
-    ``model`` (and ``optimizer``); returns its meta. Nothing is applied unless all of it
-    verifies and reads."""
-    check_owner(path, verify_manifest(path))
-    meta = read_meta(path)
-    device = next(model.parameters()).device
-    state = load_tensors(os.path.join(path, "model.pt"), map_location=device)
-    opt_state = (load_tensors(os.path.join(path, "optimizer.pt"), map_location=device)
-                 if optimizer is not None else None)
-    rng = load_tensors(os.path.join(path, "rng.pt")) if restore_rng else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"checkpoint {path!r}: model.pt is not a state dict of tensors")
-    own = trained_state(model)  # a LoRA model: its adapters only
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or shapes:
-        raise CheckpointError(f"checkpoint {path!r} does not match the model: missing "
-                              f"{missing[:5]}, unexpected {unexpected[:5]}, other shape "
-                              f"{shapes[:5]}")
-    model.load_state_dict(state, strict=len(own) == len(model.state_dict()))
-    if optimizer is not None:
-        optimizer.load_state_dict(opt_state)
-    if rng is not None:
-        set_rng_state(rng)
-    return meta
+    """Verify ``path`` (manifest, run), then load it into a plain ``model`` (and
+    ``optimizer``, its hyperparameters, and the RNG states): a checkpoint of the one format
+    written by any layout, or a legacy one (:mod:`runtime.checkpoints.legacy`); returns its
+    meta. A checkpoint that is not this model's is refused before anything is touched."""
+    from runtime.checkpoints.logical import WholeModel
+    from runtime.checkpoints.reshard import load
 
+    return load(WholeModel(model, optimizer), path, local=True, replica=True, rng=restore_rng)

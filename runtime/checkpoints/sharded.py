@@ -36,7 +36,6 @@ Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/shardi
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import uuid
@@ -56,7 +55,15 @@ from runtime.checkpoints.checkpoint import (
     verify_manifest,
     write_manifest,
 )
-from runtime.checkpoints.files import _fsync_dir
+from runtime.checkpoints.files import (
+    _fsync_dir,
+    _with_path,
+    _write_json,
+    dcp_reader,
+    dcp_writer,
+    read_dcp_metadata,
+    save_tensors,
+)
 from runtime.checkpoints.pieces import LoadPlanner, SavePlanner
 
 LOGICAL = 1  # meta.json's "logical": the version of the logical view it holds
@@ -123,41 +130,59 @@ def _dcp_state(state: dict) -> dict:
 
 
 def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = None,
-                 group=None) -> str:
-    """Write checkpoint ``step`` (every rank calls this); returns its final path."""
+                 group=None, local: bool = False, files: dict | None = None) -> str:
+    """Write checkpoint ``step`` (every rank of ``group`` calls this; ``local``: this
+    process alone, a one-shard layout -- a replica's whole state or a plain model -- with no
+    collective); returns its final path. ``files``: name -> tensors (and numbers) rank 0
+    writes beside DCP's files (``rng.pt``), checksummed with them."""
     directory = os.path.abspath(directory)
     final = os.path.join(directory, step_name(step))
-    token = _broadcast(uuid.uuid4().hex if _rank() == 0 else None, group)
+    rank = 0 if local else _rank()
+    token = uuid.uuid4().hex if local else _broadcast(uuid.uuid4().hex if rank == 0 else None,
+                                                      group)
     tmp = os.path.join(directory, f".tmp-{step_name(step)}-{token}")
-    if _rank() == 0:
+    if rank == 0:
         os.makedirs(tmp, exist_ok=True)
-    _barrier(group)
+    if not local:
+        _barrier(group)
     try:
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer = dcp_writer(tmp)
         with _one_process_quiet():
             dcp.save(_dcp_state(state), storage_writer=writer, planner=SavePlanner(),
-                     process_group=group)
-        _barrier(group)
-        if _rank() == 0:
-            with open(os.path.join(tmp, META), "w") as f:
-                json.dump({"step": int(step), "world_size": _world(), "format": "dcp",
-                           **({"logical": LOGICAL} if _logical(state) else {}),
-                           **(meta or {})}, f, indent=1, default=str)
-                f.flush()
-                os.fsync(f.fileno())
+                     process_group=group, no_dist=local)
+        if not local:
+            _barrier(group)
+        if rank == 0:
+            for name, obj in (files or {}).items():
+                save_tensors(obj, os.path.join(tmp, name))
+            _write_json(os.path.join(tmp, META), {  # strict JSON (NaN: null)
+                "step": int(step), "world_size": 1 if local else _world(), "format": "dcp",
+                **({"logical": LOGICAL} if _logical(state) else {}), **(meta or {})})
+            _modes(tmp)
             write_manifest(tmp, run_id=(meta or {}).get("run_id"), step=int(step),
                            extra={"kind": "dcp"})
             _fsync_dir(tmp)
             publish(tmp, final)
     except BaseException as exc:
-        if _rank() == 0:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         own = _own_error(exc)
-        if own is not None:
-            raise own from exc
+        err = exc if own is None else own
+        if isinstance(err, OSError):  # a full disk: name the folder it failed in
+            err = _with_path(err, tmp)
+        if err is not exc:
+            raise err from exc
         raise
-    _barrier(group)
+    if not local:
+        _barrier(group)
     return final
+
+
+def _modes(tmp: str) -> None:
+    """Folders ``0o755`` at most, files ``0o644`` at most (never writable by others)."""
+    os.chmod(tmp, 0o755)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o644)
 
 
 def _own_error(exc: BaseException) -> Exception | None:
@@ -172,8 +197,9 @@ def _own_error(exc: BaseException) -> Exception | None:
     return inner if isinstance(inner, Exception) else None
 
 
-def load_sharded(path: str, state: dict, *, group=None) -> dict:
-    """Load ``path`` into ``state`` in place (every rank calls this); returns its meta.
+def load_sharded(path: str, state: dict, *, group=None, local: bool = False) -> dict:
+    """Load ``path`` into ``state`` in place (every rank of ``group`` calls this; ``local``:
+    this process alone reads what it holds, no collective); returns its meta.
     The manifest is verified first: nothing is read from an unverified folder. A logical
     view loads at any world size and mode; anything else only at the world size that wrote
     it."""
@@ -189,18 +215,18 @@ def load_sharded(path: str, state: dict, *, group=None) -> dict:
             "ranks), not the logical view this DTA loads here; resume it through the engine "
             "core (dta train / verl), or with the DTA that wrote it")
     if _logical(state):  # its parameters and optimizer state are this run's (one line)
-        metadata = dcp.FileSystemReader(path).read_metadata()  # a pickle: verified above
+        metadata = read_dcp_metadata(path)  # DCP's own classes only
         for k, v in state.items():
             if isinstance(v, CheckedState):
                 v.check(path, metadata, k)
-    elif int(meta.get("world_size", -1)) != _world():
+    elif int(meta.get("world_size", -1)) != (1 if local else _world()):
         raise ShardedCheckpointError(
             f"checkpoint {path!r} was written by {meta.get('world_size')} ranks, this run has "
             f"{_world()} (resume at the same world size)")
     try:
         with _one_process_quiet():
-            dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path),
-                     planner=LoadPlanner(), process_group=group)
+            dcp.load(_dcp_state(state), storage_reader=dcp_reader(path),
+                     planner=LoadPlanner(), process_group=group, no_dist=local)
     except BaseException as exc:
         own = _own_error(exc)
         if own is not None:
