@@ -129,11 +129,25 @@ def test_merged_export(trained):
 
 @pytest.mark.parametrize("override, match", [
     ("model.lora.dropout=0.1", "model.lora.dropout.*dropout mask"),
-    ("train.sharding=fsdp", "fsdp with LoRA"),
 ])
 def test_lora_settings_refused(override, match):
     with pytest.raises(ConfigError, match=match):
         check_dta_train(_cfg(override))
+
+
+def test_fsdp_refuses_a_lora_base_naming_the_key():
+    """fsdp holds no frozen weights: refused by the one model-fit rule
+    (runtime.engine.layout.check_model_fit), which dta train runs before Ray starts; the
+    config alone is valid (the rule needs the model)."""
+    from runtime.errors import TrainingError
+    from runtime.ray_runtime.driver import Trainer
+
+    cfg = _cfg("train.sharding=fsdp")
+    check_dta_train(cfg)
+    with pytest.raises(TrainingError, match=r"^bad value for config key 'train.sharding': "
+                                            r"sharding=fsdp trains every weight; this model "
+                                            r"has frozen ones \(a LoRA base\)"):
+        Trainer(cfg)
 
 
 def test_lora_keys_need_a_rank():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from runtime.checkpoints import checkpoint as ckpt
+from runtime.checkpoints import whole
 from runtime.checkpoints.checkpoint import CheckpointError
 
 
@@ -31,7 +32,7 @@ def saved(tmp_path):
     d = str(tmp_path / "run")
     run = ckpt.prepare_run(d, resume=False)
     model, opt = tiny()
-    path = ckpt.save_checkpoint(d, 1, model, opt, {"note": "x"})
+    path = whole.save_checkpoint(d, 1, model, opt, {"note": "x"})
     run.release()  # the run has ended: its folder can be resumed (a live one cannot)
     return d, path, run, model, opt
 
@@ -50,13 +51,13 @@ def test_round_trip_restores_model_optimizer_and_rng(saved):
     d, path, run, model, opt = saved
     import random
     np.random.seed(5)
-    ckpt.save_checkpoint(d, 2, model, opt)
+    whole.save_checkpoint(d, 2, model, opt)
     want = (torch.rand(2), np.random.rand(), random.random())
     fresh, fresh_opt = tiny()
     with torch.no_grad():
         for p in fresh.parameters():
             p.add_(1.0)
-    meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(d), fresh, fresh_opt)
+    meta = whole.load_checkpoint(ckpt.latest_checkpoint(d), fresh, fresh_opt)
     assert meta["step"] == 2 and meta["run_id"] == run.run_id
     assert all(torch.equal(a, b) for a, b in zip(params(fresh).values(), params(model).values()))
     assert fresh_opt.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
@@ -90,7 +91,7 @@ def test_planted_pickle_is_refused_and_nothing_runs(saved, tmp_path, fix_manifes
         target[0].weight.add_(3.0)
     before = params(target)
     with pytest.raises(CheckpointError) as info:
-        ckpt.load_checkpoint(path, target, target_opt)
+        whole.load_checkpoint(path, target, target_opt)
     assert planted in str(info.value)
     assert ("holds more than" in str(info.value)) if fix_manifest else (
         "SHA-256" in str(info.value) or "bytes" in str(info.value))
@@ -105,7 +106,7 @@ def test_flipped_byte_is_detected(saved):
     data[len(data) // 2] ^= 0x01
     open(f, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=r"file '__0_0.distcp' fails its SHA-256 check"):
-        ckpt.load_checkpoint(path, *tiny())
+        whole.load_checkpoint(path, *tiny())
 
 
 def test_another_model_is_refused_before_anything_is_touched(saved):
@@ -114,7 +115,7 @@ def test_another_model_is_refused_before_anything_is_touched(saved):
     before = params(other)
     with pytest.raises(CheckpointError, match=r"does not fit this run: parameter '0.bias' "
                                               r"has shape \(8,\) there and \(6,\) here"):
-        ckpt.load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
+        whole.load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
     assert all(torch.equal(before[k], v) for k, v in params(other).items())
 
 
@@ -133,7 +134,7 @@ def test_a_legacy_replica_checkpoint_still_loads(tmp_path):
     with torch.no_grad():
         for p in fresh.parameters():
             p.add_(1.0)
-    assert ckpt.load_checkpoint(path, fresh, fresh_opt)["step"] == 4
+    assert whole.load_checkpoint(path, fresh, fresh_opt)["step"] == 4
     assert all(torch.equal(a, b) for a, b in zip(params(fresh).values(), params(model).values()))
     for a, b in zip(fresh.parameters(), model.parameters()):
         assert all(torch.equal(fresh_opt.state[a][k], opt.state[b][k])
@@ -144,18 +145,18 @@ def test_a_legacy_replica_checkpoint_still_loads(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     with pytest.raises(CheckpointError, match=r"\(written by DTA up to a946503 \(2026-12-07\)\)"
                                               r" does not fit this run"):
-        ckpt.load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
+        whole.load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
 
 
 def test_file_added_after_the_fact_or_missing_manifest_is_refused(saved):
     d, path, run, model, opt = saved
     open(os.path.join(path, "extra.pt"), "wb").write(b"x")
     with pytest.raises(CheckpointError, match="'extra.pt' is not in its manifest"):
-        ckpt.load_checkpoint(path, *tiny())
+        whole.load_checkpoint(path, *tiny())
     os.unlink(os.path.join(path, "extra.pt"))
     os.unlink(os.path.join(path, ckpt.MANIFEST))
     with pytest.raises(CheckpointError, match="no readable manifest.json"):
-        ckpt.load_checkpoint(path, *tiny())
+        whole.load_checkpoint(path, *tiny())
 
 
 def test_second_run_in_the_same_folder_is_refused(saved):
@@ -164,7 +165,7 @@ def test_second_run_in_the_same_folder_is_refused(saved):
         ckpt.prepare_run(d, resume=False)
     assert ckpt.prepare_run(d, resume=True).run_id == run.run_id  # resuming it is fine
     with pytest.raises(CheckpointError, match="belongs to run"):
-        ckpt.save_checkpoint(d, 2, model, opt, run_id="another-run")
+        whole.save_checkpoint(d, 2, model, opt, run_id="another-run")
 
 
 def test_checkpoint_of_another_run_is_refused(saved, tmp_path):
@@ -173,7 +174,7 @@ def test_checkpoint_of_another_run_is_refused(saved, tmp_path):
     ckpt.prepare_run(other, resume=False)
     os.replace(path, os.path.join(other, "step-000001"))
     with pytest.raises(CheckpointError, match="two runs were mixed"):
-        ckpt.load_checkpoint(os.path.join(other, "step-000001"), *tiny())
+        whole.load_checkpoint(os.path.join(other, "step-000001"), *tiny())
 
 
 def test_resume_needs_an_existing_folder_with_a_checkpoint(tmp_path):
@@ -194,7 +195,7 @@ def test_unusable_folder_fails_before_step_0(tmp_path):
 def test_keep_last_and_modes(saved):
     d, path, run, model, opt = saved
     for step in range(2, 6):
-        ckpt.save_checkpoint(d, step, model, opt, keep_last=2)
+        whole.save_checkpoint(d, step, model, opt, keep_last=2)
     assert [os.path.basename(p) for p in ckpt.checkpoints(d)] == ["step-000004", "step-000005"]
     assert ckpt.latest_checkpoint(d).endswith("step-000005")
     assert not [n for n in os.listdir(d) if n.startswith(".")]  # no temp or trash left
@@ -206,7 +207,7 @@ def test_keep_last_and_modes(saved):
 
 def test_meta_with_nan_is_strict_json(saved):
     d, path, run, model, opt = saved
-    p = ckpt.save_checkpoint(d, 7, model, opt, {"history": [{"loss": float("nan")}]})
+    p = whole.save_checkpoint(d, 7, model, opt, {"history": [{"loss": float("nan")}]})
     text = open(os.path.join(p, "meta.json")).read()
     assert "NaN" not in text and json.loads(text)["history"][0]["loss"] is None
 

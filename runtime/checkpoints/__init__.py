@@ -3,9 +3,11 @@ AReaL and verl doors call it):
 
 - ``files``, ``folders``, ``claim``: tensors-only, checksummed, atomic files; a run's folders
   and its claim on them from its first second;
-- ``checkpoint``: a run's folder prepared, the helpers of its checkpoints (``step_name``,
-  ``read_meta``, ``latest_checkpoint``, ``publish``, ``prune``), one process's save of a
-  whole state (a replica; ``save_checkpoint`` / ``load_checkpoint``: a plain model);
+- ``checkpoint``: a run's folder prepared, the helpers of its checkpoints
+  (``latest_checkpoint``, ``prune``, the RNG states and the optimizer's hyperparameters;
+  ``step_name``, ``read_meta``, ``publish`` live in ``files``);
+- ``whole``: one process's checkpoint of a whole state (a replica; ``save_checkpoint`` /
+  ``load_checkpoint``: a plain model, the Python API);
 - ``pieces``, ``logical``, ``optimizer_state``: the training state's layout-free view
   (per parameter by name and whole shape) as DCP's logical tensors;
 - ``sharded``: the one format every layout writes -- DCP files of that view (every rank its

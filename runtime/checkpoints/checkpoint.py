@@ -67,29 +67,27 @@ from dta.paths import check_path
 from runtime.checkpoints.claim import Claim, claim_folder, create_record, run_record
 from runtime.checkpoints.files import (  # noqa: F401
     FORMAT,
+    LATEST,
     MANIFEST,
+    META,
     CheckpointError,
     _fsync_dir,
     _mkdir,
     _with_path,
     _write_json,
     load_tensors,
+    publish,
+    read_meta,
     save_tensors,
+    step_name,
     verify_manifest,
     write_manifest,
 )
 from runtime.checkpoints.folders import RUN_FILE, foreign_folder
 
-LATEST = "latest"  # the newest complete checkpoint's name
-META = "meta.json"  # a checkpoint's step, run and settings
 RNG = "rng.pt"  # rank 0's RNG states (torch, CUDA, numpy, python)
 GROUPS = "optimizer_groups"  # meta.json: the optimizer's hyperparameters per group
 _STEP = re.compile(r"^step-(\d{6,})$")
-
-
-def step_name(step: int) -> str:
-    """A checkpoint's folder name (every format): ``step-000003``."""
-    return f"step-{int(step):06d}"
 
 
 # ------------------------------------------------------------------------ RNG --
@@ -156,36 +154,6 @@ def read_run(directory: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path!r} is unreadable: {exc}") from None
-
-
-def publish(tmp: str, final: str) -> None:
-    """Make the complete, fsynced checkpoint folder ``tmp`` the checkpoint ``final`` and
-    point ``latest`` at it, each by an atomic rename (a crash leaves either the old state or
-    the new one, never half a checkpoint under a final name). Shared by every format."""
-    directory = os.path.dirname(final)
-    if os.path.exists(final):  # rewriting a step: move the old one away first
-        trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(directory)
-    pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
-    try:
-        with open(pointer, "w") as f:
-            f.write(os.path.basename(final) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:  # the checkpoint is complete; `latest` still names the previous
-        try:
-            os.unlink(pointer)
-        except OSError:
-            pass
-        raise _with_path(exc, os.path.join(directory, LATEST)) from None
-    os.chmod(pointer, 0o644)
-    os.replace(pointer, os.path.join(directory, LATEST))
-    _fsync_dir(directory)
 
 
 def checkpoints(directory: str) -> list[str]:
@@ -316,44 +284,6 @@ def restore_groups(optimizer, groups) -> None:
                 group[k] = tuple(v) if isinstance(now, tuple) else v
 
 
-def save_local(directory: str, step: int, mode, meta: dict | None = None, *,
-               run_id: str | None = None, keep_last: int | None = None) -> str:
-    """The whole state of ``mode`` (a one-shard layout: a replica, or a plain model as
-    :class:`runtime.checkpoints.logical.WholeModel`) written by this process alone in the one
-    format (:mod:`runtime.checkpoints.sharded`), atomically; returns its final path."""
-    from runtime.checkpoints.sharded import save_sharded
-
-    run_id = folder_run(directory, run_id)
-    final = save_sharded(directory, step, mode.sharded_state(), local=True,
-                         meta={**(meta or {}), **replica_meta(mode.optimizer), "run_id": run_id},
-                         files=replica_files())
-    if keep_last:
-        prune(directory, int(keep_last), keep=final, run_id=run_id)
-    return final
-
-
-def replica_meta(optimizer) -> dict:
-    """What meta.json holds beside the state for a replica's resume: the hyperparameters."""
-    return {GROUPS: optimizer_groups(optimizer)}
-
-
-def replica_files() -> dict:
-    """The files beside the state (rank 0's): its RNG states (tensors and numbers)."""
-    return {RNG: rng_state()}
-
-
-def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | None = None, *,
-                    run_id: str | None = None, keep_last: int | None = None) -> str:
-    """Write checkpoint ``step`` of a plain model (a LoRA model: its adapters) and its
-    optimizer atomically, in the one format (a one-shard layout); returns its final path.
-    ``run_id`` defaults to the folder's (``run.json``); ``keep_last`` deletes all but the
-    newest N checkpoints afterwards."""
-    from runtime.checkpoints.logical import WholeModel
-
-    return save_local(directory, step, WholeModel(model, optimizer), meta, run_id=run_id,
-                      keep_last=keep_last)
-
-
 def prune(directory: str, keep_last: int, keep: str | None = None,
           run_id: str | None = None) -> list[str]:
     """Delete all but the newest ``keep_last`` of this run's checkpoints (never ``keep``);
@@ -386,15 +316,6 @@ def latest_checkpoint(directory: str | None) -> str | None:
     return held[-1] if held else None
 
 
-def read_meta(path: str) -> dict:
-    """A checkpoint's meta.json (every format); unreadable: :class:`CheckpointError`."""
-    try:
-        with open(os.path.join(path, META)) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
-
-
 def check_owner(path: str, manifest: dict) -> None:
     """Refuse a checkpoint whose manifest names another run than its folder's run.json."""
     run = read_run(os.path.dirname(os.path.abspath(path)))
@@ -403,12 +324,11 @@ def check_owner(path: str, manifest: dict) -> None:
                               f"folder to run {run.get('run_id')}: two runs were mixed; refused")
 
 
-def load_checkpoint(path: str, model, optimizer=None, *, restore_rng: bool = True) -> dict:
-    """Verify ``path`` (manifest, run), then load it into a plain ``model`` (and
-    ``optimizer``, its hyperparameters, and the RNG states): a checkpoint of the one format
-    written by any layout, or a legacy one (:mod:`runtime.checkpoints.legacy`); returns its
-    meta. A checkpoint that is not this model's is refused before anything is touched."""
-    from runtime.checkpoints.logical import WholeModel
-    from runtime.checkpoints.reshard import load
+def replica_meta(optimizer) -> dict:
+    """What meta.json holds beside the state for a replica's resume: the hyperparameters."""
+    return {GROUPS: optimizer_groups(optimizer)}
 
-    return load(WholeModel(model, optimizer), path, local=True, replica=True, rng=restore_rng)
+
+def replica_files() -> dict:
+    """The files beside the state (rank 0's): its RNG states (tensors and numbers)."""
+    return {RNG: rng_state()}

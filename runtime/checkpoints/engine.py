@@ -35,8 +35,9 @@ def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = No
     """Replicated: call it on rank 0 (it writes the whole state alone), or with
     ``every_rank`` on every rank. Sharded: every rank calls it and writes its pieces (rank 0
     then applies ``keep_last``)."""
-    from runtime.checkpoints.checkpoint import prune, replica_files, replica_meta, save_local
+    from runtime.checkpoints.checkpoint import prune, replica_files, replica_meta
     from runtime.checkpoints.sharded import save_sharded
+    from runtime.checkpoints.whole import save_local
 
     meta = {"layout": core.layout.record(), **meta, "sharding": core.layout.sharding}
     if not (core.layout.sharded or every_rank):

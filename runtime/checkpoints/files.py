@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import uuid
 
 import torch
@@ -18,6 +19,52 @@ from runtime.checkpoints.folders import fsync_dir as _fsync_dir  # noqa: F401 (u
 
 MANIFEST = "manifest.json"
 FORMAT = 2
+LATEST = "latest"  # the newest complete checkpoint's name
+META = "meta.json"  # a checkpoint's step, run and settings
+
+
+def step_name(step: int) -> str:
+    """A checkpoint's folder name (every format): ``step-000003``."""
+    return f"step-{int(step):06d}"
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json (every format); unreadable: :class:`CheckpointError`."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
+
+
+def publish(tmp: str, final: str) -> None:
+    """Make the complete, fsynced checkpoint folder ``tmp`` the checkpoint ``final`` and
+    point ``latest`` at it, each by an atomic rename (a crash leaves either the old state or
+    the new one, never half a checkpoint under a final name). Shared by every format."""
+    directory = os.path.dirname(final)
+    if os.path.exists(final):  # rewriting a step: move the old one away first
+        trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(directory)
+    pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
+    try:
+        with open(pointer, "w") as f:
+            f.write(os.path.basename(final) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # the checkpoint is complete; `latest` still names the previous
+        try:
+            os.unlink(pointer)
+        except OSError:
+            pass
+        raise _with_path(exc, os.path.join(directory, LATEST)) from None
+    os.chmod(pointer, 0o644)
+    os.replace(pointer, os.path.join(directory, LATEST))
+    _fsync_dir(directory)
 
 
 class _Recorder:

@@ -197,7 +197,7 @@ class LogicalState(CheckedState):
 class WholeModel:
     """A plain model (a LoRA model: its adapters are what it trains) and its optimizer as a
     one-shard layout, as a replica holds its state: every trained parameter whole, stepped
-    as it is (:func:`runtime.checkpoints.checkpoint.save_checkpoint`)."""
+    as it is (:func:`runtime.checkpoints.whole.save_checkpoint`)."""
 
     sharded = False
 

@@ -46,23 +46,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.checkpoints.checkpoint import (
+from runtime.checkpoints.files import (
     META,
     CheckpointError,
-    publish,
-    read_meta,
-    step_name,
-    verify_manifest,
-    write_manifest,
-)
-from runtime.checkpoints.files import (
     _fsync_dir,
     _with_path,
     _write_json,
     dcp_reader,
     dcp_writer,
+    publish,
     read_dcp_metadata,
+    read_meta,
     save_tensors,
+    step_name,
+    verify_manifest,
+    write_manifest,
 )
 from runtime.checkpoints.pieces import LoadPlanner, SavePlanner
 
