@@ -1,6 +1,6 @@
 """Old-format checkpoint fixtures, written by the tests themselves (the library no longer
 writes them; ``runtime.checkpoints.legacy`` reads them): a replica's checkpoint as DTA wrote
-it up to a946503 (2026-12-07)::
+it up to 2026-12-07 (a946503 and before, until issue 54's one format)::
 
     <directory>/step-000001/
         model.pt        the trained tensors by name (a LoRA model: its adapters; a replica

@@ -5,7 +5,7 @@
   model size -- is refused in one line saying what and why, before any parameter is
   touched, from a replica's checkpoint (the one format, written by one process), from one
   written by DCP's collective save, and from a replica's legacy ``model.pt`` one (DTA up to
-  a946503, built here by tests/legacy_checkpoints.py);
+  2026-12-07, built here by tests/legacy_checkpoints.py);
 - a sharded checkpoint in the format before 2026-12-05 (zero1's flat tensors, fsdp's
   DTensors and flat vocabulary) still resumes through the engine core, into the exact saved
   state; an AReaL-style DCP load of it (``runtime.checkpoints.sharded.load_sharded`` with the logical view)

@@ -120,7 +120,7 @@ def test_another_model_is_refused_before_anything_is_touched(saved):
 
 
 def test_a_legacy_replica_checkpoint_still_loads(tmp_path):
-    """A checkpoint DTA wrote up to a946503 (model.pt / optimizer.pt / rng.pt, built here in
+    """A checkpoint DTA wrote up to 2026-12-07 (model.pt / optimizer.pt / rng.pt, built here in
     the old layout) loads through the one legacy reader: weights, moments, hyperparameters,
     RNG; another model is refused naming the version that wrote it."""
     from tests.legacy_checkpoints import write_legacy_replica
@@ -143,8 +143,8 @@ def test_a_legacy_replica_checkpoint_still_loads(tmp_path):
         0.9, 0.999)
     assert torch.equal(torch.rand(3), want)  # the RNG continues as saved
     other = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
-    with pytest.raises(CheckpointError, match=r"\(written by DTA up to a946503 \(2026-12-07\)\)"
-                                              r" does not fit this run"):
+    with pytest.raises(CheckpointError, match=r"\(written by DTA up to 2026-12-07, before "
+                                              r"issue 54's one format\) does not fit this run"):
         whole.load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
 
 

@@ -14,6 +14,6 @@ AReaL and verl doors call it):
   pieces, or one process the whole), ``rng.pt``, ``meta.json``, ``manifest.json``;
 - ``reshard``: any source into any layout; ``legacy``: the one reader of the formats DTA no
   longer writes, each named by what wrote it (a replica's ``model.pt`` / ``optimizer.pt``,
-  DTA up to a946503, 2026-12-07; the sharded format of DTA 0.1.0 before 2026-12-05);
+  DTA up to 2026-12-07; the sharded format of DTA 0.1.0 before 2026-12-05);
 - ``engine``: the engine core's save / load with a front door's ``extra_state``;
 - ``hf``: Hugging Face folders and per-rank optimizer files (AReaL's ``hf`` format)."""

@@ -2,8 +2,8 @@
 (:data:`WRITTEN_BY`); today every layout writes the one format (the logical view as DCP,
 :mod:`.sharded`), and nothing here writes.
 
-- ``replicated``: a replica's files, written by DTA up to a946503 (2026-12-07, the last
-  commit before every layout wrote the one format), recognised by a ``meta.json`` without
+- ``replicated``: a replica's files, written by DTA up to 2026-12-07 (a946503 and before:
+  until issue 54 made every layout write the one format), recognised by a ``meta.json`` without
   ``"format"``: ``model.pt`` (the trained tensors by name -- a LoRA model: its adapters; a
   replica keeping fp32 masters: the masters -- and the model's buffers), ``optimizer.pt``
   (``optimizer.state_dict()``: per-parameter state by index in the trained parameters'
@@ -34,7 +34,7 @@ from runtime.checkpoints.sharded import ShardedCheckpointError
 
 __all__ = ["WRITTEN_BY", "load", "read_replicated", "read_dcp_v1"]
 
-WRITTEN_BY = {"replicated": "DTA up to a946503 (2026-12-07)",
+WRITTEN_BY = {"replicated": "DTA up to 2026-12-07, before issue 54's one format",
               "dcp-v1": "DTA 0.1.0 before c7cfbfa (2026-12-05)"}
 
 

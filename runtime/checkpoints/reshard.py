@@ -11,7 +11,7 @@ state): every rank loads the pieces it holds now. The sources (:func:`layout`):
   replica or a plain model; every rank loads its pieces, DCP reading the overlapping parts of
   whatever the saving ranks wrote;
 - ``replicated`` -- ``model.pt`` + ``optimizer.pt``, the replica's format written by DTA up
-  to a946503 (2026-12-07), and ``dcp-v1`` -- the sharded format DTA 0.1.0 wrote before
+  to 2026-12-07 (before issue 54's one format), and ``dcp-v1`` -- the sharded format DTA 0.1.0 wrote before
   2026-12-05: read whole by the one legacy reader (:mod:`.legacy`) and cut into this rank's
   pieces, so they too resume under any layout.
 

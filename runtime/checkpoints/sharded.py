@@ -1,9 +1,12 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): the one implementation
-the Ray runtime and the AReaL engine use for sharded training state.
+"""The one checkpoint format, with ``torch.distributed.checkpoint`` (DCP): what every layout
+writes -- sharded ones (every rank its pieces) and one-shard ones (a replica, a plain model:
+one process, ``local=True``, no collective) -- for the Ray runtime and the AReaL and verl doors.
 
-``save_sharded(directory, step, state, meta=...)`` — called on **every** rank — writes::
+``save_sharded(directory, step, state, meta=..., files=...)`` -- called on **every** rank of
+the group, or in one process with ``local`` -- writes::
 
-    <directory>/step-000003/      DCP files: one .distcp per rank, .metadata (rank 0)
+    <directory>/step-000003/      DCP files: one .distcp per writing rank, .metadata (rank 0)
+                      rng.pt      ``files``: tensors rank 0 writes beside them (its RNG states)
                       meta.json   step, world size, caller's meta (written last, by rank 0)
     <directory>/latest            the newest complete checkpoint's name (atomic replace)
 
@@ -23,13 +26,15 @@ by the previous sharded format (per-mode entries, before 2026-12-05) is refused 
 
 Trusted like every other checkpoint (``runtime.checkpoints.checkpoint``): rank 0 writes the
 folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, and
-``load_sharded`` verifies it before DCP reads anything (DCP's ``.metadata`` is a pickle), so
-a tampered or truncated shard is refused naming the file, and the Ray runtime's
-``train.resume=true`` finds and checks sharded checkpoints as it does replicated ones.
+``load_sharded`` verifies it before DCP reads anything, so a tampered or truncated shard is
+refused naming the file; DCP's ``.metadata`` (a pickle) is read through an allow-list of
+DCP's own classes (``runtime.checkpoints.files.read_dcp_metadata``), its tensors
+``weights_only``, so a planted object never runs even with a rewritten manifest.
 
 DCP reports a rank's failure as ``CheckpointException`` (a ``BaseException``, its text a
 multi-line traceback): :func:`save_sharded` and :func:`load_sharded` raise the rank's own
-exception instead (a full disk: the ``OSError``), so callers see one line with its cause.
+exception instead (a full disk: the ``OSError`` naming the file, where torch would say
+"unexpected pos"), so callers see one line with its cause.
 
 Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/sharding-dcp.md``.
 """
