@@ -3,7 +3,7 @@ root): two small tmpfs mounts as checkpoint folders, `dta train` (the CLI's own 
 in this process, one Ray instance) on each, and what the user saw and what is on disk, as one
 JSON object on stdout. Nothing here is visible outside the namespace.
 
-    first/  1 MiB: run.json and model.pt fit, optimizer.pt does not -> the first save fails
+    first/  1 MiB: run.json fits, the checkpoint's DCP file does not -> the first save fails
     later/  2.5 MiB: one checkpoint (1.7 MiB) fits, a second does not -> the second save fails;
             then the disk grows (remount) and train.resume=true continues from step-000001
 """

@@ -141,8 +141,8 @@ class _Plain:
         raise AssertionError("never loaded")
 
 
-@pytest.mark.parametrize("dcp", [False, True], ids=["replicated", "dcp"])
-def test_extra_state_travels_in_the_core_checkpoint(model, tmp_path, dcp):
+@pytest.mark.parametrize("every_rank", [False, True], ids=["one-process", "every-rank"])
+def test_extra_state_travels_in_the_core_checkpoint(model, tmp_path, every_rank):
     """The one checkpoint scheme: an LR scheduler as ``extra_state`` in the core's checkpoint
     (its meta.json, checksummed), restored with the weights and the optimizer, the
     optimizer's learning rate set from it; a state JSON would not give back equal is refused
@@ -157,15 +157,17 @@ def test_extra_state_travels_in_the_core_checkpoint(model, tmp_path, dcp):
         core.optimizer_step(1.0)
         sched.step()
     folder = str(tmp_path / "ckpt")
-    path = core.save(folder, 2, {"kind": "test"}, extra_state={"lr_scheduler": sched}, dcp=dcp)
+    path = core.save(folder, 2, {"kind": "test"}, extra_state={"lr_scheduler": sched},
+                     every_rank=every_rank)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     assert meta["extra_state"]["lr_scheduler"]["last_epoch"] == 2
-    assert meta.get("format") == ("dcp" if dcp else None)
+    assert meta["format"] == "dcp" and meta["logical"] == 1  # the one format, either way
     with open(os.path.join(path, "manifest.json")) as f:
         assert "meta.json" in json.load(f)["files"]
     with pytest.raises(TypeError, match="extra_state 'plain'"):
-        core.save(str(tmp_path / "other"), 2, {}, extra_state={"plain": _Plain()}, dcp=dcp)
+        core.save(str(tmp_path / "other"), 2, {}, extra_state={"plain": _Plain()},
+                  every_rank=every_rank)
     assert not os.path.exists(tmp_path / "other" / "step-000002")
 
     other = build_model("qwen3", "tiny", dtype="float64", seed=1)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runtime.checkpoints import checkpoint as ckpt
+from runtime.checkpoints import whole
 from runtime.checkpoints.folders import CheckpointError
 from runtime.ray_runtime.metrics import MetricsLog
 from runtime.ray_runtime.run import claim_folders
@@ -92,7 +93,7 @@ def test_a_new_run_is_refused_a_log_folder_of_another_runs_rows_and_a_resume_con
     logs, first, other = (str(tmp_path / n) for n in ("logs", "ck-a", "ck-b"))
     run, held, run_id = start(settings(first, logs))
     model = torch.nn.Linear(2, 2)
-    ckpt.save_checkpoint(first, 1, model, torch.optim.SGD(model.parameters(), lr=0.1),
+    whole.save_checkpoint(first, 1, model, torch.optim.SGD(model.parameters(), lr=0.1),
                          run_id=run_id)
     release(held, run)
     with pytest.raises(CheckpointError) as err:
@@ -114,7 +115,7 @@ def test_a_resume_is_refused_a_log_folder_of_another_runs_rows(tmp_path):
     first = str(tmp_path / "ck")
     run, _ = claim_folders(settings(first))
     model = torch.nn.Linear(2, 2)
-    ckpt.save_checkpoint(first, 1, model, torch.optim.SGD(model.parameters(), lr=0.1),
+    whole.save_checkpoint(first, 1, model, torch.optim.SGD(model.parameters(), lr=0.1),
                          run_id=run.run_id)
     release(run)
     before = sorted(os.listdir(first))

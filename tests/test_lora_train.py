@@ -78,13 +78,16 @@ def test_state_bytes_count_the_adapters(trained):
 
 
 def test_checkpoint_holds_the_adapters_and_resumes(trained):
-    from runtime.checkpoints.checkpoint import load_tensors
+    from runtime.checkpoints.files import read_dcp_metadata
     from tests.workers import local_worker
 
     w = trained["worker"]
-    saved = load_tensors(os.path.join(trained["ckpt"], "model.pt"))
+    held = read_dcp_metadata(trained["ckpt"]).state_dict_metadata  # the one format's index
+    saved = {k[len("logical.model."):]: tuple(m.size) for k, m in held.items()
+             if k.startswith("logical.model.")}
     trainable = {n: p for n, p in w.model.named_parameters() if p.requires_grad}
-    assert set(saved) == set(trainable)
+    assert saved == {n: tuple(p.shape) for n, p in trainable.items()}  # the adapters only
+    assert not any(k.startswith("logical.model.") and "lora_" not in k for k in held)
     threads = torch.get_num_threads()
     try:
         fresh = local_worker(trained["cfg"])
@@ -126,11 +129,25 @@ def test_merged_export(trained):
 
 @pytest.mark.parametrize("override, match", [
     ("model.lora.dropout=0.1", "model.lora.dropout.*dropout mask"),
-    ("train.sharding=fsdp", "fsdp with LoRA"),
 ])
 def test_lora_settings_refused(override, match):
     with pytest.raises(ConfigError, match=match):
         check_dta_train(_cfg(override))
+
+
+def test_fsdp_refuses_a_lora_base_naming_the_key():
+    """fsdp holds no frozen weights: refused by the one model-fit rule
+    (runtime.engine.layout.check_model_fit), which dta train runs before Ray starts; the
+    config alone is valid (the rule needs the model)."""
+    from runtime.errors import TrainingError
+    from runtime.ray_runtime.driver import Trainer
+
+    cfg = _cfg("train.sharding=fsdp")
+    check_dta_train(cfg)
+    with pytest.raises(TrainingError, match=r"^bad value for config key 'train.sharding': "
+                                            r"sharding=fsdp trains every weight; this model "
+                                            r"has frozen ones \(a LoRA base\)"):
+        Trainer(cfg)
 
 
 def test_lora_keys_need_a_rank():

@@ -3,15 +3,17 @@
 
 - a checkpoint that is not this run's state -- LoRA <-> full, another optimizer, another
   model size -- is refused in one line saying what and why, before any parameter is
-  touched, from a replicated checkpoint (``model.pt``) and from a DCP one (the logical view);
+  touched, from a replica's checkpoint (the one format, written by one process), from one
+  written by DCP's collective save, and from a replica's legacy ``model.pt`` one (DTA up to
+  2026-12-07, built here by tests/legacy_checkpoints.py);
 - a sharded checkpoint in the format before 2026-12-05 (zero1's flat tensors, fsdp's
   DTensors and flat vocabulary) still resumes through the engine core, into the exact saved
   state; an AReaL-style DCP load of it (``runtime.checkpoints.sharded.load_sharded`` with the logical view)
   is refused in one line naming the format;
-- a replica keeping fp32 masters under bf16 compute saves the masters (model.pt) and resumes
-  them exactly, bit-identical to the uninterrupted run;
+- a replica keeping fp32 masters under bf16 compute saves the masters and resumes them
+  exactly, bit-identical to the uninterrupted run, from the one format and the legacy one;
 - an engine without an optimizer (AReaL's reference model) loads a trained run's weights
-  from either format and saves its own weights alone.
+  from every format and saves its own weights alone.
 """
 from __future__ import annotations
 
@@ -43,9 +45,11 @@ def trained(w) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A full run and a LoRA run after one step: their replicated checkpoints and their
-    logical DCP ones (the replica's view saved by ``runtime.checkpoints.sharded.save_sharded``)."""
+    """A full run and a LoRA run after one step: their replicated checkpoints (one process),
+    their logical views saved by ``runtime.checkpoints.sharded.save_sharded`` and their
+    legacy ``model.pt`` checkpoints."""
     from runtime.checkpoints.sharded import save_sharded
+    from tests.legacy_checkpoints import write_legacy_worker
 
     root = tmp_path_factory.mktemp("refusals")
     out = {}
@@ -55,11 +59,12 @@ def saved(tmp_path_factory):
         out[kind] = w.save_checkpoint(str(root / kind), 1, {"note": "test"})
         out[f"{kind}-dcp"] = save_sharded(str(root / f"{kind}-dcp"), 1,
                                           w.core.sharding.sharded_state(), meta={"note": "test"})
+        out[f"{kind}-legacy"] = write_legacy_worker(str(root / f"{kind}-legacy"), 1, w)
         out[f"{kind}-state"] = trained(w)
     return out
 
 
-@pytest.mark.parametrize("source", ["full", "full-dcp"])
+@pytest.mark.parametrize("source", ["full", "full-dcp", "full-legacy"])
 def test_a_full_checkpoint_is_refused_by_lora_sgd_and_another_size(saved, source):
     from runtime.checkpoints.sharded import ShardedCheckpointError
 
@@ -80,7 +85,7 @@ def test_a_full_checkpoint_is_refused_by_lora_sgd_and_another_size(saved, source
         print(f"{source} into {extra}: {message}")
 
 
-@pytest.mark.parametrize("source", ["lora", "lora-dcp"])
+@pytest.mark.parametrize("source", ["lora", "lora-dcp", "lora-legacy"])
 def test_a_lora_checkpoint_resumes_lora_and_is_refused_by_full(saved, source):
     from runtime.checkpoints.sharded import ShardedCheckpointError
 
@@ -174,8 +179,8 @@ def masters_core(cfg, masters: bool):
 
 
 def test_a_replicas_fp32_masters_are_saved_and_resumed_exactly(tmp_path):
-    """A replica stepping fp32 masters under bf16 compute writes the masters as its weights
-    (model.pt); a resumed replica holds exactly those masters (not their bf16 cast) and the
+    """A replica stepping fp32 masters under bf16 compute writes the masters as its weights;
+    a resumed replica holds exactly those masters (not their bf16 cast) and the
     optimizer state, and its next step equals the uninterrupted run's bit for bit."""
     from dta.losses import batch_totals
     from dta_cli.batches import BatchSource
@@ -188,23 +193,29 @@ def test_a_replicas_fp32_masters_are_saved_and_resumed_exactly(tmp_path):
         b = source.batch(k)
         return core.train_step(b, loss, totals=batch_totals(b), max_grad_norm=0.5)
 
+    from tests.legacy_checkpoints import write_legacy_replica
+
     core = masters_core(cfg, masters=True)
     step(core, 0)
     path = core.save(str(tmp_path / "ckpt"), 1, {"note": "test"})
+    assert not os.path.exists(os.path.join(path, "model.pt"))  # the one format
+    legacy = write_legacy_replica(str(tmp_path / "legacy"), 1, core.model, core.optimizer,
+                                  weights=dict(zip(core.sharding.names, core.sharding.masters)))
     saved = [m.detach().clone() for m in core.sharding.masters]
     step(core, 1)
-    fresh = masters_core(cfg, masters=True)
-    fresh.load(path)
-    for m, want in zip(fresh.sharding.masters, saved):
-        assert m.dtype == torch.float32 and torch.equal(m, want)
-    for p, m in zip(fresh.sharding.params, fresh.sharding.masters):
-        assert torch.equal(p, m.to(torch.bfloat16))  # the model holds their cast
-    step(fresh, 1)
-    for a, b in zip(fresh.sharding.masters, core.sharding.masters):
-        assert torch.equal(a, b)
-    for a, b in zip(fresh.sharding.masters, core.sharding.masters):
-        sa, sb = fresh.optimizer.state[a], core.optimizer.state[b]
-        assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    for ckpt_path in (path, legacy):
+        fresh = masters_core(cfg, masters=True)
+        fresh.load(ckpt_path)
+        for m, want in zip(fresh.sharding.masters, saved):
+            assert m.dtype == torch.float32 and torch.equal(m, want), ckpt_path
+        for p, m in zip(fresh.sharding.params, fresh.sharding.masters):
+            assert torch.equal(p, m.to(torch.bfloat16))  # the model holds their cast
+        step(fresh, 1)
+        for a, b in zip(fresh.sharding.masters, core.sharding.masters):
+            assert torch.equal(a, b), ckpt_path
+        for a, b in zip(fresh.sharding.masters, core.sharding.masters):
+            sa, sb = fresh.optimizer.state[a], core.optimizer.state[b]
+            assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
 def test_an_engine_without_optimizer_loads_and_saves_the_weights_alone(saved, tmp_path):
@@ -225,7 +236,7 @@ def test_an_engine_without_optimizer_loads_and_saves_the_weights_alone(saved, tm
                           make_optimizer=lambda params: None, compute_dtype="float64"
                           ).parallelize()
 
-    for source in ("full", "full-dcp"):
+    for source in ("full", "full-dcp", "full-legacy"):
         ref = reference()
         assert ref.optimizer is None
         ref.load(saved[source])

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from runtime.checkpoints import checkpoint as ckpt
-from runtime.checkpoints import claim
+from runtime.checkpoints import claim, whole
 from runtime.checkpoints.checkpoint import CheckpointError
 from runtime.ray_runtime.metrics import MetricsLog
 
@@ -82,7 +82,7 @@ def test_two_runs_started_together_one_trains_the_other_is_refused(tmp_path, rou
     assert message.startswith(f"checkpoint folder {d!r} " + IN_USE.format(run_id, winner))
     assert f"train.checkpoint_dir={d} train.resume=true" in message and "\n" not in message
     # the winner goes on: its first checkpoint, saved (by its worker) while it holds the folder
-    ckpt.save_checkpoint(d, 1, *tiny_state(), run_id=run_id)
+    whole.save_checkpoint(d, 1, *tiny_state(), run_id=run_id)
     go_on.set()
     for p in procs:
         p.join(timeout=60)
@@ -125,7 +125,7 @@ def test_a_sigkilled_run_leaves_its_folder_resumable(tmp_path):
         for resume in (False, True):  # while it lives, neither a new run nor a resume
             with pytest.raises(CheckpointError, match=re.escape(IN_USE.format(run_id, p.pid))):
                 ckpt.prepare_run(d, resume=resume)
-        ckpt.save_checkpoint(d, 1, *tiny_state(), run_id=run_id)
+        whole.save_checkpoint(d, 1, *tiny_state(), run_id=run_id)
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.join(timeout=60)
@@ -193,11 +193,11 @@ def test_saves_without_a_claim_name_the_folder_once(tmp_path, monkeypatch):
     run's save is refused, a save without a run id joins the folder's run."""
     d = str(tmp_path / "ck")
     model, opt = tiny_state()
-    ckpt.save_checkpoint(d, 1, model, opt, run_id="first")
+    whole.save_checkpoint(d, 1, model, opt, run_id="first")
     with pytest.raises(CheckpointError, match="belongs to run first, not to this run "
                                               r"\(second\); refusing to mix two runs"):
-        ckpt.save_checkpoint(d, 2, model, opt, run_id="second")
-    assert ckpt._manifest_run(ckpt.save_checkpoint(d, 2, model, opt)) == "first"
+        whole.save_checkpoint(d, 2, model, opt, run_id="second")
+    assert ckpt._manifest_run(whole.save_checkpoint(d, 2, model, opt)) == "first"
     d = str(tmp_path / "raced")  # the race: another save names the new folder first
     real = claim._publish
 
@@ -207,7 +207,7 @@ def test_saves_without_a_claim_name_the_folder_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(claim, "_publish", first_elsewhere)
     with pytest.raises(CheckpointError, match="belongs to run other, not to this run"):
-        ckpt.save_checkpoint(d, 1, model, opt, run_id="first")
+        whole.save_checkpoint(d, 1, model, opt, run_id="first")
     assert ckpt.read_run(d)["run_id"] == "other" and ckpt.checkpoints(d) == []
 
 
@@ -224,7 +224,7 @@ def test_without_file_locks_a_new_run_is_refused_and_a_resume_proceeds(tmp_path,
     assert not first.claim.locked
     with pytest.raises(CheckpointError, match=f"holds run {first.run_id} .*no file locks"):
         ckpt.prepare_run(d, resume=False)
-    ckpt.save_checkpoint(d, 1, *tiny_state(), run_id=first.run_id)
+    whole.save_checkpoint(d, 1, *tiny_state(), run_id=first.run_id)
     assert ckpt.prepare_run(d, resume=True).run_id == first.run_id
 
 

@@ -129,7 +129,7 @@ def resume_at_two(rank, world, path):
 
 def test_a_one_rank_checkpoint_resumes_on_two_sharded_ranks(tmp_path):
     cfg = load_config(None, overrides("zero1", "float64", "retain"))
-    one = _worker(cfg, 0, 1)  # a replica: its checkpoint is model.pt + optimizer.pt
+    one = _worker(cfg, 0, 1)  # a replica: the one format, written by this process alone
     _step(one, cfg, 0, 0, 1)
     path = one.save_checkpoint(str(tmp_path / "one"), 1, {"num_workers": 1})
     saved = state(one)["model"]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from runtime.checkpoints import checkpoint as ckpt
+from runtime.checkpoints import whole
 from runtime.checkpoints.checkpoint import CheckpointError
 from runtime.errors import describe, first_line, storage_failure
 
@@ -133,12 +134,12 @@ def test_keep_last_deletes_only_its_own_runs_checkpoints(tmp_path):
     d = str(tmp_path / "run")
     run = ckpt.prepare_run(d, resume=False)
     model, opt = tiny()
-    ckpt.save_checkpoint(d, 1, model, opt)
+    whole.save_checkpoint(d, 1, model, opt)
     stranger = os.path.join(d, "step-000000")  # a checkpoint another run's manifest claims
     shutil.copytree(os.path.join(d, "step-000001"), stranger)
     ckpt.write_manifest(stranger, run_id="someone-else", step=0)
     for step in (2, 3, 4):
-        ckpt.save_checkpoint(d, step, model, opt, keep_last=2)
+        whole.save_checkpoint(d, step, model, opt, keep_last=2)
     names = sorted(n for n in os.listdir(d) if n.startswith("step-"))
     assert names == ["step-000000", "step-000003", "step-000004"]  # its own: the newest 2
     assert ckpt._manifest_run(os.path.join(d, "step-000004")) == run.run_id
@@ -154,7 +155,7 @@ def test_a_run_folder_whose_first_save_failed_can_start_again(tmp_path):
         ckpt.prepare_run(d, resume=True)
     again = ckpt.prepare_run(d, resume=False)  # nothing to overwrite: a new run takes it
     assert again.run_id != first.run_id and ckpt.read_run(d)["run_id"] == again.run_id
-    ckpt.save_checkpoint(d, 1, *tiny())
+    whole.save_checkpoint(d, 1, *tiny())
     again.release()
     with pytest.raises(CheckpointError, match=f"already holds run {again.run_id}"):
         ckpt.prepare_run(d, resume=False)
@@ -163,9 +164,10 @@ def test_a_run_folder_whose_first_save_failed_can_start_again(tmp_path):
 def test_causes_are_one_line_with_their_path():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    full = OSError(errno.ENOSPC, "No space left on device", "/ck/.tmp-step-000002-x/model.pt")
+    full = OSError(errno.ENOSPC, "No space left on device",
+                   "/ck/.tmp-step-000002-x/__0_0.distcp")
     assert describe(full) == ("OSError: [Errno 28] No space left on device: "
-                              "'/ck/.tmp-step-000002-x/model.pt'")
+                              "'/ck/.tmp-step-000002-x/__0_0.distcp'")
     wrapped = CheckpointException("CheckpointException ranks:dict_keys([1, 0])\nTraceback...",
                                   {1: (ValueError("late"), None), 0: (full, None)})
     assert describe(wrapped) == describe(full)  # DCP's wrapper: rank 0's own error
@@ -174,7 +176,7 @@ def test_causes_are_one_line_with_their_path():
     out = storage_failure(wrapped, "saving the engine (dcp) to '/ck' on rank 0", "/ck")
     assert isinstance(out, OSError) and out.errno == errno.ENOSPC
     assert str(out) == ("[Errno 28] saving the engine (dcp) to '/ck' on rank 0 failed: No "
-                        "space left on device: '/ck/.tmp-step-000002-x/model.pt'")
+                        "space left on device: '/ck/.tmp-step-000002-x/__0_0.distcp'")
     rust = RuntimeError("Error while serializing: I/O error: No space left on device (os "
                         "error 28)")  # safetensors' SafetensorError text
     out = storage_failure(rust, "saving the engine (hf) to '/hf' on rank 0", "/hf")

@@ -124,10 +124,6 @@ def validate_config(cfg) -> None:
         raise ConfigError("bad value for config key 'loss.decoupled': the nll loss has no "
                           "decoupled form (set loss.name=ppo or actor.use_decoupled_loss=false)")
     walk_options(cfg)  # the walk settings (dta.options.WalkOptions), naming their keys
-    if _get(cfg, "model.lora.r") and _get(cfg, "train.sharding") == "fsdp":
-        raise ConfigError("bad value for config key 'train.sharding': fsdp with LoRA "
-                          "(model.lora.r > 0) is not supported; use replicate or zero1 (the "
-                          "adapters' gradients and optimizer state are small)")
     cp, workers = _get(cfg, "train.context_parallel"), int(_get(cfg, "ray.num_workers"))
     if cp != AUTO and workers % int(cp):
         raise ConfigError(f"bad value for config key 'train.context_parallel': {cp} does not "

@@ -8,7 +8,7 @@ translated onto the engine core's state (``DTATrainEngine.save`` / ``load`` call
   optimizer state is split over the ranks, use ``dcp``). Loading reads a local directory
   only (nothing is ever downloaded) into the core (``EngineCore.load_full_state``: the
   weights, FSDP's shards and the masters).
-* ``dcp``: the core's checkpoint as DCP in every mode (``EngineCore.save(dcp=True)``: the
+* ``dcp``: the core's checkpoint as DCP in every mode (``EngineCore.save(every_rank=True)``: the
   weights the optimizer steps -- the fp32 masters where kept, so a resumed run continues
   bit-identically -- and the optimizer state, every rank its part; ``runtime/checkpoints/sharded.py``:
   atomic, a SHA-256 manifest verified before DCP reads anything) with AReaL's LR scheduler
@@ -115,7 +115,7 @@ def dcp_extra(core, meta: SaveLoadMeta, lr_scheduler) -> dict | None:
 
 def save_dcp(core, meta: SaveLoadMeta, version: int, extra: dict | None) -> None:
     core.save(str(meta.path), version, {"kind": DCP_KIND}, keep_last=1, extra_state=extra,
-              dcp=True)
+              every_rank=True)
 
 
 def _check_hf(core, meta: SaveLoadMeta) -> None:

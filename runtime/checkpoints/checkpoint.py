@@ -5,18 +5,23 @@ Layout of ``<dir>``::
     run.json              the run that owns the folder: {"run_id", "created", "format",
                           "started", "pid", "host"}; locked while that run lives
     step-000003/          one directory per checkpoint (written as .tmp-*, then renamed)
-        model.pt          model state_dict (tensors; a LoRA model: its adapters only)
-        optimizer.pt      optimizer state_dict (tensors, numbers, lists)
-        rng.pt            torch (+ CUDA), numpy and python RNG states (tensors, numbers)
-        meta.json         step, config (resolved), plan settings, run statistics
+        __0_0.distcp      DCP files of the training state's logical view, one per writing
+                          rank (runtime.checkpoints.logical: per trained parameter, by name
+                          and whole shape, the weights the optimizer steps and its state;
+                          a LoRA model: its adapters only) -- written by every layout
+        .metadata         DCP's index of them (read with an allow-list: DCP's classes only)
+        rng.pt            rank 0's torch (+ CUDA), numpy and python RNG states (tensors)
+        meta.json         step, format, run, the optimizer's hyperparameters, config
+                          (resolved), plan settings, run statistics
         manifest.json     run id, step, and the SHA-256 and size of every file above
     latest                the name of the newest complete checkpoint (replaced atomically)
 
 Trust rules:
 
 * **Nothing but tensors is unpickled**: every ``.pt`` file is read with
-  ``torch.load(weights_only=True)``; a file holding anything else (a planted pickle) is
-  refused and nothing of it runs.
+  ``torch.load(weights_only=True)`` (DCP reads its tensors so too) and DCP's ``.metadata``
+  with an allow-list of DCP's own classes; a file holding anything else (a planted pickle)
+  is refused and nothing of it runs.
 * **Checksums first**: a checkpoint is loaded only after every file matches its manifest
   (size and SHA-256), so a flipped byte is an error naming the file, never 6e28 weights.
   All files are read before any is applied: a refused checkpoint leaves model and
@@ -52,39 +57,37 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dta.model.lora import trained_state
 from dta.paths import check_path
 from runtime.checkpoints.claim import Claim, claim_folder, create_record, run_record
 from runtime.checkpoints.files import (  # noqa: F401
     FORMAT,
+    LATEST,
     MANIFEST,
+    META,
     CheckpointError,
     _fsync_dir,
     _mkdir,
     _with_path,
     _write_json,
     load_tensors,
+    publish,
+    read_meta,
     save_tensors,
+    step_name,
     verify_manifest,
     write_manifest,
 )
 from runtime.checkpoints.folders import RUN_FILE, foreign_folder
 
-LATEST = "latest"  # the newest complete checkpoint's name (every format)
-META = "meta.json"  # a checkpoint's step, run and settings (every format)
+RNG = "rng.pt"  # rank 0's RNG states (torch, CUDA, numpy, python)
+GROUPS = "optimizer_groups"  # meta.json: the optimizer's hyperparameters per group
 _STEP = re.compile(r"^step-(\d{6,})$")
-
-
-def step_name(step: int) -> str:
-    """A checkpoint's folder name (every format): ``step-000003``."""
-    return f"step-{int(step):06d}"
 
 
 # ------------------------------------------------------------------------ RNG --
@@ -151,36 +154,6 @@ def read_run(directory: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path!r} is unreadable: {exc}") from None
-
-
-def publish(tmp: str, final: str) -> None:
-    """Make the complete, fsynced checkpoint folder ``tmp`` the checkpoint ``final`` and
-    point ``latest`` at it, each by an atomic rename (a crash leaves either the old state or
-    the new one, never half a checkpoint under a final name). Shared by every format."""
-    directory = os.path.dirname(final)
-    if os.path.exists(final):  # rewriting a step: move the old one away first
-        trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(directory)
-    pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
-    try:
-        with open(pointer, "w") as f:
-            f.write(os.path.basename(final) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:  # the checkpoint is complete; `latest` still names the previous
-        try:
-            os.unlink(pointer)
-        except OSError:
-            pass
-        raise _with_path(exc, os.path.join(directory, LATEST)) from None
-    os.chmod(pointer, 0o644)
-    os.replace(pointer, os.path.join(directory, LATEST))
-    _fsync_dir(directory)
 
 
 def checkpoints(directory: str) -> list[str]:
@@ -250,13 +223,10 @@ def _manifest_run(path: str) -> str | None:
 
 
 # ------------------------------------------------------------------ save / load --
-def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | None = None, *,
-                    run_id: str | None = None, keep_last: int | None = None,
-                    weights: dict | None = None) -> str:
-    """Write checkpoint ``step`` atomically (with its manifest); returns its final path.
-    ``run_id`` defaults to the folder's (``run.json``); ``keep_last`` deletes all but the
-    newest N checkpoints afterwards; ``weights``: tensors that stand for the model's own in
-    ``model.pt`` (the fp32 masters a replica steps, by parameter name)."""
+def folder_run(directory: str, run_id: str | None) -> str:
+    """The run a one-process save writes for: ``run_id``, default the folder's (``run.json``);
+    a folder of another run is refused, one without ``run.json`` (the Python API, no
+    :func:`prepare_run`) is named this run's by its first save."""
     refused = foreign_folder(directory)
     if refused:
         raise CheckpointError(refused)
@@ -276,31 +246,42 @@ def save_checkpoint(directory: str, step: int, model, optimizer, meta: dict | No
                                       f"not to this run ({run_id}); refusing to mix two runs")
             mine = theirs or mine
         run_id = mine
-    final = os.path.join(directory, step_name(step))
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{step_name(step)}-", dir=directory)
-    try:
-        os.chmod(tmp, 0o755)
-        save_tensors({k: v.detach().cpu() for k, v in {**trained_state(model),
-                                                       **(weights or {})}.items()},
-                     os.path.join(tmp, "model.pt"))
-        save_tensors(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        save_tensors(rng_state(), os.path.join(tmp, "rng.pt"))
-        _write_json(os.path.join(tmp, "meta.json"), {"step": int(step), "run_id": run_id,
-                                                     **(meta or {})})
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        write_manifest(tmp, run_id=run_id, step=int(step))
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if keep_last:
-        prune(directory, int(keep_last), keep=final, run_id=run_id)
-    return final
+    return run_id
+
+
+def optimizer_groups(optimizer) -> list[dict]:
+    """The optimizer's hyperparameters per group (``param_groups`` without the parameters),
+    as JSON for meta.json; restored by :func:`restore_groups`."""
+    out = []
+    for group in [] if optimizer is None else optimizer.param_groups:
+        saved = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, tuple):
+                v = list(v)
+            if v is None or isinstance(v, (bool, int, float, str, list)):
+                saved[k] = v
+        out.append(saved)
+    return out
+
+
+def restore_groups(optimizer, groups) -> None:
+    """Hyperparameters saved by :func:`optimizer_groups` (or a legacy ``optimizer.pt``'s
+    ``param_groups``) into ``optimizer``, when it has as many groups."""
+    if optimizer is None or not groups or len(groups) != len(optimizer.param_groups):
+        return
+    for group, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            if k == "params" or k not in group:
+                continue
+            now = group[k]
+            if isinstance(now, torch.Tensor):
+                now.fill_(v)
+            else:
+                group[k] = tuple(v) if isinstance(now, tuple) else v
 
 
 def prune(directory: str, keep_last: int, keep: str | None = None,
@@ -335,15 +316,6 @@ def latest_checkpoint(directory: str | None) -> str | None:
     return held[-1] if held else None
 
 
-def read_meta(path: str) -> dict:
-    """A checkpoint's meta.json (every format); unreadable: :class:`CheckpointError`."""
-    try:
-        with open(os.path.join(path, META)) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
-
-
 def check_owner(path: str, manifest: dict) -> None:
     """Refuse a checkpoint whose manifest names another run than its folder's run.json."""
     run = read_run(os.path.dirname(os.path.abspath(path)))
@@ -352,31 +324,11 @@ def check_owner(path: str, manifest: dict) -> None:
                               f"folder to run {run.get('run_id')}: two runs were mixed; refused")
 
 
-def load_checkpoint(path: str, model, optimizer=None, *, restore_rng: bool = True) -> dict:
-    """Verify ``path`` (manifest, run), read every file (tensors only), then load them into
-    ``model`` (and ``optimizer``); returns its meta. Nothing is applied unless all of it
-    verifies and reads."""
-    check_owner(path, verify_manifest(path))
-    meta = read_meta(path)
-    device = next(model.parameters()).device
-    state = load_tensors(os.path.join(path, "model.pt"), map_location=device)
-    opt_state = (load_tensors(os.path.join(path, "optimizer.pt"), map_location=device)
-                 if optimizer is not None else None)
-    rng = load_tensors(os.path.join(path, "rng.pt")) if restore_rng else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"checkpoint {path!r}: model.pt is not a state dict of tensors")
-    own = trained_state(model)  # a LoRA model: its adapters only
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or shapes:
-        raise CheckpointError(f"checkpoint {path!r} does not match the model: missing "
-                              f"{missing[:5]}, unexpected {unexpected[:5]}, other shape "
-                              f"{shapes[:5]}")
-    model.load_state_dict(state, strict=len(own) == len(model.state_dict()))
-    if optimizer is not None:
-        optimizer.load_state_dict(opt_state)
-    if rng is not None:
-        set_rng_state(rng)
-    return meta
+def replica_meta(optimizer) -> dict:
+    """What meta.json holds beside the state for a replica's resume: the hyperparameters."""
+    return {GROUPS: optimizer_groups(optimizer)}
 
+
+def replica_files() -> dict:
+    """The files beside the state (rank 0's): its RNG states (tensors and numbers)."""
+    return {RNG: rng_state()}

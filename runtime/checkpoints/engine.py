@@ -1,17 +1,18 @@
 """The engine core's checkpoints (its Hugging Face export and whole weights:
-``runtime.engine.weights``).
+``runtime.engine.weights``), in the one format every layout writes: the training state's
+logical view (``runtime.checkpoints.logical``: per parameter by name and whole shape, the
+weights the optimizer steps -- the fp32 masters where kept -- and the optimizer state) as DCP
+files (``runtime.checkpoints.sharded.save_sharded``), rank 0's RNG states and the optimizer's
+hyperparameters beside it; tensors only, a SHA-256 manifest, atomic.
 
-- replicated state (``replicate``): one rank writes the model and the optimizer
-  (``runtime.checkpoints.checkpoint``: tensors only, a SHA-256 manifest, atomic; a replica
-  keeping fp32 masters writes the masters as its weights);
-- sharded state (``zero1`` / ``fsdp``), or replicated state asked as DCP (``dcp=True``,
-  AReaL's recover format): every rank writes its pieces of the one logical view
-  (``runtime.checkpoints.logical``: per parameter by name and whole shape, the stepped weights
-  and the optimizer state) with DCP (``runtime.checkpoints.sharded.save_sharded``);
+- sharded state (``zero1`` / ``fsdp`` / expert slices): every rank writes its pieces;
+- replicated state (``replicate``): rank 0 alone writes its whole state in one process (a
+  one-shard layout, no collective); asked as ``every_rank`` (AReaL's recover, where every
+  rank calls it), the ranks write it together, each replicated piece once;
 - either loads under any layout -- another world size, mode or context-parallel size --
-  every rank keeping its pieces (``runtime.checkpoints.reshard``); a checkpoint of another
-  model, LoRA <-> full or another optimizer is refused in one line before a parameter is
-  touched;
+  every rank keeping its pieces (``runtime.checkpoints.reshard``; the formats DTA no longer
+  writes through ``runtime.checkpoints.legacy``); a checkpoint of another model, LoRA <->
+  full or another optimizer is refused in one line before a parameter is touched;
 - a front door's own state beside the core's (``extra_state``: name -> an object with
   ``state_dict()`` / ``load_state_dict()``, e.g. its LR scheduler), in the checkpoint's
   ``meta.json`` (JSON, checked to read back equal; checksummed with the rest), restored after
@@ -30,33 +31,32 @@ EXTRA = "extra_state"  # meta.json's key of a front door's own state
 
 
 def save(core, directory: str, step: int, meta: dict, *, run_id: str | None = None,
-         keep_last: int | None = None, dcp: bool = False) -> str:
-    """Replicated: call it on one rank (it writes the whole state). Sharded (or ``dcp``):
-    every rank calls it and writes its pieces (rank 0 then applies ``keep_last``)."""
-    if core.layout.sharded or dcp:
-        from runtime.checkpoints.checkpoint import prune
-        from runtime.checkpoints.sharded import save_sharded
+         keep_last: int | None = None, every_rank: bool = False) -> str:
+    """Replicated: call it on rank 0 (it writes the whole state alone), or with
+    ``every_rank`` on every rank. Sharded: every rank calls it and writes its pieces (rank 0
+    then applies ``keep_last``)."""
+    from runtime.checkpoints.checkpoint import prune, replica_files, replica_meta
+    from runtime.checkpoints.sharded import save_sharded
+    from runtime.checkpoints.whole import save_local
 
-        path = save_sharded(directory, step, core.sharding.sharded_state(),
-                            meta={"layout": core.layout.record(), **meta,
-                                  "sharding": core.layout.sharding, "run_id": run_id})
-        if keep_last and core.layout.rank == 0:
-            prune(directory, keep_last, keep=path, run_id=run_id)
-        return path
-    from runtime.checkpoints.checkpoint import save_checkpoint
-
-    mode = core.sharding
-    masters = getattr(mode, "masters", None)  # a replica's fp32 masters: what it steps
-    weights = None if masters is None else {n: m for n, m in zip(mode.names, masters)}
-    return save_checkpoint(directory, step, core.model, core.optimizer, meta, run_id=run_id,
-                           keep_last=keep_last, weights=weights)
+    meta = {"layout": core.layout.record(), **meta, "sharding": core.layout.sharding}
+    if not (core.layout.sharded or every_rank):
+        return save_local(directory, step, core.sharding, meta, run_id=run_id,
+                          keep_last=keep_last)
+    path = save_sharded(directory, step, core.sharding.sharded_state(),
+                        meta={**meta, **replica_meta(core.optimizer), "run_id": run_id},
+                        files=replica_files())
+    if keep_last and core.layout.rank == 0:
+        prune(directory, keep_last, keep=path, run_id=run_id)
+    return path
 
 
 def load(core, path: str) -> dict:
     """Load ``path`` into the core under its layout (every rank calls it); returns its meta."""
     from runtime.checkpoints.reshard import load as load_any
 
-    return load_any(core, path)
+    whole = not core.layout.sharded  # a replica: read in this process, no collective
+    return load_any(core.sharding, path, local=whole, replica=whole)
 
 
 def is_checkpoint(path: str) -> bool:

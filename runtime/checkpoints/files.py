@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import uuid
 
 import torch
@@ -18,6 +19,52 @@ from runtime.checkpoints.folders import fsync_dir as _fsync_dir  # noqa: F401 (u
 
 MANIFEST = "manifest.json"
 FORMAT = 2
+LATEST = "latest"  # the newest complete checkpoint's name
+META = "meta.json"  # a checkpoint's step, run and settings
+
+
+def step_name(step: int) -> str:
+    """A checkpoint's folder name (every format): ``step-000003``."""
+    return f"step-{int(step):06d}"
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json (every format); unreadable: :class:`CheckpointError`."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path!r} is unreadable: {exc}") from None
+
+
+def publish(tmp: str, final: str) -> None:
+    """Make the complete, fsynced checkpoint folder ``tmp`` the checkpoint ``final`` and
+    point ``latest`` at it, each by an atomic rename (a crash leaves either the old state or
+    the new one, never half a checkpoint under a final name). Shared by every format."""
+    directory = os.path.dirname(final)
+    if os.path.exists(final):  # rewriting a step: move the old one away first
+        trash = os.path.join(directory, f".old-{uuid.uuid4().hex}")
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(directory)
+    pointer = os.path.join(directory, f".{LATEST}-{uuid.uuid4().hex}")
+    try:
+        with open(pointer, "w") as f:
+            f.write(os.path.basename(final) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # the checkpoint is complete; `latest` still names the previous
+        try:
+            os.unlink(pointer)
+        except OSError:
+            pass
+        raise _with_path(exc, os.path.join(directory, LATEST)) from None
+    os.chmod(pointer, 0o644)
+    os.replace(pointer, os.path.join(directory, LATEST))
+    _fsync_dir(directory)
 
 
 class _Recorder:
@@ -161,3 +208,89 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+
+
+# DCP's ``.metadata`` is a pickle: only the classes DCP writes there are unpickled (a planted
+# object is refused naming it, and nothing of it runs), as ``load_tensors`` does for tensors.
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {
+    (_DCP_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                           "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                           "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib._local", "PosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+
+
+def read_dcp_metadata(path: str):
+    """A DCP checkpoint's ``.metadata`` (its tensors' names, shapes and storage), unpickling
+    DCP's own metadata classes only; anything else is a :class:`CheckpointError`."""
+    full = os.path.join(path, ".metadata")
+    try:
+        with open(full, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{full!r} holds more than DCP's metadata ({exc}); refused: "
+                              "checkpoints are loaded tensors-only") from None
+    except OSError as exc:
+        raise CheckpointError(f"{full!r} is unreadable: {exc.strerror or exc}") from None
+
+
+def dcp_reader(path: str):
+    """DCP's ``FileSystemReader`` of ``path`` whose metadata is read by
+    :func:`read_dcp_metadata` (its tensors DCP reads with ``weights_only=True`` itself)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            md = read_dcp_metadata(path)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return Reader(path)
+
+
+def dcp_writer(path: str):
+    """DCP's ``FileSystemWriter`` into ``path`` (files fsynced) whose failed writes raise the
+    ``OSError`` naming the file (torch would say "unexpected pos N vs M" of a full disk)."""
+    import contextlib
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Files(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, name, mode: str):
+            with super().create_stream(name, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                sink = _Stream(stream)
+                try:
+                    yield sink
+                except RuntimeError:
+                    if sink.error is not None:
+                        raise _with_path(sink.error, str(name)) from None
+                    raise
+
+    writer = FileSystemWriter(path, sync_files=True)
+    writer.fs = Files()
+    return writer
+
+
+class _Stream(_Recorder):
+    """A DCP stream written through, remembering a failed write's ``OSError``."""
+
+    def __getattr__(self, name: str):
+        return getattr(self.f, name)

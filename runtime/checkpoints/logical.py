@@ -24,9 +24,10 @@ How a new layout plugs in: declare its pieces. Expert parallelism -- rank r hold
 boxes are written once); optimizer offload steps host tensors: ``stepped`` is the host
 master, its state on the host. Nothing else changes.
 
-Whole tensors (a replicated checkpoint's ``model.pt`` / ``optimizer.pt``, the previous
-sharded format read whole) load through the same view (:func:`load_whole`), so every
-source reaches every layout by one path. :func:`check_fits` refuses, in one line and before
+A replica (``replicate``) and a plain model (:class:`WholeModel`, the Python API's
+checkpoints) are one-shard layouts: every parameter one box at the origin, saved by one
+process. Whole tensors (the legacy formats, read whole by :mod:`.legacy`) load through the
+same view (:func:`load_whole`), so every source reaches every layout by one path. :func:`check_fits` refuses, in one line and before
 anything is touched, a checkpoint whose parameters, shapes or optimizer state are not this
 run's (another model, LoRA <-> full, AdamW <-> SGD).
 """
@@ -39,8 +40,8 @@ import torch
 from runtime.checkpoints.pieces import LogicalTensor
 from runtime.checkpoints.sharded import CheckedState, ShardedCheckpointError
 
-__all__ = ["Held", "held_dtensor", "LogicalState", "View", "load_whole", "check_fits", "KEY",
-           "STEP"]
+__all__ = ["Held", "held_dtensor", "LogicalState", "View", "WholeModel", "load_whole",
+           "check_fits", "KEY", "STEP"]
 
 KEY = "logical"  # the view's entry in a DCP state (its tensors: "logical.model.<name>", ...)
 STEP = "step"
@@ -191,6 +192,30 @@ class LogicalState(CheckedState):
         if view is None:
             raise RuntimeError("a logical state is loaded after check() only")
         view.finish()
+
+
+class WholeModel:
+    """A plain model (a LoRA model: its adapters are what it trains) and its optimizer as a
+    one-shard layout, as a replica holds its state: every trained parameter whole, stepped
+    as it is (:func:`runtime.checkpoints.whole.save_checkpoint`)."""
+
+    sharded = False
+
+    def __init__(self, model, optimizer=None):
+        self.model, self.optimizer = model, optimizer
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def logical_shapes(self) -> list[tuple[str, tuple]]:
+        return [(n, tuple(p.shape)) for n, p in self.named]
+
+    def held(self) -> list[Held]:
+        return [Held(n, tuple(p.shape), p, offsets=(0,) * p.dim()) for n, p in self.named]
+
+    def logical_loaded(self) -> None:
+        """Nothing to derive: the model's parameters are what was loaded."""
+
+    def sharded_state(self) -> dict:
+        return {KEY: LogicalState(self)}
 
 
 @torch.no_grad()

@@ -6,28 +6,35 @@ its step count. So a checkpoint resumes under another world size, sharding mode
 (replicate / zero1 / fsdp) or context-parallel size (which changes only the walk, never the
 state): every rank loads the pieces it holds now. The sources (:func:`layout`):
 
-- ``logical`` -- a DCP checkpoint of a sharded run (meta.json ``"logical": 1``): every rank
-  loads its pieces, DCP reading the overlapping parts of whatever the saving ranks wrote;
-- ``replicated`` -- ``model.pt`` + ``optimizer.pt`` (a replica's; tensors only, verified):
-  every rank reads the files whole and keeps its pieces; a replicated run also gets the
-  optimizer's hyperparameters (``param_groups``), the model's buffers and the RNG state back,
-  as a replica always did;
-- ``dcp-v1`` -- the sharded format DTA 0.1.0 wrote before 2026-12-05 (zero1's flat tensors,
-  fsdp's DTensors and vocabulary), read by the one legacy reader (:mod:`.legacy`): whole on
-  every rank and cut into the pieces, so it too resumes under any layout.
+- ``logical`` -- the one format every layout writes (meta.json ``"logical": 1``): DCP files
+  of the logical view, written by every rank of a sharded run or by one process for a
+  replica or a plain model; every rank loads its pieces, DCP reading the overlapping parts of
+  whatever the saving ranks wrote;
+- ``replicated`` -- ``model.pt`` + ``optimizer.pt``, the replica's format written by DTA up
+  to 2026-12-07 (before issue 54's one format), and ``dcp-v1`` -- the sharded format DTA 0.1.0 wrote before
+  2026-12-05: read whole by the one legacy reader (:mod:`.legacy`) and cut into this rank's
+  pieces, so they too resume under any layout.
 
-Refused in one line, before a parameter is touched (:func:`.logical.check_fits`): a
-checkpoint of another model or size, LoRA <-> full, another optimizer's state.
+A layout that holds the whole state (``replica``: a replicated run, a plain model) also gets
+the optimizer's hyperparameters (``param_groups``) and rank 0's RNG states back, as a replica
+always did. Refused in one line, before a parameter is touched (:func:`.logical.check_fits`):
+a checkpoint of another model or size, LoRA <-> full, another optimizer's state.
 """
 from __future__ import annotations
 
 import os
 
-import torch
-
-from runtime.checkpoints.checkpoint import check_owner, read_meta, verify_manifest
-from runtime.checkpoints.logical import STEP, load_whole
-from runtime.checkpoints.sharded import LOGICAL, ShardedCheckpointError
+from runtime.checkpoints.checkpoint import (
+    GROUPS,
+    RNG,
+    check_owner,
+    load_tensors,
+    read_meta,
+    restore_groups,
+    set_rng_state,
+    verify_manifest,
+)
+from runtime.checkpoints.sharded import LOGICAL
 
 __all__ = ["layout", "load"]
 
@@ -45,77 +52,27 @@ def layout(path: str) -> dict:
             "sharding": "replicate", "meta": meta}
 
 
-def load(core, path: str) -> dict:
-    """The checkpoint ``path`` into the engine core's model and optimizer under its layout
-    (every rank of a sharded or replicated group calls this); returns its meta."""
+def load(mode, path: str, *, local: bool = False, replica: bool | None = None,
+         rng: bool = True) -> dict:
+    """The checkpoint ``path`` into the sharding ``mode``'s model and optimizer (every rank
+    of a sharded group calls this; ``local``: this process alone, no collective); returns
+    its meta. ``replica`` (default: ``mode`` is not sharded): also the hyperparameters and,
+    with ``rng``, the RNG states."""
     from runtime.checkpoints.sharded import load_sharded
 
     saved = layout(path)
-    mode = core.sharding
+    replica = (not mode.sharded) if replica is None else replica
+    states = os.path.join(path, RNG)
+    states = load_tensors(states) if replica and rng and os.path.isfile(states) else None
     if saved["format"] == "logical":
-        return load_sharded(path, mode.sharded_state())
-    if saved["format"] == "replicated":
-        _load_replicated(core, path)
+        load_sharded(path, mode.sharded_state(), local=local)
+        groups = saved["meta"].get(GROUPS)
     else:
-        from runtime.checkpoints.legacy import read_dcp_v1
+        from runtime.checkpoints import legacy
 
-        load_whole(mode, read_dcp_v1(path, mode, saved["sharding"]), what=repr(path))
+        groups = legacy.load(mode, path, saved["format"], saved["sharding"])
+    if replica:
+        restore_groups(mode.optimizer, groups)
+        if states is not None:
+            set_rng_state(states)
     return saved["meta"]
-
-
-# ------------------------------------------------------------------ replicated --
-def _load_replicated(core, path: str) -> None:
-    from runtime.checkpoints.checkpoint import load_tensors, set_rng_state
-
-    weights = load_tensors(os.path.join(path, "model.pt"))
-    opt = load_tensors(os.path.join(path, "optimizer.pt"))
-    rng = os.path.join(path, "rng.pt")
-    rng = load_tensors(rng) if os.path.exists(rng) else None
-    mode, model = core.sharding, core.model
-    load_whole(mode, _replicated_whole(path, weights, opt, mode), what=repr(path))
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name in weights:
-                b.copy_(weights[name].to(device=b.device, dtype=b.dtype))
-    if not core.layout.sharded:  # as a replica always resumed: hyperparameters, RNG
-        groups = opt.get("param_groups") or []
-        if mode.optimizer is not None and len(groups) == len(mode.optimizer.param_groups):
-            for group, saved in zip(mode.optimizer.param_groups, groups):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-        if rng is not None:
-            set_rng_state(rng)
-
-
-def _replicated_whole(path: str, weights: dict, opt: dict, mode) -> dict:
-    """The logical tensors of a replicated checkpoint, read as this run's model names them:
-    its optimizer's parameters in order are the model's trained ones (what a replica steps)."""
-    shapes = dict(mode.logical_shapes())
-    trained = set(shapes)
-    others = set(mode.model.state_dict()) - trained  # buffers, tied names, a frozen base
-    saved = [n for n in weights if n not in others]
-    whole = {f"model.{n}": weights[n] for n in saved}
-    ids = [i for g in opt.get("param_groups", []) for i in g["params"]]
-    if set(saved) == trained and mode.optimizer is not None and len(ids) != len(shapes):
-        raise ShardedCheckpointError(f"checkpoint {path!r}: its optimizer holds {len(ids)} "
-                                     f"parameters, the model trains {len(shapes)}")
-    if set(saved) != trained or mode.optimizer is None:
-        return whole  # check_fits names what differs; an engine without optimizer: weights
-    keys = mode_state_keys(mode)
-    for i, name in zip(ids, shapes):
-        st = {k: v for k, v in (opt["state"].get(i) or {}).items() if v is not None}
-        w = weights[name]
-        for k in (keys if not st else [k for k in st if k != STEP]):
-            whole[f"optim.{name}.{k}"] = st[k] if st else torch.zeros_like(w)
-        if STEP in st or (not st and _adam(mode)):
-            whole[f"optim.{name}.{STEP}"] = torch.as_tensor(float(st.get(STEP, 0)))
-    return whole
-
-
-def mode_state_keys(mode) -> tuple[str, ...]:
-    from runtime.checkpoints.optimizer_state import state_keys
-
-    return state_keys(mode.optimizer)
-
-
-def _adam(mode) -> bool:
-    return type(mode.optimizer).__name__ in ("AdamW", "Adam")

@@ -1,9 +1,12 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): the one implementation
-the Ray runtime and the AReaL engine use for sharded training state.
+"""The one checkpoint format, with ``torch.distributed.checkpoint`` (DCP): what every layout
+writes -- sharded ones (every rank its pieces) and one-shard ones (a replica, a plain model:
+one process, ``local=True``, no collective) -- for the Ray runtime and the AReaL and verl doors.
 
-``save_sharded(directory, step, state, meta=...)`` — called on **every** rank — writes::
+``save_sharded(directory, step, state, meta=..., files=...)`` -- called on **every** rank of
+the group, or in one process with ``local`` -- writes::
 
-    <directory>/step-000003/      DCP files: one .distcp per rank, .metadata (rank 0)
+    <directory>/step-000003/      DCP files: one .distcp per writing rank, .metadata (rank 0)
+                      rng.pt      ``files``: tensors rank 0 writes beside them (its RNG states)
                       meta.json   step, world size, caller's meta (written last, by rank 0)
     <directory>/latest            the newest complete checkpoint's name (atomic replace)
 
@@ -23,20 +26,21 @@ by the previous sharded format (per-mode entries, before 2026-12-05) is refused 
 
 Trusted like every other checkpoint (``runtime.checkpoints.checkpoint``): rank 0 writes the
 folder's ``manifest.json`` (SHA-256 and size of every file) before the rename, and
-``load_sharded`` verifies it before DCP reads anything (DCP's ``.metadata`` is a pickle), so
-a tampered or truncated shard is refused naming the file, and the Ray runtime's
-``train.resume=true`` finds and checks sharded checkpoints as it does replicated ones.
+``load_sharded`` verifies it before DCP reads anything, so a tampered or truncated shard is
+refused naming the file; DCP's ``.metadata`` (a pickle) is read through an allow-list of
+DCP's own classes (``runtime.checkpoints.files.read_dcp_metadata``), its tensors
+``weights_only``, so a planted object never runs even with a rewritten manifest.
 
 DCP reports a rank's failure as ``CheckpointException`` (a ``BaseException``, its text a
 multi-line traceback): :func:`save_sharded` and :func:`load_sharded` raise the rank's own
-exception instead (a full disk: the ``OSError``), so callers see one line with its cause.
+exception instead (a full disk: the ``OSError`` naming the file, where torch would say
+"unexpected pos"), so callers see one line with its cause.
 
 Pure torch.distributed: no Ray, no AReaL. Engineer-facing notes: ``_notes/sharding-dcp.md``.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import uuid
@@ -47,16 +51,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from runtime.checkpoints.checkpoint import (
+from runtime.checkpoints.files import (
     META,
     CheckpointError,
+    _fsync_dir,
+    _with_path,
+    _write_json,
+    dcp_reader,
+    dcp_writer,
     publish,
+    read_dcp_metadata,
     read_meta,
+    save_tensors,
     step_name,
     verify_manifest,
     write_manifest,
 )
-from runtime.checkpoints.files import _fsync_dir
 from runtime.checkpoints.pieces import LoadPlanner, SavePlanner
 
 LOGICAL = 1  # meta.json's "logical": the version of the logical view it holds
@@ -123,41 +133,59 @@ def _dcp_state(state: dict) -> dict:
 
 
 def save_sharded(directory: str, step: int, state: dict, *, meta: dict | None = None,
-                 group=None) -> str:
-    """Write checkpoint ``step`` (every rank calls this); returns its final path."""
+                 group=None, local: bool = False, files: dict | None = None) -> str:
+    """Write checkpoint ``step`` (every rank of ``group`` calls this; ``local``: this
+    process alone, a one-shard layout -- a replica's whole state or a plain model -- with no
+    collective); returns its final path. ``files``: name -> tensors (and numbers) rank 0
+    writes beside DCP's files (``rng.pt``), checksummed with them."""
     directory = os.path.abspath(directory)
     final = os.path.join(directory, step_name(step))
-    token = _broadcast(uuid.uuid4().hex if _rank() == 0 else None, group)
+    rank = 0 if local else _rank()
+    token = uuid.uuid4().hex if local else _broadcast(uuid.uuid4().hex if rank == 0 else None,
+                                                      group)
     tmp = os.path.join(directory, f".tmp-{step_name(step)}-{token}")
-    if _rank() == 0:
+    if rank == 0:
         os.makedirs(tmp, exist_ok=True)
-    _barrier(group)
+    if not local:
+        _barrier(group)
     try:
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer = dcp_writer(tmp)
         with _one_process_quiet():
             dcp.save(_dcp_state(state), storage_writer=writer, planner=SavePlanner(),
-                     process_group=group)
-        _barrier(group)
-        if _rank() == 0:
-            with open(os.path.join(tmp, META), "w") as f:
-                json.dump({"step": int(step), "world_size": _world(), "format": "dcp",
-                           **({"logical": LOGICAL} if _logical(state) else {}),
-                           **(meta or {})}, f, indent=1, default=str)
-                f.flush()
-                os.fsync(f.fileno())
+                     process_group=group, no_dist=local)
+        if not local:
+            _barrier(group)
+        if rank == 0:
+            for name, obj in (files or {}).items():
+                save_tensors(obj, os.path.join(tmp, name))
+            _write_json(os.path.join(tmp, META), {  # strict JSON (NaN: null)
+                "step": int(step), "world_size": 1 if local else _world(), "format": "dcp",
+                **({"logical": LOGICAL} if _logical(state) else {}), **(meta or {})})
+            _modes(tmp)
             write_manifest(tmp, run_id=(meta or {}).get("run_id"), step=int(step),
                            extra={"kind": "dcp"})
             _fsync_dir(tmp)
             publish(tmp, final)
     except BaseException as exc:
-        if _rank() == 0:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         own = _own_error(exc)
-        if own is not None:
-            raise own from exc
+        err = exc if own is None else own
+        if isinstance(err, OSError):  # a full disk: name the folder it failed in
+            err = _with_path(err, tmp)
+        if err is not exc:
+            raise err from exc
         raise
-    _barrier(group)
+    if not local:
+        _barrier(group)
     return final
+
+
+def _modes(tmp: str) -> None:
+    """Folders ``0o755`` at most, files ``0o644`` at most (never writable by others)."""
+    os.chmod(tmp, 0o755)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o644)
 
 
 def _own_error(exc: BaseException) -> Exception | None:
@@ -172,8 +200,9 @@ def _own_error(exc: BaseException) -> Exception | None:
     return inner if isinstance(inner, Exception) else None
 
 
-def load_sharded(path: str, state: dict, *, group=None) -> dict:
-    """Load ``path`` into ``state`` in place (every rank calls this); returns its meta.
+def load_sharded(path: str, state: dict, *, group=None, local: bool = False) -> dict:
+    """Load ``path`` into ``state`` in place (every rank of ``group`` calls this; ``local``:
+    this process alone reads what it holds, no collective); returns its meta.
     The manifest is verified first: nothing is read from an unverified folder. A logical
     view loads at any world size and mode; anything else only at the world size that wrote
     it."""
@@ -189,18 +218,18 @@ def load_sharded(path: str, state: dict, *, group=None) -> dict:
             "ranks), not the logical view this DTA loads here; resume it through the engine "
             "core (dta train / verl), or with the DTA that wrote it")
     if _logical(state):  # its parameters and optimizer state are this run's (one line)
-        metadata = dcp.FileSystemReader(path).read_metadata()  # a pickle: verified above
+        metadata = read_dcp_metadata(path)  # DCP's own classes only
         for k, v in state.items():
             if isinstance(v, CheckedState):
                 v.check(path, metadata, k)
-    elif int(meta.get("world_size", -1)) != _world():
+    elif int(meta.get("world_size", -1)) != (1 if local else _world()):
         raise ShardedCheckpointError(
             f"checkpoint {path!r} was written by {meta.get('world_size')} ranks, this run has "
             f"{_world()} (resume at the same world size)")
     try:
         with _one_process_quiet():
-            dcp.load(_dcp_state(state), storage_reader=dcp.FileSystemReader(path),
-                     planner=LoadPlanner(), process_group=group)
+            dcp.load(_dcp_state(state), storage_reader=dcp_reader(path),
+                     planner=LoadPlanner(), process_group=group, no_dist=local)
     except BaseException as exc:
         own = _own_error(exc)
         if own is not None:

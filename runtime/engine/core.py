@@ -20,7 +20,7 @@ an optimizer factory, the compute dtype and the device -- and its batches into a
    batch on one prefix tree (``dta.train.walk_batch``, DTA's own step's too) with the run's
    one ``WalkOptions`` object, the one gradient reduction, the clip, the update or the skip
    of a non-finite one (``runtime.engine.step``);
-4. checkpoints (DCP where sharded; a front door's own state -- its LR scheduler -- in them as
+4. checkpoints (one format, DCP files of the logical view, every layout; a front door's own state -- its LR scheduler -- in them as
    ``extra_state``: ``runtime.checkpoints.engine``), Hugging Face export, the full state dict
    and the parameter norm (``runtime.engine.weights``); the whole weights in the compute dtype
    for a rollout's weight update, and whole tensors loaded back (:meth:`named_full_tensors`,
@@ -380,21 +380,21 @@ class EngineCore:
     # ------------------------------------------------------------ checkpoints --
     def save(self, directory: str, step: int, meta: dict, *, run_id: str | None = None,
              keep_last: int | None = None, extra_state: dict | None = None,
-             dcp: bool = False) -> str:
+             every_rank: bool = False) -> str:
         """Checkpoint ``step`` under ``directory`` (``runtime.checkpoints.engine``); every
         rank may call it: replicated, rank 0 writes the whole state (the others only return
-        its path); sharded -- or ``dcp``: replicated state as DCP too -- every rank writes
-        its part. ``extra_state``: a front door's own objects (name -> ``state_dict()`` /
+        its path); sharded -- or ``every_rank``: replicated state written by the ranks
+        together -- every rank writes its part; one format either way. ``extra_state``: a front door's own objects (name -> ``state_dict()`` /
         ``load_state_dict()``: its LR scheduler), saved in the checkpoint's meta;
         ``keep_last``: the newest N checkpoints of this run kept."""
         self._require()
         meta = {**meta, **checkpoint.extra_meta(extra_state)}
-        if not (self.layout.sharded or dcp) and self.layout.rank != 0:
+        if not (self.layout.sharded or every_rank) and self.layout.rank != 0:
             from runtime.checkpoints.checkpoint import step_name
 
             return os.path.join(os.path.abspath(directory), step_name(step))
         return checkpoint.save(self, directory, step, meta, run_id=run_id, keep_last=keep_last,
-                               dcp=dcp)
+                               every_rank=every_rank)
 
     def find_checkpoint(self, path: str, *, kind: str, name: str, whose: str,
                         writer: str) -> tuple[str, dict]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from dta.config.walk import walk_options
 from dta.options import AUTO, WalkOptions
 from runtime.engine.layout import LayoutError, ParallelLayout, check_model_fit
+from runtime.errors import ShardingRefused
 
 __all__ = ["RunSettings", "policy_of", "walk_for_layout", "check_walk", "settle",
            "needs_budget", "resolve_run_config", "check_run_config", "RUN_CONFIG_KEYS"]
@@ -104,17 +105,14 @@ def needs_budget(cfg) -> bool:
     expert-parallel size, shard size or offload, or an ``auto`` block with a budget given."""
     t = cfg.train
     return AUTO in (str(t.sharding), t.context_parallel, t.expert_parallel, t.shard_size,
-                    str(t.offload), _optional(cfg, "node_resident"),
-                    _optional(cfg, "prefetch")) or (
+                    str(t.offload), t.node_resident, t.prefetch) or (
         cfg.walker.block_tokens == AUTO and t.memory_budget_gib is not None)
 
 
 def _candidates(cfg, hf_config, W: int) -> dict:
     """What the memory model tries for each layout knob: the configured value, or for
     ``auto`` every value the world (and the model's experts, the node size) allows -- the
-    one list, ``dta.planning.state.layout_choices``. ``train.node_resident`` /
-    ``train.prefetch`` are read where the config has them (runtime.sharding's layouts);
-    without them, neither is priced."""
+    one list, ``dta.planning.state.layout_choices``."""
     from dta.planning.memory import CONTEXT_PARALLEL
     from dta.planning.shapes import ModelShape
     from dta.planning.state import layout_choices
@@ -123,8 +121,7 @@ def _candidates(cfg, hf_config, W: int) -> dict:
     t = cfg.train
     C, E, S, O = t.context_parallel, t.expert_parallel, t.shard_size, str(t.offload)
 
-    def flag(key):  # auto: both; true / false: pinned; absent: not priced (false)
-        v = _optional(cfg, key)
+    def flag(v):  # auto: both; true / false: pinned
         return None if v == AUTO else (bool(v),)
 
     choices = layout_choices(
@@ -132,27 +129,24 @@ def _candidates(cfg, hf_config, W: int) -> dict:
         expert_parallel=None if E == AUTO else (int(E),),
         shard_size=None if S == AUTO else (None if S is None or int(S) == W else int(S),),
         offload=None if O == AUTO else (O,),
-        node_resident=flag("node_resident"), prefetch=flag("prefetch"))
+        node_resident=flag(cfg.train.node_resident), prefetch=flag(cfg.train.prefetch))
     return dict(context_parallel=tuple(c for c in CONTEXT_PARALLEL if W % c == 0)
                 if C == AUTO else (int(C),), **choices)
-
-
-def _optional(cfg, key: str):
-    """``train.<key>`` where the config has it (the layouts runtime.sharding builds), else
-    false."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, f"train.{key}", default=False)
 
 
 def check_run_config(cfg, hf_config) -> None:
     """``dta train``'s parallel settings against the model's config (no weights, before Ray
     starts): :func:`~runtime.engine.layout.check_model_fit` on the values given (``auto``
-    ones are chosen among those that fit); raises LayoutError naming the config key."""
+    ones are chosen among those that fit); raises LayoutError naming the config key (the
+    one check of a mode against the model: fsdp refuses a LoRA base here, not in the config's
+    validation)."""
     t = cfg.train
-    check_model_fit(hf_config, expert_parallel=t.expert_parallel,
-                    context_parallel=t.context_parallel, sharding=str(t.sharding),
-                    frozen=int(cfg.model.lora.r) > 0, keys=RUN_CONFIG_KEYS)
+    try:
+        check_model_fit(hf_config, expert_parallel=t.expert_parallel,
+                        context_parallel=t.context_parallel, sharding=str(t.sharding),
+                        frozen=int(cfg.model.lora.r) > 0, keys=RUN_CONFIG_KEYS)
+    except ShardingRefused as exc:  # the mode's refusal, with the key that chose it
+        raise ShardingRefused(f"bad value for {RUN_CONFIG_KEYS['sharding']}: {exc}") from None
 
 
 def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
@@ -170,7 +164,7 @@ def resolve_run_config(cfg, hf_config, tree=None) -> RunSettings:
     check_run_config(cfg, hf_config)  # a setting the model cannot hold: before pricing
     walk, report = walk_options(cfg), None  # an auto block: the default, unless priced
     # node_resident / prefetch: as configured, or where priced true (runtime.sharding's)
-    extras = {k: True for k in ("node_resident", "prefetch") if _optional(cfg, k) is True}
+    extras = {k: True for k in ("node_resident", "prefetch") if getattr(t, k) is True}
     if needs_budget(cfg):
         budget = cfg.train.memory_budget_gib
         budget = float(budget) * GIB if budget is not None else default_budget_bytes(W)

@@ -13,8 +13,8 @@ import importlib
 # do not pay for torch.
 _EXPORTS = {
     "latest_checkpoint": "runtime.checkpoints.checkpoint",
-    "load_checkpoint": "runtime.checkpoints.checkpoint",
-    "save_checkpoint": "runtime.checkpoints.checkpoint", "ClusterError": "cluster", "ClusterHandle": "cluster",
+    "load_checkpoint": "runtime.checkpoints.whole",
+    "save_checkpoint": "runtime.checkpoints.whole", "ClusterError": "cluster", "ClusterHandle": "cluster",
     "check_loopback": "cluster", "listening_addresses": "cluster", "start_or_join": "cluster",
     "Trainer": "driver", "StepFailed": "runtime.errors", "TrainingError": "runtime.errors",
     "run_training": "run", "StepStats": "stats", "summarize": "stats", "END": "stream",

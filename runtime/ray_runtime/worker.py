@@ -269,8 +269,8 @@ class DFSWorker:
 
     def save_checkpoint(self, directory: str, step: int, meta: dict, run_id: str | None = None,
                         keep_last: int | None = None) -> str:
-        """Replicated: rank 0 writes the whole state. Sharded: every rank calls this and
-        writes its shards (rank 0 then applies keep_last)."""
+        """Replicated: rank 0 writes the whole state (in one process). Sharded: every rank
+        calls this and writes its shards (rank 0 then applies keep_last). One format."""
         return self.core.save(directory, step, meta, run_id=run_id, keep_last=keep_last)
 
     def export_hf(self, path: str) -> str:
@@ -280,9 +280,9 @@ class DFSWorker:
         return self.core.export_hf(path, merged=bool(self.cfg.train.export_merged))
 
     def load_checkpoint(self, path: str) -> dict:
-        """A sharded checkpoint in this run's mode at any world size, or re-sharded into one
-        replica; a replicated checkpoint cut into this rank's shards; anything else is
-        refused before a parameter is touched. Sharded: every rank calls this."""
+        """A checkpoint of any layout (or a legacy one) cut into this rank's pieces; one that
+        is not this run's state is refused before a parameter is touched. Every rank calls
+        this."""
         meta = self.core.load(path)
         self.completed_steps = int(meta["step"])
         return meta

@@ -4,9 +4,9 @@
     <local_path>/step-<global_step>/   the core's checkpoint; meta.json: kind, layout, the
                                        LR scheduler's state
 
-Replicated state (``replicate``) is written by rank 0 (tensors only, a SHA-256 manifest,
-atomic: ``runtime.checkpoints``); sharded state (``zero1`` / ``fsdp``) by every rank with DCP
-(``runtime.checkpoints.sharded``). A loaded engine continues bit-identically. ``max_ckpt_to_keep`` keeps the
+One format in every layout (``runtime.checkpoints``: the logical view as DCP files, tensors
+only, a SHA-256 manifest, atomic): replicated state (``replicate``) is written by rank 0,
+sharded state (``zero1`` / ``fsdp``) by every rank. A loaded engine continues bit-identically. ``max_ckpt_to_keep`` keeps the
 newest steps (the core's ``keep_last``).
 """
 from __future__ import annotations
