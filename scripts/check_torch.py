@@ -28,7 +28,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_upstream import REFUSED, first_line, key  # noqa: E402
+from check_upstream import (  # noqa: E402
+    REFUSED,
+    first_line,
+    key,
+    load,
+    merged_rows,
+    read_runs,
+    row_notes,
+    run_record,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ["llama", "qwen3", "qwen3_moe", "gemma2", "qwen3_5"]  # dense, MoE, soft-capped, hybrid
@@ -107,8 +116,9 @@ def run_version(py: Path, fams: list[str]) -> dict:
     return row
 
 
-def render(rows: dict, columns: list[str], started) -> str:
-    head = [f"# torch releases against DTA's core families ({started:%Y-%m-%d %H:%M} UTC)", "",
+def render(rows: dict, columns: list[str], started, notes: list[str] = ()) -> str:
+    when = "merged runs" if started is None else f"{started:%Y-%m-%d %H:%M} UTC"
+    head = [f"# torch releases against DTA's core families ({when})", "",
             f"`scripts/check-torch.sh`, Python {sys.version.split()[0]}: a venv per torch "
             "release with the lock's other packages; `dta verify --family F --dtype float64` "
             f"(pass = max relative error <= 1e-10, shown) and `pytest {' '.join(TESTS)}`.", "",
@@ -126,7 +136,8 @@ def render(rows: dict, columns: list[str], started) -> str:
             if not ok:
                 fails.append(f"- {v} ({c}): {detail}")
         head.append(f"| {have[0]} | {have[-1]} | " + " | ".join(cells) + " |")
-    return "\n".join(head + (["", "Failures (first error line):", ""] + fails if fails else [])) + "\n"
+    return "\n".join(head + (["", *notes] if notes else [])
+                     + (["", "Failures (first error line):", ""] + fails if fails else [])) + "\n"
 
 
 def main(argv=None) -> int:
@@ -136,17 +147,29 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default=",".join(CORE), help="comma-separated")
     ap.add_argument("--keep", action="store_true", help="keep each venv (default: delete it)")
     ap.add_argument("--markdown", default="", help="also write the table to this file")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line "
+                    "(printed after every version: a stopped run keeps its finished rows)")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="LOG",
+                    help="only render one table from earlier runs' --json lines (logs)")
     args = ap.parse_args(argv)
+    if args.merge:
+        rows, facts = merged_rows(read_runs(args.merge, "check_torch"))
+        columns = [c for c in dict.fromkeys(c for r in rows.values() for c in r) if c[0] != "_"]
+        table = render(rows, columns, None, row_notes(facts))
+        print(table)
+        if args.markdown:
+            Path(args.markdown).write_text(table)
+        return 0 if all(ok for r in rows.values() for ok, _ in r.values()) else 1
     versions = args.versions or default_versions()
     fams = args.families.split(",")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     rows: dict[str, dict] = {}
+    runs: dict[str, dict] = {}
     columns = fams + ["core tests"]
     for v in versions:
-        t0 = time.time()
+        t0, load0 = time.time(), load()
         try:
             py = make_venv(v, work)
         except subprocess.CalledProcessError as e:
@@ -160,16 +183,15 @@ def main(argv=None) -> int:
             ok, detail = rows[v][c]
             print(f"torch {v} {c}: {'pass' if ok else 'FAIL'} {detail}", flush=True)
         print(f"torch {v}: {time.time() - t0:.0f} s", flush=True)
+        runs[v] = {"seconds": round(time.time() - t0), "load": [load0, load()]}
         if args.markdown:
             Path(args.markdown).write_text(render(rows, columns, started))
+        if args.json:  # after every version: a stopped run keeps its finished rows
+            print(json.dumps(run_record(started, rows, runs)), flush=True)
     print(render(rows, columns, started))
-    passing = [v for v in versions if all(ok for ok, _ in rows[v].values())]
     if args.json:
-        print(json.dumps({"date": started.strftime("%Y-%m-%d"), "versions": versions,
-                          "passing": passing,
-                          "results": {v: {c: {"passed": ok, "detail": d} for c, (ok, d) in r.items()}
-                                      for v, r in rows.items()}}))
-    return 0 if len(passing) == len(versions) else 1
+        print(json.dumps(run_record(started, rows, runs)))
+    return 0 if all(all(ok for ok, _ in rows[v].values()) for v in versions) else 1
 
 
 if __name__ == "__main__":

@@ -225,6 +225,63 @@ def hybrid_tests(env: dict, since: str, version: str) -> tuple[bool, str]:
     return out.returncode == 0, summary
 
 
+def load() -> str:
+    """The machine's 1-minute load average now (a row's time means little without it)."""
+    return Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+
+
+def run_record(started, rows: dict, runs: dict) -> dict:
+    """The --json object: the rows so far and, per version, its seconds, the load average at
+    its start and end and what went in beside it; printed after every version, so a run
+    stopped half-way still leaves every finished row on its last JSON line."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip() or "unknown"
+    torch_v = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    return {"date": started.strftime("%Y-%m-%d"), "started": started.isoformat(), "commit": commit,
+            "torch": torch_v, "python": sys.version.split()[0], "versions": list(rows),
+            "passing": [v for v, r in rows.items() if all(ok for ok, _ in r.values())],
+            "results": {v: {c: {"passed": ok, "detail": d} for c, (ok, d) in r.items()}
+                        for v, r in rows.items()}, "runs": runs}
+
+
+def read_runs(files: list[str], script: str) -> list[dict]:
+    """The last --json line of each file (one run's log), oldest run first; a file without
+    one (a run that finished no row) is refused in one line."""
+    runs = []
+    for f in files:
+        lines = [ln for ln in Path(f).read_text().splitlines()
+                 if ln.startswith("{") and '"results"' in ln]
+        if not lines:
+            raise SystemExit(f"{script}: {f} holds no --json line (a run that finished no row?)")
+        runs.append(json.loads(lines[-1]))
+    return sorted(runs, key=lambda r: r.get("started", ""))
+
+
+def merged_rows(runs: list[dict]) -> tuple[dict, dict]:
+    """{version: {column: (passed, detail)}} and {version: run facts} over several runs; a
+    version measured twice keeps its later run (a re-run after a fix)."""
+    rows, facts = {}, {}
+    for r in runs:
+        for v, cols in r["results"].items():
+            rows[v] = {c: (x["passed"], x["detail"]) for c, x in cols.items()}
+            facts[v] = dict(r.get("runs", {}).get(v, {}), commit=r.get("commit", "?"),
+                            date=r.get("date", "?"), torch=r.get("torch", "?"))
+    return rows, facts
+
+
+def row_notes(facts: dict) -> list[str]:
+    """One line per version: when, at which commit, how long, under what load."""
+    out = []
+    for v in sorted(facts, key=key):
+        f = facts[v]
+        load_s = "-".join(f.get("load", [])) or "?"
+        out.append(f"- {v}: {f.get('date')} at {f.get('commit')}, {f.get('seconds', '?')} s, "
+                   f"load average {load_s}" + (f"; beside it: {', '.join(f['deps'])}"
+                                                if f.get("deps") else ""))
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -236,8 +293,20 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/dta-upstream", help="where the versions are installed")
     ap.add_argument("--families", default="", help="comma-separated (default: every family)")
     ap.add_argument("--markdown", default="", help="also write the table to this file")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line "
+                    "(printed after every version: a stopped run keeps its finished rows)")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="LOG",
+                    help="only render one table from earlier runs' --json lines (logs)")
     args = ap.parse_args(argv)
+    if args.merge:
+        rows, facts = merged_rows(read_runs(args.merge, "check_upstream"))
+        columns = list(dict.fromkeys(c for r in rows.values() for c in r))
+        torches = sorted({f["torch"] for f in facts.values()})
+        table = render(rows, columns, None, {}, ", ".join(torches), row_notes(facts))
+        print(table)
+        if args.markdown:
+            Path(args.markdown).write_text(table)
+        return 0 if all(ok for r in rows.values() for ok, _ in r.values()) else 1
     versions = args.versions or default_versions()
     since = families()
     fams = args.families.split(",") if args.families else list(since)
@@ -246,12 +315,14 @@ def main(argv=None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     rows: dict[str, dict[str, tuple[bool, str]]] = {}
     deps: dict[str, list[str]] = {}
+    runs: dict[str, dict] = {}
     for v in versions:
-        t0 = time.time()
+        t0, load0 = time.time(), load()
         try:
             target, extra = install(v, work)
         except subprocess.CalledProcessError as e:
             rows[v] = {f: (False, f"pip install failed ({e.returncode})") for f in fams}
+            runs[v] = {"seconds": round(time.time() - t0), "load": [load0, load()]}
             continue
         if extra:
             print(f"{v}: beside it, its own pins {', '.join(extra)}", flush=True)
@@ -266,24 +337,27 @@ def main(argv=None) -> int:
         print(f"{v} hybrid tests: {'pass' if row['hybrid tests'][0] else 'FAIL'} "
               f"{row['hybrid tests'][1]} ({time.time() - t0:.0f} s)", flush=True)
         rows[v] = row
+        runs[v] = {"seconds": round(time.time() - t0), "load": [load0, load()], "deps": extra}
         if args.markdown:  # after every version: a long run's table so far
             Path(args.markdown).write_text(render(rows, fams + ["hybrid tests"], started, deps))
+        if args.json:  # after every version too: a stopped run keeps its finished rows
+            print(json.dumps(run_record(started, rows, runs)), flush=True)
     table = render(rows, fams + ["hybrid tests"], started, deps)
     print(table)
-    passing = [v for v in versions if all(ok for ok, _ in rows[v].values())]
     if args.json:
-        print(json.dumps({"date": started.strftime("%Y-%m-%d"), "versions": versions,
-                          "passing": passing,
-                          "results": {v: {f: {"passed": ok, "detail": d} for f, (ok, d) in r.items()}
-                                      for v, r in rows.items()}}))
-    return 0 if len(passing) == len(versions) else 1
+        print(json.dumps(run_record(started, rows, runs)))
+    return 0 if all(all(ok for ok, _ in rows[v].values()) for v in versions) else 1
 
 
-def render(rows: dict, columns: list[str], started, deps: dict) -> str:
-    """A markdown table: versions down, families across; failures listed below it."""
-    torch_v = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                             capture_output=True, text=True).stdout.strip()
-    head = [f"# transformers releases against DTA's support matrix ({started:%Y-%m-%d %H:%M} UTC)",
+def render(rows: dict, columns: list[str], started, deps: dict, torch_v: str = "",
+           notes: list[str] | None = None) -> str:
+    """A markdown table: versions down, families across; failures listed below it (``started``
+    None: merged from several runs, whose ``notes`` say when each row ran)."""
+    torch_v = torch_v or subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True, text=True).stdout.strip()
+    when = "merged runs" if started is None else f"{started:%Y-%m-%d %H:%M} UTC"
+    head = [f"# transformers releases against DTA's support matrix ({when})",
             "", f"`scripts/check-upstream.sh` on torch {torch_v}, Python "
             f"{sys.version.split()[0]}: `dta verify --family F --dtype float64 --json` per family "
             f"(pass = max relative error <= 1e-10, shown; refused = the release predates the family "
@@ -305,8 +379,9 @@ def render(rows: dict, columns: list[str], started, deps: dict) -> str:
         for detail, cols in why.items():  # one line per distinct error
             who = "every column" if len(cols) == len(columns) else ", ".join(cols)
             fails.append(f"- {v} ({who}): {detail}")
-    notes = [f"- {v} ran beside its own pins: {', '.join(d)} (installed with it)"
-             for v, d in deps.items()]
+    notes = notes if notes is not None else [
+        f"- {v} ran beside its own pins: {', '.join(d)} (installed with it)"
+        for v, d in deps.items()]
     return "\n".join(head + ([""] + notes if notes else [])
                      + (["", "Failures (first error line):", ""] + fails if fails else [])) + "\n"
 

@@ -158,3 +158,25 @@ def test_the_float64_harness_keeps_integer_positions_in_float64():
     assert torch.equal(freqs64, inv64[None, :, None] @ torch.arange(4.0, dtype=torch.float64)[None, None])
     assert freqs32.dtype == torch.float32
     assert torch.arange(4).float().dtype == torch.float32  # outside the harness: untouched
+
+
+def test_a_bool_given_to_a_field_annotated_int_goes_in_as_that_int():
+    """transformers 5.4.0 annotates OLMoE's and OLMo2's ``tie_word_embeddings: int`` and its
+    strict config dataclasses refuse ``False`` there; build_config passes it as 0 (same truth),
+    and leaves a field annotated bool, and every other value, as given."""
+    import dataclasses
+
+    from dta.model.models import as_annotated
+
+    @dataclasses.dataclass
+    class Config54:
+        tie_word_embeddings: int = False
+        use_cache: bool = True
+        hidden_size: int = 32
+
+    out = as_annotated(Config54, {"tie_word_embeddings": False, "use_cache": False,
+                                  "hidden_size": 64, "rope_theta": 1e4})
+    assert out == {"tie_word_embeddings": 0, "use_cache": False, "hidden_size": 64,
+                   "rope_theta": 1e4}
+    assert type(out["tie_word_embeddings"]) is int and type(out["use_cache"]) is bool
+    assert as_annotated(dict, {"tie_word_embeddings": True}) == {"tie_word_embeddings": True}

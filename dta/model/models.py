@@ -58,8 +58,18 @@ def build_config(family: str, size: str | dict = "tiny", *, matrix: bool = False
         if size not in SIZES:
             raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}")
         size = SIZES[size]
-    kw = config_kwargs(family, size, matrix, overrides)
-    return getattr(transformers, FAMILIES[family].config_class)(**kw)
+    cls = getattr(transformers, FAMILIES[family].config_class)
+    return cls(**as_annotated(cls, config_kwargs(family, size, matrix, overrides)))
+
+
+def as_annotated(cls, kw: dict) -> dict:
+    """``kw`` with a bool given to a field ``cls`` annotates ``int`` passed as that int (same
+    truth). transformers 5.4.0 annotates OLMoE's and OLMo2's ``tie_word_embeddings: int =
+    False`` (5.5 says ``bool``), and its strict config dataclasses refuse ``False`` there:
+    ``Field 'tie_word_embeddings' expected int, got bool``."""
+    fields = getattr(cls, "__dataclass_fields__", {})
+    return {k: int(v) if isinstance(v, bool) and k in fields and fields[k].type in (int, "int")
+            else v for k, v in kw.items()}
 
 
 def build_model(family: str = "qwen3", size: str | dict = "tiny", *, dtype="float32", seed: int = 0,
