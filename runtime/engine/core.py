@@ -50,6 +50,7 @@ from runtime.engine.layout import (
     build_groups,
     reporting_of,
 )
+from runtime.engine.model import raise_buffers
 from runtime.engine.resolve import check_walk
 from runtime.engine.step import optimizer_step
 
@@ -97,6 +98,7 @@ class EngineCore:
         masters = resolve_dtype(master_dtype) if master_dtype is not None else None
         stored = sharding_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
         self.model = build(stored).to(self.device)
+        raise_buffers(self.model, self.compute_dtype)  # one rule in every mode
         # the layout against the model (the driver ran the same check before Ray started)
         layout.check_model(self.model.config, frozen=any(not p.requires_grad
                                                          for p in self.model.parameters()))
