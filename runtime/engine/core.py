@@ -41,7 +41,7 @@ import torch
 
 import runtime.checkpoints.engine as checkpoint
 import runtime.engine.weights as weights
-from dta.model.models import resolve_dtype
+from dta.model.models import raise_buffers, resolve_dtype
 from dta.options import WalkOptions
 from runtime.engine.layout import (
     ParallelLayout,
@@ -50,7 +50,6 @@ from runtime.engine.layout import (
     build_groups,
     reporting_of,
 )
-from runtime.engine.model import raise_buffers
 from runtime.engine.resolve import check_walk
 from runtime.engine.step import optimizer_step
 

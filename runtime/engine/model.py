@@ -10,7 +10,7 @@ LM head (what AReaL's and verl's FSDP engines do); otherwise a list of module na
 adapters are initialized under ``torch.manual_seed(seed)`` (in a forked random state: the
 caller's is untouched), so every rank starts alike.
 
-Buffers (:func:`raise_buffers`): a floating buffer narrower than the compute dtype is raised
+Buffers (``dta.model.models.raise_buffers``, applied by the engine core): a floating buffer narrower than the compute dtype is raised
 to it, none is lowered -- whatever the sharding mode (``replicate`` once cast them with the
 parameters, the sharded modes left them as built). Hugging Face builds RoPE's ``inv_freq`` in
 float32 whatever the model's dtype (transformers 5.10 and 5.25 measured); verl's FSDP engine
@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelSpec", "LoraSpec", "lora_targets", "build_model", "raise_buffers",
-           "ALL_LINEAR"]
+__all__ = ["ModelSpec", "LoraSpec", "lora_targets", "build_model", "ALL_LINEAR"]
 
 ALL_LINEAR = "all-linear"
 
@@ -104,15 +103,3 @@ def build_model(spec: ModelSpec, dtype: torch.dtype | str) -> torch.nn.Module:
                                dropout=float(lo.dropout), rslora=bool(lo.rslora))
     return model
 
-
-def raise_buffers(model: torch.nn.Module, compute: torch.dtype) -> int:
-    """Cast every floating buffer of ``model`` narrower than ``compute`` to ``compute`` (see
-    the module doc); returns how many were cast."""
-    cast = 0
-    for module in model.modules():
-        for name, b in list(module._buffers.items()):
-            if b is not None and b.is_floating_point() and b.dtype != compute \
-                    and torch.promote_types(b.dtype, compute) == compute:
-                module._buffers[name] = b.to(compute)
-                cast += 1
-    return cast
