@@ -173,7 +173,7 @@ def make_truly_float64(model) -> int:
     number of modules patched. A float64 model's float32 buffers (RoPE's ``inv_freq``, which
     Hugging Face builds in float32 whatever the model's dtype) are raised to float64 with it:
     on transformers before 5.19 the dtype of ``inv_freq`` decides whether RoPE runs in float32
-    (``inv_freq.float() @ positions.float()``), 2.3e-8 apart in log-probs on 5.3 / 5.10."""
+    (``inv_freq.float() @ positions.float()``): 2.3e-8 apart in log-probs on 5.10.4."""
     decoder = model.get_decoder()
     decoder.forward = types.MethodType(_float64_forward, decoder)
     if any(p.dtype == torch.float64 for p in model.parameters()):
