@@ -254,3 +254,35 @@ def test_dcp_checkpoint_is_checksummed_and_found_for_resume(tmp_path):
     with pytest.raises(CheckpointError, match=shard):
         load_sharded(path, into)
     assert not into["w"].any()  # nothing was read into the state
+
+
+@pytest.mark.parametrize("mode", ["replicate", "zero1"])
+def test_buffers_are_raised_to_the_compute_dtype_never_lowered(mode, tmp_path):
+    """RoPE's ``inv_freq`` (built float32 by Hugging Face whatever the model's dtype) is held in
+    float64 by a float64 engine core in every sharding mode (the float64 harness computes RoPE
+    in its dtype on transformers before 5.19), and stays float32 under bf16 compute with fp32
+    masters (replicate once rounded it to bf16 with the parameters)."""
+    from dta.model.models import build_model, load_model
+    from dta.options import WalkOptions
+    from runtime.engine.core import EngineCore
+    from runtime.engine.layout import ParallelLayout
+
+    build_model("qwen3", "tiny", dtype="float32").save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float64")  # what a front door loads
+    assert {b.dtype for n, b in loaded.named_buffers() if "inv_freq" in n} == {torch.float32}
+    def buffers(compute, masters=None):
+        core = EngineCore(lambda dtype: load_model(str(tmp_path), dtype=dtype),
+                          layout=ParallelLayout(sharding=mode, world=2 if mode != "replicate"
+                                                else 1), walk=WalkOptions(),
+                          make_optimizer=lambda ps: torch.optim.SGD(list(ps), lr=0.1),
+                          compute_dtype=compute, master_dtype=masters)
+        if mode == "replicate":  # one rank: its sharding mode too (the others cast parameters)
+            core.parallelize()
+        params = {p.dtype for p in core.model.parameters()}
+        return params, {n: b.dtype for n, b in core.model.named_buffers() if "inv_freq" in n}
+
+    params, bufs = buffers(torch.float64)
+    assert params == {torch.float64} and bufs and set(bufs.values()) == {torch.float64}, bufs
+    params, bufs = buffers(torch.bfloat16, torch.float32)
+    assert set(bufs.values()) == {torch.float32}, bufs
+    assert params == ({torch.bfloat16} if mode == "replicate" else {torch.float32})

@@ -180,10 +180,29 @@ def make_truly_float64(model) -> int:
     it (norms of any form, eager softmax, MoE router softmax) stays in float64 (tensors of
     other dtypes are untouched, so on a float32 model it changes nothing). Idempotent,
     and survives ``copy.deepcopy`` (the patch is a method bound to the module). Returns the
-    number of modules patched."""
+    number of modules patched. A float64 model's float32 buffers (RoPE's ``inv_freq``, which
+    Hugging Face builds in float32 whatever the model's dtype) are raised to float64 with it:
+    on transformers before 5.19 the dtype of ``inv_freq`` decides whether RoPE runs in float32
+    (``inv_freq.float() @ positions.float()``): 2.3e-8 apart in log-probs on 5.10.4."""
     decoder = model.get_decoder()
     decoder.forward = types.MethodType(_float64_forward, decoder)
+    if any(p.dtype == torch.float64 for p in model.parameters()):
+        raise_buffers(model, torch.float64)
     return 1
+
+
+def raise_buffers(model, compute: torch.dtype) -> int:
+    """Cast every floating buffer of ``model`` narrower than ``compute`` to ``compute`` (none is
+    lowered: under 16-bit compute float32 buffers stay float32, as Hugging Face leaves them);
+    returns how many were cast. The engine core applies it in every sharding mode."""
+    cast = 0
+    for module in model.modules():
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_floating_point() and b.dtype != compute \
+                    and torch.promote_types(b.dtype, compute) == compute:
+                module._buffers[name] = b.to(compute)
+                cast += 1
+    return cast
 
 
 @contextlib.contextmanager

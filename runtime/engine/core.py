@@ -41,7 +41,7 @@ import torch
 
 import runtime.checkpoints.engine as checkpoint
 import runtime.engine.weights as weights
-from dta.model.models import resolve_dtype
+from dta.model.models import raise_buffers, resolve_dtype
 from dta.options import WalkOptions
 from runtime.engine.layout import (
     ParallelLayout,
@@ -97,6 +97,7 @@ class EngineCore:
         masters = resolve_dtype(master_dtype) if master_dtype is not None else None
         stored = sharding_class(layout.sharding).storage_dtype(self.compute_dtype, masters)
         self.model = build(stored).to(self.device)
+        raise_buffers(self.model, self.compute_dtype)  # one rule in every mode
         # the layout against the model (the driver ran the same check before Ray started)
         layout.check_model(self.model.config, frozen=any(not p.requires_grad
                                                          for p in self.model.parameters()))

@@ -9,6 +9,17 @@ LoRA targets (:func:`lora_targets`), the one rule for every front door: unset or
 LM head (what AReaL's and verl's FSDP engines do); otherwise a list of module names. The
 adapters are initialized under ``torch.manual_seed(seed)`` (in a forked random state: the
 caller's is untouched), so every rank starts alike.
+
+Buffers (``dta.model.models.raise_buffers``, applied by the engine core): a floating buffer narrower than the compute dtype is raised
+to it, none is lowered -- whatever the sharding mode (``replicate`` once cast them with the
+parameters, the sharded modes left them as built). Hugging Face builds RoPE's ``inv_freq`` in
+float32 whatever the model's dtype (transformers 5.10 and 5.25 measured); verl's FSDP engine
+in float64 (``mixed_precision.buffer_dtype=fp64``) holds it in float64. A float64 model whose
+``inv_freq`` stayed float32 computes RoPE in float32 where the float64 harness
+(``dta.model.models.make_truly_float64``) meets transformers before 5.19
+(``inv_freq.float() @ positions.float()``): 2.3e-8 apart in log-probs from the same model with
+float64 buffers on transformers 5.10.4 (0 on 5.25, whose RoPE casts both to float32). Under
+16-bit compute float32 buffers stay float32, as Hugging Face leaves them.
 """
 from __future__ import annotations
 
@@ -91,3 +102,4 @@ def build_model(spec: ModelSpec, dtype: torch.dtype | str) -> torch.nn.Module:
             model = apply_lora(model, r=int(lo.r), alpha=float(lo.alpha), target_modules=targets,
                                dropout=float(lo.dropout), rslora=bool(lo.rslora))
     return model
+

@@ -169,8 +169,11 @@ class Replicate(Sharding):
         self.parts = [ReplicaPart(dense, group=group, **kw)] + (
             [ReplicaPart(slices, group=self.experts.replicas, experts=self.experts, **kw)]
             if slices else [])
-        if compute_dtype is not None:
-            self.model.to(compute_dtype)  # the parameter objects stay (the masters map on them)
+        if compute_dtype is not None:  # the parameters only (buffers: the engine core's)
+            with torch.no_grad():  # the parameter objects stay (the masters map on them)
+                for p in self.model.parameters():
+                    if p.is_floating_point() and p.dtype != compute_dtype:
+                        p.data = p.data.to(compute_dtype)
         self.frozen = [p for p in model.parameters() if not p.requires_grad]
         self.optimizer = make_optimizer(self.stepped)
         self.device = self.params[0].device if self.params else torch.device("cpu")

@@ -49,8 +49,12 @@ def held_tensors(root) -> list[torch.Tensor]:
             stack += [*obj._parameters.values(), *obj._buffers.values(),
                       *obj._modules.values()]
             state = getattr(obj, "_get_fsdp_state", None)  # FSDP2: its parameters' shards
-            if state is not None:
-                stack += [p for g in state()._fsdp_param_groups for p in g.fsdp_params]
+            if state is not None:  # torch 2.13: a list; 2.10: one group or None
+                st = state()
+                groups = getattr(st, "_fsdp_param_groups", None)
+                if groups is None:
+                    groups = [g for g in (st._fsdp_param_group,) if g is not None]
+                stack += [p for g in groups for p in g.fsdp_params]
         elif isinstance(obj, torch.optim.Optimizer):
             stack += [obj.state, obj.param_groups]
         elif isinstance(obj, dict):
