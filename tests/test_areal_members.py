@@ -153,7 +153,11 @@ def test_xccl_weight_update_up_to_the_collective(model_dir, single, monkeypatch)
 
 
 _WORKER = r"""
-import importlib.util, json, sys, torch, torch.distributed as dist
+import importlib.util, json, os, sys, torch, torch.distributed as dist
+# the reports travel on the original stdout only: gloo (torch 2.10) prints "[Gloo] Rank 1 is
+# connected to ..." on fd 1, which is sent to stderr here
+report = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 host, port, name, helper = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 spec = importlib.util.spec_from_file_location("areal_distributed", helper)
 areal_distributed = importlib.util.module_from_spec(spec)  # AReaL's own group helper, without
@@ -166,8 +170,11 @@ for line in sys.stdin:
         t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
         dist.broadcast(t, src=0, group=group)
         got.append([spec["name"], float(t.double().sum())])
-    print(json.dumps(got), flush=True)
+    print(json.dumps(got), file=report, flush=True)
 dist.destroy_process_group(group)
+report.close()
+os._exit(0)  # past the interpreter's finalization: gloo's threads can abort it (torch 2.13,
+             # "terminate called without an active exception"; pytorch/pytorch#179291)
 """
 
 
@@ -194,9 +201,16 @@ class SubprocessInferenceWorker(RecordingInferenceEngine):
         self.proc.stdin.write(json.dumps([dict(name=s.name, shape=list(s.shape), dtype=s.dtype)
                                           for s in param_specs]) + "\n")
         self.proc.stdin.flush()
-        fut = Future()  # done when the worker has received the bucket
-        threading.Thread(target=lambda: fut.set_result(json.loads(self.proc.stdout.readline())),
-                         daemon=True).start()
+        fut = Future()  # done when the worker has received the bucket; a bad report fails it
+
+        def read():
+            line = self.proc.stdout.readline()
+            try:
+                fut.set_result(json.loads(line))
+            except ValueError:
+                fut.set_exception(RuntimeError(f"inference worker reported {line!r}"))
+
+        threading.Thread(target=read, daemon=True).start()
         self.received = fut
         return fut
 
