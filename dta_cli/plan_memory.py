@@ -200,6 +200,10 @@ def _print_time(plan, chosen, first) -> None:
               f"{e.block_tokens or 'none':>5} {e.total / GIB:>8.1f} {t.flops_per_rank / 1e12:>10.0f} "
               f"{t.bytes_sent / 1e9:>8.1f} {t.step_s:>7.1f} {t.tokens_per_s:>9.0f} "
               f"{t.group_efficiency:>6.3f} {t.compute_share:>7.2f}{mark}")
+    if chosen is not None and chosen.time.overlapped:
+        print(f"  prefetch assumed overlapped: the {chosen.time.overlapped} on the slowest "
+              f"rank, {chosen.time.overlap_s:.2f} s hidden under compute (a call's backward "
+              "only under recompute, where it follows its call)")
     if chosen is not None and first is not None:
         print(f"  chosen by modeled throughput: {chosen.label()} ({chosen.time.step_s:.1f} s); "
               f"the first that fits in the memory order, {first.label()} (data parallel "

@@ -69,6 +69,8 @@ def print_summary(summary: dict, file=None) -> None:
                          for b in summary.get("state_bytes") or [])
         console.print(f"sharding {summary['sharding']}: params + grads + optimizer per worker "
                       f"{held}; parameter norm {summary.get('param_norm', float('nan')):.6f}")
+    if summary.get("prefetch_overlaps"):
+        console.print(f"prefetch: {summary['prefetch_overlaps']}")
     auto = summary.get("sharding_auto")
     if auto:  # what the memory model chose, and at which context-parallel size it priced
         console.print(f"memory model ({_size(auto['budget_bytes'])} budget per worker, "

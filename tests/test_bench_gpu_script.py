@@ -1,6 +1,8 @@
 """experiments/bench/gpu.sh, on CPU with tiny sizes (the script's header cites this file): the
 checks stage (split attention per backend, float32 verify, bf16 fidelity, no dense mask over
-cached keys), the benchmark and the blocks run complete and end in one JSON line."""
+cached keys), the benchmark, the layouts (memory per sharding layout on one rank, fsdp's
+all-gathers with and without prefetch in a profile of rank 0 of 2) and the blocks run
+complete and end in one JSON line."""
 from __future__ import annotations
 
 import json
@@ -13,7 +15,8 @@ from tests.test_bench_run import ROOT, _env, check_summary
 
 def test_gpu_script_cpu_path(tmp_path):
     env = dict(_env(), DEVICE="cpu", SIZES="tiny", SCALE="tiny", DTYPE="float32", REPEATS="1",
-               MODES="microbatch,treemask,dfs-retain", PYTHON=sys.executable, BUDGET_S="400",
+               MODES="microbatch,treemask,dfs-retain", PYTHON=sys.executable, BUDGET_S="560",
+               LAYOUTS_SCALE="tiny",
                CHECK_FAMILIES="qwen3", BLOCKS="0 4096", BLOCKS_SIZE="tiny", BLOCKS_SCALE="0.05",
                WHEELS=str(tmp_path / "no-wheels"))  # a checkout's .whl/ is for the GPU machine
     # as under the device tool: $OUT set, the folder written beside it and handed back packed
@@ -22,7 +25,7 @@ def test_gpu_script_cpu_path(tmp_path):
     out.mkdir()
     env.update(OUT=str(out), TMPDIR=str(tmp_path))
     proc = subprocess.run(["bash", str(ROOT / "experiments/bench/gpu.sh")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=640)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu-results.tar.gz", "gpu.json", "summary.md"]
     with tarfile.open(out / "gpu-results.tar.gz") as tar:
@@ -40,7 +43,20 @@ def test_gpu_script_cpu_path(tmp_path):
     check_summary(d, ["microbatch", "treemask", "dfs-retain"])
     assert line["bench"]["tiny-sdpa"]["headline"] == d["headline"]
     assert line["blocks_rc"] == 0 and len(line["blocks"]["results"]) == 2 and "none" in line["blocks"]["results"]
+    assert line["layouts_rc"] == 0, line["layouts_rc"]
+    lay = line["layouts"]
+    assert [r["layout"] for r in lay["memory"]] == ["replicate", "zero1", "zero2", "fsdp",
+                                                    "fsdp+prefetch"]
+    held = {r["layout"]: r["state_bytes"]["params"] for r in lay["memory"]}
+    assert held["fsdp"] < held["fsdp+prefetch"] <= held["zero2"]  # one layer more gathered
+    off, on = lay["overlap"]
+    assert not off["prefetch"] and on["prefetch"] and "error" not in off and "error" not in on
+    assert on["all_gathers"] == off["all_gathers"] > 0  # the same gathers, issued earlier
+    assert 0 <= on["overlap_fraction"] <= 1 and 0 <= off["overlap_fraction"] <= 1
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        assert "gpu-run/layouts/fsdp-prefetch-True.json.gz" in tar.getnames()
     summary = (tmp_path / "summary.md").read_text()
+    assert "## layouts" in summary and "fsdp+prefetch" in summary
     assert "## checks" in summary and ("tiny-sdpa" in summary or "qwen3-tiny" in summary)
 
 

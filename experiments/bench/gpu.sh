@@ -5,7 +5,12 @@
 #     fidelity against float64 on Qwen3-0.6B- and Qwen3.5-shaped random-init models, the
 #     GDN kernel's self-check, and no dense mask over cached keys (CHECKS_S seconds at most);
 #  2. the benchmark below;
-#  3. the blocks memory run (experiments/bench_blocks.py, what the budget leaves, >= 30 s);
+#  3. the layouts (experiments/bench_layouts.py, LAYOUTS_S seconds at most): memory per
+#     sharding layout on one rank (replicate, zero1, zero2, fsdp, fsdp + prefetch: the
+#     device's peak and the state each holds) and fsdp's all-gathers with and without
+#     prefetch in a torch.profiler trace of rank 0 of LAYOUTS_WORLD ranks sharing the GPU
+#     (the fraction of all-gather time under compute; Chrome traces in layouts/);
+#  4. the blocks memory run (experiments/bench_blocks.py, what the budget leaves, >= 30 s);
 # then one JSON line (also gpu.json) with each stage's verdict and figures.
 #
 # The benchmark: a τ²-airline
@@ -23,13 +28,15 @@
 #                                       results/gpu-<date>
 # Knobs (environment): SIZES ATTNS MODES SCALE DTYPE DEVICE REPEATS BUDGET_S MIN_LEFT_S
 #   PAD_BATCH MICROBATCH_TOKENS TREE_TOKENS PACK_TOKENS PYTHON; CHECK_SIZE CHECK_FAMILIES
-#   CHECKS_S; BLOCKS (the block settings) BLOCKS_SIZE BLOCKS_SCALE BLOCKS_S (reserved; 0: no
+#   CHECKS_S; LAYOUTS_S (reserved; 0: no layouts run) LAYOUTS_SIZE LAYOUTS_SCALE LAYOUTS_WORLD;
+#   BLOCKS (the block settings) BLOCKS_SIZE BLOCKS_SCALE BLOCKS_S (reserved; 0: no
 #   blocks run); WHEELS (default .whl): wheels installed into /tmp/dta-site first, put ahead
 #   on PYTHONPATH -- for a machine that cannot reach the registry, made here by
 #   experiments/bench/gpu-wheels.sh (docs/gpu.md: running it on a lent GPU machine).
 # CPU check of this script (what tests/test_bench_gpu_script.py runs):
 #   DEVICE=cpu SIZES=tiny SCALE=tiny DTYPE=float32 REPEATS=1 CHECK_FAMILIES=qwen3 \
-#     BLOCKS="0 4096" BLOCKS_SIZE=tiny BLOCKS_SCALE=0.05 experiments/bench/gpu.sh /tmp/g
+#     BLOCKS="0 4096" BLOCKS_SIZE=tiny BLOCKS_SCALE=0.05 LAYOUTS_SCALE=tiny \
+#     experiments/bench/gpu.sh /tmp/g
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 # under the device tool (OUT set, at most 8 files come back): the folder is written beside
@@ -63,6 +70,10 @@ BLOCKS=${BLOCKS:-"0 2048 1024"}
 BLOCKS_SIZE=${BLOCKS_SIZE:-small}
 BLOCKS_SCALE=${BLOCKS_SCALE:-1}
 BLOCKS_S=${BLOCKS_S:-100}
+if [ "$DEVICE" = cpu ]; then LAYOUTS_SIZE=${LAYOUTS_SIZE:-tiny}; else LAYOUTS_SIZE=${LAYOUTS_SIZE:-qwen3-0.6b}; fi
+LAYOUTS_SCALE=${LAYOUTS_SCALE:-0.05}
+LAYOUTS_WORLD=${LAYOUTS_WORLD:-2}
+LAYOUTS_S=${LAYOUTS_S:-150}
 mkdir -p "$DEST"
 start=$(date +%s)
 
@@ -89,7 +100,7 @@ checks_rc=$?
 tail -n 1 "$DEST/checks.log" > "$DEST/checks.json"
 grep -E '^(attention|PASS|FAIL|qwen)' "$DEST/checks.log" | sed 's/^/   /'
 echo "   checks rc=$checks_rc"
-BENCH_END=$(( BUDGET_S - BLOCKS_S ))  # the benchmark leaves the blocks run its time
+BENCH_END=$(( BUDGET_S - BLOCKS_S - LAYOUTS_S ))  # the benchmark leaves the later stages their time
 
 if [ -z "${ATTNS:-}" ]; then
     ATTNS=sdpa
@@ -132,6 +143,22 @@ for attn in $ATTNS; do
     done
 done
 
+layouts_rc=skipped
+left=$(( BUDGET_S - BLOCKS_S - ($(date +%s) - start) ))
+[ "$left" -gt "$LAYOUTS_S" ] && left=$LAYOUTS_S  # the blocks run keeps what the rest left
+if [ "$LAYOUTS_S" -gt 0 ] && [ "$left" -ge 30 ]; then
+    echo "== layouts (${left}s left): $LAYOUTS_SIZE, overlap on $LAYOUTS_WORLD ranks"
+    timeout --kill-after=10 "$left" "$PY" -m experiments.bench_layouts --device "$DEVICE" \
+        --size "$LAYOUTS_SIZE" --scale "$LAYOUTS_SCALE" --dtype "$DTYPE" \
+        --world "$LAYOUTS_WORLD" --out "$DEST/layouts" --json > "$DEST/layouts.log" 2>&1
+    layouts_rc=$?
+    tail -n 1 "$DEST/layouts.log" > "$DEST/layouts.json"
+    grep -E '^(  [a-z]|fsdp)' "$DEST/layouts.log" | sed 's/^/   /'
+    echo "   layouts rc=$layouts_rc"
+else
+    echo "skip layouts: ${left}s left" | tee -a "$DEST/skipped.txt"
+fi
+
 blocks_rc=skipped
 left=$(( BUDGET_S - ($(date +%s) - start) ))
 if [ "$BLOCKS_S" -gt 0 ] && [ "$left" -ge 30 ]; then
@@ -155,9 +182,14 @@ fi
     grep -E '^(attention|PASS|FAIL|qwen)' "$DEST/checks.log"
     echo '```'
     for f in "$DEST"/*/results.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+    echo
+    echo '## layouts'
+    echo '```'
+    grep -E '^(memory|  [a-z]|fsdp)' "$DEST/layouts.log" 2>/dev/null
+    echo '```'
 } > "$DEST/summary.md"
 "$PY" -m experiments.gpu_summary "$DEST" "$checks_rc" "$blocks_rc" \
-    "$(( $(date +%s) - start ))" > "$DEST/gpu.json"
+    "$(( $(date +%s) - start ))" "$layouts_rc" > "$DEST/gpu.json"
 echo "done in $(( $(date +%s) - start ))s: $DEST/summary.md"
 if [ -n "${OUT:-}" ] && [ "$DEST" != "$OUT" ]; then
     tar czf "$OUT/gpu-results.tar.gz" -C "$(dirname "$DEST")" "$(basename "$DEST")"

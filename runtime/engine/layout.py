@@ -106,10 +106,6 @@ class ParallelLayout:
                                  "HSDP: a shard size below the world, the node)")
         if self.prefetch and self.sharding != "fsdp":
             bad("prefetch", f"false under sharding={self.sharding} (fsdp gathers per layer)")
-        for field in ("prefetch",):  # priced by the planner, not built yet
-            if getattr(self, field):
-                raise NotImplementedError(f"{field}=true: the planner prices it, the runtime "
-                                          "does not build it yet (runtime.sharding)")
 
     @classmethod
     def make(cls, *, world: int, context_parallel: int = 1, sharding: str = "replicate",

@@ -57,7 +57,11 @@ class RunSettings:
     def record(self) -> dict:
         """JSON-ready, for checkpoint metadata and reports."""
         walk = {k: v for k, v in self.walk.as_dict().items() if k != "pack_cost"}
-        return {**self.layout.record(), "walk": walk}
+        out = {**self.layout.record(), "walk": walk}
+        if self.layout.prefetch:  # which calls' gathers it overlaps (the planner's passes)
+            from runtime.sharding.prefetch import describe
+            out["prefetch_overlaps"] = describe(self.walk.policy)
+        return out
 
 
 def policy_of(policy: str | None, gradient_checkpointing: bool = False) -> str:

@@ -294,6 +294,9 @@ def _steps(cfg, trainer: Trainer, stop: _StopSignals, source: BatchSourceLike, s
             metrics.close()
     out = summarize(trainer.history, trainer)
     out["sharding"] = trainer.settings.layout.sharding  # what ran (auto resolved)
+    overlaps = trainer.settings.record().get("prefetch_overlaps")
+    if overlaps:  # train.prefetch: which calls' all-gathers it overlaps
+        out["prefetch_overlaps"] = overlaps
     if trainer.sharding_report is not None:
         out["sharding_auto"] = trainer.sharding_report
     out["param_norm"] = trainer.param_norms()[0]  # after the last step

@@ -44,6 +44,11 @@ layer shards over the node in the compute dtype, their fp32 masters, AdamW state
 cross-node gradient sum sharded across the replicas (one reduce-scatter and one all-gather
 across the nodes per step, whatever the calls); the vocabulary's flat shards over the world.
 
+Prefetch (``train.prefetch=true``, :mod:`.prefetch`): the next layer's all-gather issued
+before the current layer computes -- in every forward, and in the backward where the walker's
+policy puts it right after its call (recompute) -- by FSDP2's explicit prefetch lists, the
+same on every rank (the lockstep matches them as without prefetch).
+
 Offload (``train.offload=optimizer``, :mod:`.offload`): the device keeps the layers' shards
 in the compute dtype only (what each call gathers from) and their gradients summed over the
 walk's calls in an fp32 gradient shard (:mod:`.layers`); the optimizer steps fp32 host masters
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from runtime.sharding import prefetch
 from runtime.sharding.base import Sharding, master_dtype_for, register
 from runtime.sharding.common import tensor_bytes
 from runtime.sharding.hsdp import dense_part, shard_mesh
@@ -119,11 +125,14 @@ class FSDP(Sharding):
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
             unit.set_reshard_after_backward(not self.resident)
-        # No backward prefetch (each unit "prefetches" itself, a no-op): whether FSDP's
-        # prefetch all-gathers depends on which of the rank's own graphs are pending, which
-        # differs between the ranks and would unmatch their collectives.
-        for unit in self.units:
-            unit.set_modules_to_backward_prefetch([unit])
+        # FSDP2's default backward prefetch stays off (it follows the rank's own pending
+        # graphs, which differ between ranks); train.prefetch sets explicit, rank-independent
+        # lists instead (runtime.sharding.prefetch)
+        self.prefetch = bool(layout is not None and layout.prefetch)
+        if self.prefetch and self.resident:
+            raise ValueError(f"{self.name}: prefetch is fsdp's (this mode gathers each layer "
+                             "once per walk)")
+        prefetch.configure(self.units[:-1], decoder, policy, self.prefetch)
         vocab_ids = {id(p) for _, p in vocab}
         layers = [(n, p) for n, p in model.named_parameters() if p.requires_grad
                   and id(p) not in vocab_ids and id(p) not in expert_ids]
@@ -165,6 +174,8 @@ class FSDP(Sharding):
     def forward_steps(self, inner: dict) -> list:
         """A forward's collectives without a forward: the root unit gathered (FSDP keeps it
         gathered after a forward), then each layer gathered, its ``inner`` steps, freed."""
+        if self.prefetch:  # the next layer's gather before this one's own steps
+            return prefetch.forward_steps(self.decoder, self.units[:-1], inner)
         steps = [self.decoder.unshard]
         for i, layer in enumerate(self.decoder.layers):
             steps += [layer.unshard, *inner.get(i, ()), layer.reshard]
@@ -178,6 +189,9 @@ class FSDP(Sharding):
         the shards under a stale gathered copy that the next forward would use."""
         for unit in self.units:
             unit.reshard()
+        if self.prefetch:
+            prefetch.check_consumed(self.units, [f"layer {i}" for i in range(len(self.units) - 1)]
+                                    + ["the decoder's root"])
 
     # ------------------------------------------------------------------ memory --
     def _sample(self, module, args):
@@ -185,6 +199,11 @@ class FSDP(Sharding):
         live = sum(tensor_bytes(p) for layer in self.decoder.layers
                    for p in layer.parameters() if not hasattr(p, "to_local")
                    and id(p) not in self.expert_ids)  # the root's final norm: not sampled
+        if self.prefetch:  # the next layer's gather, issued (its compute-dtype bytes)
+            size = self.compute_dtype.itemsize
+            live += sum(p.numel() * size for layer in self.decoder.layers
+                        if prefetch.pending(layer) for p in layer.parameters()
+                        if hasattr(p, "to_local") and id(p) not in self.expert_ids)
         self._peak_unsharded = max(self._peak_unsharded, live)
 
     def state_bytes(self) -> dict:
