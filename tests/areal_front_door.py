@@ -44,7 +44,8 @@ def _dta_loss(logprobs, entropy, mb, *, loss, **_):
 
 def make_engine(world, mode, cp, cfg, ep=1):
     """AReaL's ``DTATrainEngine`` on ``fsdp:d{W/C}c{C}`` (E > 1: ``archon:d{W/C}c{C}e{E}``,
-    AReaL's fsdp backend refuses ``e``) + ``actor.dta.sharding=mode``: the run config's model
+    AReaL's fsdp backend refuses ``e``) + ``actor.dta.sharding=mode`` (and ``shard_size``,
+    ``offload``, ``node_resident``, ``prefetch`` from ``train.*``): the run config's model
     (float64 throughout where it is float64), walk and optimizer (AReaL's
     ``OptimizerConfig``, a constant LR schedule)."""
     import shutil
@@ -69,7 +70,9 @@ def make_engine(world, mode, cp, cfg, ep=1):
     shard = cfg.train.shard_size
     options = DTAOptions.of(walk_options(cfg), dtype=str(cfg.model.dtype), sharding=mode,
                             shard_size=None if shard is None else int(shard),
-                            offload=str(cfg.train.offload))
+                            offload=str(cfg.train.offload),
+                            node_resident=cfg.train.node_resident is True,
+                            prefetch=cfg.train.prefetch is True)
     load = models.load_model
 
     def truly_float64(*args, **kwargs):  # as the Ray door's truly_float64, before sharding

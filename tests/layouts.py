@@ -47,6 +47,9 @@ LAYOUTS = {
     "zero2-hsdp-offload": Layout("zero2", world=4, shard=2, offload="optimizer"),
     "fsdp-hsdp-offload": Layout("fsdp", world=4, shard=2, offload="optimizer"),
     "fsdp-hsdp-hpz": Layout("fsdp", world=4, shard=2, extra=("train.node_resident=true",)),
+    "fsdp-prefetch": Layout("fsdp", extra=("train.prefetch=true",)),
+    "fsdp-hsdp-hpz-prefetch": Layout("fsdp", world=4, shard=2,
+                                     extra=("train.node_resident=true", "train.prefetch=true")),
     # what the runtime cannot do: refused in one line before training
     "replicate-hsdp": Layout("replicate", world=4, shard=2,
                              refused="must be the world size 4 under "

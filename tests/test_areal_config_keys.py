@@ -112,3 +112,35 @@ def test_the_doors_translate_the_cores_refusal_by_type(monkeypatch):
     with pytest.raises(ValueError, match=r"^sharding=looks like a refusal") as info:
         translate.make_core(Config(), Dta(), settings, None, "cpu")
     assert not isinstance(info.value, ShardingRefused)  # passed on as raised, not rewritten
+
+
+@pytest.mark.parametrize("key", ["node_resident", "prefetch"])
+def test_node_resident_and_prefetch_reach_the_engines_layout(model_dir, key):
+    """``train.node_resident`` / ``train.prefetch`` (fsdp's hpZ gathers under HSDP, its
+    next-layer all-gather) become ``actor.dta.<key>`` and reach the layout the engine builds
+    (``parallel.layout_of`` with ``DTAOptions.layout_settings()``), the one ``dta train``
+    resolves; ``auto`` is priced as ``dta train`` prices it; under zero2 the layout refuses
+    the key naming AReaL's spelling."""
+    from runtime.areal.parallel import layout_of
+
+    def engine_layout(options, config):
+        return layout_of(options.sharding, world=4, where=config.backend,
+                         **options.layout_settings())
+
+    hsdp = ("train.sharding=fsdp", "train.shard_size=2")
+    cfg = _cfg(model_dir, *hsdp, f"train.{key}=true")
+    config, options = actor_config_from_dta(cfg, backend="fsdp:d4")
+    assert getattr(options, key) is True
+    layout = engine_layout(options, config)
+    assert getattr(layout, key) is True and layout == _dta_train(cfg, 4)
+    config, unset = actor_config_from_dta(_cfg(model_dir, *hsdp), backend="fsdp:d4")
+    assert getattr(unset, key) is False and getattr(engine_layout(unset, config), key) is False
+    cfg = _cfg(model_dir, *hsdp, f"train.{key}=auto")
+    _, priced = actor_config_from_dta(cfg, backend="fsdp:d4")
+    assert getattr(priced, key) is getattr(_dta_train(cfg, 4), key)
+    config, bad = actor_config_from_dta(_cfg(model_dir, "train.sharding=zero2",
+                                             "train.shard_size=2", f"train.{key}=true"),
+                                        backend="fsdp:d4")
+    with pytest.raises(ValueError, match=rf"^bad value for actor\.dta\.{key}: True must be "
+                                         r"false under sharding=zero2.*\(from 'fsdp:d4'\)$"):
+        engine_layout(bad, config)

@@ -6,7 +6,9 @@ parameter norm), with C = 2's path attention and E = 2's routed rows really exch
 the ranks; and on 4 ranks HSDP 2 x 2 (fsdp), HSDP + optimizer offload (zero1) and offload
 (replicate), each front door spelling them its way (``train.shard_size`` / ``train.offload``;
 verl's ``fsdp_size`` / ``optimizer_offload``; AReaL's ``actor.dta.shard_size`` /
-``actor.dta.offload``).
+``actor.dta.offload``); fsdp's node-resident gathers and prefetch likewise
+(``train.node_resident`` / ``train.prefetch``; verl's ``dta_node_resident`` /
+``forward_prefetch``; AReaL's ``actor.dta.node_resident`` / ``actor.dta.prefetch``).
 
 A front door is an entry of ``FRONT_DOORS``: ``train(rank, world, mode, C, E, moe)`` runs 2
 steps through it on this rank and returns ``{"state", "param_norm", "layout", "sent",
@@ -80,7 +82,8 @@ def ray_worker(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none
 def verl_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none",
                 extra=()):
     """verl's ``DTAEngine`` (``strategy: dta``; ``dta_sharding``,
-    ``ulysses_sequence_parallel_size``, ``fsdp_size``, ``optimizer_offload``): the run config's
+    ``ulysses_sequence_parallel_size``, ``fsdp_size``, ``optimizer_offload``,
+    ``dta_node_resident``, ``forward_prefetch``): the run config's
     model, batches, loss and optimizer as verl writes them, 2 ``train_batch`` steps
     (tests/test_verl_layouts.py: front_door)."""
     from tests.test_verl_layouts import front_door
@@ -92,8 +95,9 @@ def verl_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="non
 def areal_engine(rank, world, mode, cp, ep=1, moe=False, shard=None, offload="none",
                  extra=()):
     """AReaL's ``DTATrainEngine`` (``fsdp:d{W/C}c{C}`` + ``actor.dta.sharding`` /
-    ``shard_size`` / ``offload``): the run config's model, batches, loss and optimizer as
-    AReaL writes them, 2 ``train_batch`` steps (tests/areal_front_door.py)."""
+    ``shard_size`` / ``offload`` / ``node_resident`` / ``prefetch``): the run config's
+    model, batches, loss and optimizer as AReaL writes them, 2 ``train_batch`` steps
+    (tests/areal_front_door.py)."""
     from tests.areal_front_door import front_door
 
     cfg = run_config(world, mode, cp, ep, moe, shard, offload, extra)

@@ -49,7 +49,8 @@ def snapshot(w) -> list[tuple]:
     """This rank's training state as ``(name, key, first flat element, flat data)`` pieces,
     read from the mode's own storage (not through the checkpoint view): a replica's
     parameters and AdamW state, zero1's / the vocabulary's flat pieces, fsdp's layers
-    gathered whole (``full_tensor``: every rank calls it, rank 0 keeps them)."""
+    gathered whole (``full_tensor``: every rank calls it, rank 0 keeps them), or under node
+    residency the flat master slices of this rank's node shard."""
     mode, opt = w.core.sharding, w.core.optimizer
     out = []
 
@@ -68,14 +69,15 @@ def snapshot(w) -> list[tuple]:
     if flat is not None:
         for mp, pc in zip(flat.master_params, flat.pieces):
             add(flat.names[pc.index], mp, pc.start)
-    if w.core.layout.node_resident:  # the layers' master slices: flat pieces of the node
-        part = mode.layer_part          # shards (whole element first row x row size + k)
-        shards = dict(zip(part.names, part.sharded))
-        for mp, pc in zip(part.flat.master_params, part.flat.pieces):
-            name = part.flat.names[pc.index]
-            p = shards[name]
-            first = p.__create_chunk_list__()[0].offsets[0]
-            add(name, mp, first * math.prod(p.shape[1:]) + pc.start)
+    from runtime.sharding.node_resident import NodeResidentPart
+
+    node = getattr(mode, "layer_part", None)
+    node = node.flat if isinstance(node, NodeResidentPart) else None
+    if node is not None:  # node-resident: flat slices of this rank's node shard (rows)
+        for mp, pc in zip(node.master_params, node.pieces):
+            p = mode.layer_part.sharded[pc.index]
+            first = p.__create_chunk_list__()[0].offsets[0]  # the node shard's first row
+            add(node.names[pc.index], mp, first * math.prod(p.shape[1:]) + pc.start)
     elif mode.name in ("fsdp", "zero2"):  # the layer shards, or their host masters (offload)
         for n, p in zip(mode.layer_part.names, mode.layer_part.stepped):
             add(n, p, 0, whole=lambda t: t.full_tensor())
@@ -277,4 +279,19 @@ def test_every_layout_resumes_and_is_resumed_by_zero2_and_a_replica(tmp_path):
     pairs = resume_pairs(PAIRS, str(tmp_path), HUBS)
     assert len(pairs) == 2 * 2 * (len(PAIRS) - 1) - 2
     print(f"{len(pairs)} resumes, worst relative L2 "
+          f"{max(max(e.values()) for e in pairs.values()):.2g}")
+
+
+# issue 53's layouts joined by a key (node residency, prefetch): each alone, by name (-k)
+KEYED = [n for n, lay in MATRIX.items() if lay.refused is None and lay.extra]
+
+
+@pytest.mark.slow  # per layout: 3 runs of 4 steps, 6 resumes of 2 steps
+@pytest.mark.parametrize("layout", KEYED)
+def test_a_keyed_layout_resumes_and_is_resumed_by_zero2_and_a_replica(layout, tmp_path):
+    """One of :data:`KEYED` (``-k hpz``): its checkpoint resumed by zero2 and by one replica,
+    and theirs by it (the rows the every-pair test above holds for it, alone)."""
+    pairs = resume_pairs([*HUBS, layout], str(tmp_path), HUBS)
+    assert len(pairs) == 6
+    print(f"{layout}: {len(pairs)} resumes, worst relative L2 "
           f"{max(max(e.values()) for e in pairs.values()):.2g}")

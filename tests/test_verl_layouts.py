@@ -181,6 +181,33 @@ def test_zero1_fsdp_and_ulysses_equal_verl_fsdp(model_dir, records, world1, fp64
             print(f"{what}: rel. error vs verl FSDP {worst[0]:.2e}, sent {res['sent']:.0f} B")
 
 
+def test_node_resident_and_prefetch_keys_reach_the_layout():
+    """``dta_node_resident`` (fsdp's hpZ gathers under HSDP: ``1 < fsdp_size < W``) and verl's
+    own ``forward_prefetch`` (fsdp's next-layer all-gather) set the layout's
+    ``node_resident`` / ``prefetch`` (default off); outside fsdp (or, node residency, without
+    HSDP) the layout refuses them naming the verl key."""
+    from runtime.verl import DTAEngineConfig
+    from runtime.verl.config import layout_of
+
+    plain = layout_of(DTAEngineConfig(fsdp_size=2), world=4, rank=1)
+    assert (plain.node_resident, plain.prefetch) == (False, False)
+    hpz = layout_of(DTAEngineConfig(fsdp_size=2, dta_node_resident=True), world=4, rank=1)
+    assert (hpz.sharding, hpz.shard_size, hpz.node_resident) == ("fsdp", 2, True)
+    both = layout_of(DTAEngineConfig(dta_sharding="fsdp", forward_prefetch=True), world=2,
+                     rank=0)
+    assert (both.sharding, both.prefetch) == ("fsdp", True)
+    with pytest.raises(ValueError, match=r"^bad value for engine_config\.dta_node_resident: "
+                                         r"True must be false under sharding=fsdp, shard size 4"):
+        layout_of(DTAEngineConfig(dta_node_resident=True), world=4, rank=0)
+    with pytest.raises(ValueError, match=r"^bad value for engine_config\.dta_node_resident: "
+                                         r"True must be false under sharding=zero2"):
+        layout_of(DTAEngineConfig(dta_sharding="zero2", fsdp_size=2, dta_node_resident=True),
+                  world=4, rank=0)
+    with pytest.raises(ValueError, match=r"^bad value for engine_config\.forward_prefetch: "
+                                         r"True must be false under sharding=zero1"):
+        layout_of(DTAEngineConfig(dta_sharding="zero1", forward_prefetch=True), world=2, rank=0)
+
+
 def test_layout_settings_are_refused_naming_the_key(model_dir, world1):
     """One rank: C=2 does not divide the world; an unknown mode; ``fsdp_size`` as HSDP's
     shard size (one that does not divide the world, or beside replicate, refused naming it);
@@ -238,7 +265,8 @@ def front_door(rank: int, world: int, mode: str, cp: int, cfg, ep: int = 1) -> d
     term; ``clip_ratio_c`` so large that the dual clip never binds, as the run config's
     ``loss.dual_clip: null``), verl's AdamW with the run config's settings and verl's constant
     LR schedule; ``dta_sharding=mode``, ``ulysses_sequence_parallel_size=cp``,
-    ``expert_parallel_size=ep``; 2
+    ``expert_parallel_size=ep``, ``train.node_resident`` / ``train.prefetch`` as verl's
+    ``dta_node_resident`` / ``forward_prefetch``; 2
     ``train_batch`` steps, the rows of each split over the data-parallel groups."""
     import functools
 
@@ -262,6 +290,8 @@ def front_door(rank: int, world: int, mode: str, cp: int, cfg, ep: int = 1) -> d
     shard = cfg.train.shard_size  # HSDP: verl's fsdp_size; offload: optimizer_offload
     engine = make_engine("dta", path, "fp64", fsdp_size=-1 if shard is None else int(shard),
                          dta_sharding=mode, optimizer_offload=cfg.train.offload == "optimizer",
+                         dta_node_resident=cfg.train.node_resident is True,
+                         forward_prefetch=cfg.train.prefetch is True,
                          ulysses_sequence_parallel_size=cp, expert_parallel_size=ep,
                          lr=float(o.lr),
                          clip_grad=float(o.max_grad_norm), weight_decay=float(o.weight_decay),

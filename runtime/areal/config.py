@@ -6,8 +6,8 @@ The PPO knobs come from the resolved ``loss`` section (which follows ``actor.*``
 explicitly), the rest of the actor keys from ``actor``. ``loss.behav_imp_weight_cap`` — the
 pre-1.0 AReaL key — becomes 1.0.4's ``rejection_sampling: {metric: ratio, upper: cap}``
 (token level, action mask: the tokens above the cap are dropped, as DTA's PPO loss does).
-``train.sharding``, ``shard_size``, ``offload`` and ``expert_parallel`` become
-``DTAOptions`` and the allocation as ``dta train`` takes them (:func:`layout_keys`: an ``auto``
+``train.sharding``, ``shard_size``, ``offload``, ``node_resident``, ``prefetch`` and
+``expert_parallel`` become ``DTAOptions`` and the allocation as ``dta train`` takes them (:func:`layout_keys`: an ``auto``
 priced by the memory model; ``train.sharding=auto`` alone: unset, so the engine shards as
 ``fsdp:dN`` means when N > 1).
 """
@@ -98,15 +98,16 @@ def actor_config_from_dta(cfg, *, experiment_name: str = "dta", trial_name: str 
 
 
 def layout_keys(cfg, backend: str) -> dict:
-    """``train.sharding`` / ``shard_size`` / ``offload`` / ``expert_parallel`` as ``dta
-    train`` takes them, on the world of AReaL's ``backend``: an ``auto`` among the last three
-    is priced by the memory model as ``dta train`` prices it (``runtime.engine.
+    """``train.sharding`` / ``shard_size`` / ``offload`` / ``node_resident`` / ``prefetch``
+    / ``expert_parallel`` as ``dta train`` takes them, on the world of AReaL's ``backend``: an
+    ``auto`` among all but the first is priced by the memory model as ``dta train`` prices it (``runtime.engine.
     resolve_run_config``, the model's config read from ``model.path``), which also settles
     an ``auto`` mode; otherwise ``train.sharding=auto`` stays unset (the engine shards as
     ``fsdp:dN`` means). Expert parallelism lives in AReaL's allocation: ``fsdp:dN`` with
     ``train.expert_parallel=E`` > 1 becomes ``archon:dNeE`` (AReaL's fsdp parser has no
-    ``e``); an allocation that states another ``e`` > 1 is refused naming both. Returns DTAOptions' ``sharding``, ``shard_size``,
-    ``offload`` and the ``backend``."""
+    ``e``); an allocation that states another ``e`` > 1 is refused naming both. Returns
+    DTAOptions' ``sharding``, ``shard_size``, ``offload``, ``node_resident``, ``prefetch``
+    and the ``backend``."""
     from dta.options import AUTO
     from runtime.areal.parallel import strategy_of
 
@@ -117,7 +118,8 @@ def layout_keys(cfg, backend: str) -> dict:
     given_e = int(getattr(strategy, "expert_parallel_size", 1) or 1)
     sharding, shard, offload, E = str(t.sharding), t.shard_size, str(t.offload), \
         t.expert_parallel
-    if AUTO in (shard, offload, E):
+    resident, prefetch = t.node_resident, t.prefetch
+    if AUTO in (shard, offload, E, resident, prefetch):
         from omegaconf import OmegaConf
         from transformers import AutoConfig
 
@@ -129,6 +131,7 @@ def layout_keys(cfg, backend: str) -> dict:
         layout = resolve_run_config(world, hf).layout
         sharding, shard, offload, E = (layout.sharding, layout.shard_size, layout.offload,
                                        layout.expert_parallel)
+        resident, prefetch = layout.node_resident, layout.prefetch
     E = int(E)
     if E not in (1, given_e) and given_e != 1:
         raise ValueError(f"config key 'train.expert_parallel' is {E}, the AReaL allocation "
@@ -137,4 +140,4 @@ def layout_keys(cfg, backend: str) -> dict:
         backend = f"archon:d{dp}{f'c{cp}' if cp > 1 else ''}e{E}"
     return {"sharding": None if sharding == AUTO else sharding,
             "shard_size": None if shard is None else int(shard), "offload": offload,
-            "backend": backend}
+            "node_resident": bool(resident), "prefetch": bool(prefetch), "backend": backend}

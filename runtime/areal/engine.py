@@ -131,7 +131,7 @@ class DTATrainEngine(TrainEngine):
                 where=getattr(self.config, "backend", None) or parallel_strategy,
                 trains=self.optimizer_config is not None,
                 expert_parallel=int(getattr(strategy, "expert_parallel_size", 1) or 1),
-                shard_size=self.dta.shard_size, offload=self.dta.offload)
+                **self.dta.layout_settings())
             self.groups = build_groups(self.layout)
         if self.settings is None or self.settings.layout is not self.layout:
             self.settings = settle(self.walk, self.layout)

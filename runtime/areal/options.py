@@ -47,7 +47,14 @@ class DTAOptions:
     offload: ``optimizer`` keeps the optimizer state (and the fp32 masters) in host memory
         and steps it there, on every mode (``dta.planning.memory.OFFLOADS``; default
         ``none``). AReaL's ``fsdp.offload_params`` (FSDP2's parameter offload) is refused.
-    Both are validated by the engine core's layout (errors name ``actor.dta.<field>``).
+    node_resident: fsdp under HSDP (``shard_size`` below the world): ZeRO++'s hpZ -- the
+        first gather of a step crosses the shard groups once into a copy held inside the
+        group (the node), every later call of the step gathers inside it
+        (``runtime.sharding.node_resident``; ``dta train``'s ``train.node_resident``).
+    prefetch: fsdp: the next layer's all-gather issued before the current layer computes
+        (FSDP2's explicit prefetch; ``train.prefetch``). AReaL's FSDPEngine has no such key.
+    The last five are validated by the engine core's layout (errors name
+    ``actor.dta.<field>``).
     """
 
     policy: str | None = None
@@ -58,6 +65,8 @@ class DTAOptions:
     sharding: str | None = None
     shard_size: int | None = None
     offload: str = "none"
+    node_resident: bool = False
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.sharding is not None and self.sharding not in SHARDINGS:
@@ -71,6 +80,12 @@ class DTAOptions:
         """The block holding ``walk``'s settings (those AReaL's config has a key for)."""
         return cls(policy=walk.policy, logits_chunk=walk.logits_chunk,
                    min_shared=walk.min_shared, block_tokens=walk.block_tokens, **others)
+
+    def layout_settings(self) -> dict:
+        """The layout's settings this block holds (``runtime.areal.parallel.layout_of``'s
+        keywords; ``sharding`` is its first argument)."""
+        return {"shard_size": self.shard_size, "offload": self.offload,
+                "node_resident": self.node_resident, "prefetch": self.prefetch}
 
     def walk_options(self, *, policy: str | None = None, **settings) -> WalkOptions:
         """The walk's settings: these fields, ``policy`` when this block leaves it unset (the

@@ -34,7 +34,8 @@ _REFUSED = ("tensor_parallel_size", "pipeline_parallel_size")
 SPELLING = {"world": "the processes running (AReaL's allocation)",
             "context_parallel": "the allocation's context-parallel size (fsdp:dNcM: M)",
             "sharding": "actor.dta.sharding", "shard_size": "actor.dta.shard_size",
-            "offload": "actor.dta.offload",
+            "offload": "actor.dta.offload", "node_resident": "actor.dta.node_resident",
+            "prefetch": "actor.dta.prefetch",
             "expert_parallel": "the allocation's expert-parallel size (e)"}
 
 
@@ -61,14 +62,16 @@ def strategy_of(backend, parallel_strategy=None):
 def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank: int = 0,
               trains: bool = True, data_parallel: int | None = None, where=None,
               expert_parallel: int = 1, shard_size: int | None = None,
-              offload: str = "none") -> ParallelLayout:
+              offload: str = "none", node_resident: bool = False,
+              prefetch: bool = False) -> ParallelLayout:
     """The engine core's layout of an AReaL engine, derived once: the processes running
     (``world``), the allocation's context-parallel size (and its data-parallel size, when it
     states one: it must be ``world / context_parallel``) and expert-parallel size,
     ``actor.dta.sharding`` (``option``) as given, or unset what AReaL's ``fsdp:dN`` means --
     ``fsdp`` over more than one data-parallel rank, else ``replicate`` (one data-parallel
     rank, or an engine without an optimizer: a reference model is held whole);
-    ``actor.dta.shard_size`` (HSDP) and ``actor.dta.offload`` as given. Errors name AReaL's
+    ``actor.dta.shard_size`` (HSDP), ``offload``, ``node_resident`` and ``prefetch`` as
+    given. Errors name AReaL's
     keys (``where``: the allocation they came from)."""
     spreads = isinstance(context_parallel, int) and context_parallel > 0 and \
         world % context_parallel == 0 and world // context_parallel > 1
@@ -77,7 +80,8 @@ def layout_of(option: str | None, *, world: int, context_parallel: int = 1, rank
                                      sharding=option or ("fsdp" if trains and spreads
                                                          else "replicate"), rank=rank,
                                      expert_parallel=expert_parallel, shard_size=shard_size,
-                                     offload=offload, spelling=SPELLING)
+                                     offload=offload, node_resident=node_resident,
+                                     prefetch=prefetch, spelling=SPELLING)
     except LayoutError as exc:
         raise ValueError(f"{exc}{f' (from {where!r})' if where else ''}") from None
     if data_parallel not in (None, layout.data_parallel):

@@ -32,6 +32,17 @@ The layout (:func:`layout_of`, validated once by ``runtime.engine.ParallelLayout
   torchtitan's; Megatron's is ``expert_model_parallel_size``) is the expert-parallel size E:
   groups of E consecutive ranks hold each MoE layer's experts once, 1/E each
   (docs/expert-parallel.md).
+- ``forward_prefetch: true`` (verl's own FSDP key) is fsdp's prefetch (``train.prefetch``): the
+  next layer's all-gather issued before the current layer computes. verl's FSDP2 engine reads
+  it the same way (``verl.utils.fsdp_utils.apply_fsdp2``: FSDP2's explicit
+  ``set_modules_to_forward_prefetch``, layer i -> i + 1); the dta engine also prefetches the
+  backward's gathers where its walk re-forwards (recompute). One key, verl's: a ``dta_``
+  twin would leave ``forward_prefetch`` set and silently unused. Refused (naming it) unless
+  the mode is fsdp.
+- ``dta_node_resident: true`` is fsdp's node-resident gathers under HSDP (``1 < fsdp_size <
+  W``; ZeRO++'s hpZ, ``train.node_resident``): the first gather of a step crosses the shard
+  groups once into a copy held inside the group, every later call gathers inside it. verl
+  has no such key, so it is ``dta_``-prefixed as ``dta_sharding`` is.
 """
 from __future__ import annotations
 
@@ -60,7 +71,9 @@ SPELLING = {"world": "the world size of verl's process group",
             "sharding": "engine_config.dta_sharding",
             "expert_parallel": "engine_config.expert_parallel_size",
             "shard_size": "engine_config.fsdp_size",
-            "offload": "engine_config.optimizer_offload"}
+            "offload": "engine_config.optimizer_offload",
+            "node_resident": "engine_config.dta_node_resident",
+            "prefetch": "engine_config.forward_prefetch"}
 
 
 @dataclass
@@ -74,6 +87,7 @@ class DTAEngineConfig(FSDPEngineConfig):
     strategy: str = "dta"
     dta: dict[str, Any] = field(default_factory=dict)
     dta_sharding: Optional[str] = None
+    dta_node_resident: bool = False  # fsdp under HSDP: hpZ (see the module doc)
     expert_parallel_size: int = 1  # as verl's VeOmni / torchtitan engine configs spell it
 
     def __post_init__(self):
@@ -176,7 +190,8 @@ def layout_of(engine_config, *, world: int, rank: int) -> ParallelLayout:
     """This rank's layout: world, ``ulysses_sequence_parallel_size`` as the context-parallel
     size, the sharding mode (:func:`sharding_of`), ``fsdp_size`` as the shard size
     (:func:`shard_size_of`), ``optimizer_offload``, ``expert_parallel_size`` as the
-    expert-parallel size; an error names the verl key."""
+    expert-parallel size, ``dta_node_resident`` and ``forward_prefetch`` (fsdp's node-resident
+    gathers and prefetch); an error names the verl key."""
     spelling = dict(SPELLING)
     if getattr(engine_config, "dta_sharding", None) is None:
         spelling["sharding"] = f"engine_config.fsdp_size={engine_config.fsdp_size}'s sharding"
@@ -187,7 +202,9 @@ def layout_of(engine_config, *, world: int, rank: int) -> ParallelLayout:
                                expert_parallel=getattr(engine_config, "expert_parallel_size", 1),
                                shard_size=shard_size_of(engine_config, world),
                                offload="optimizer" if engine_config.optimizer_offload
-                               else "none", spelling=spelling)
+                               else "none",
+                               node_resident=getattr(engine_config, "dta_node_resident", False),
+                               prefetch=engine_config.forward_prefetch, spelling=spelling)
 
 
 def model_spec(model_config) -> ModelSpec:
