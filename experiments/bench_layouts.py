@@ -39,6 +39,7 @@ class _OneRank:
     """What a mode reads of the engine's layout, for a 1-rank group (the engine's
     ``ParallelLayout`` makes one rank replicate: nothing to shard)."""
     prefetch: bool = False
+    node_resident: bool = False
     offload: str = "none"
     expert_parallel: int = 1
 

@@ -204,7 +204,8 @@ def layout_of(engine_config, *, world: int, rank: int) -> ParallelLayout:
                                offload="optimizer" if engine_config.optimizer_offload
                                else "none",
                                node_resident=getattr(engine_config, "dta_node_resident", False),
-                               prefetch=engine_config.forward_prefetch, spelling=spelling)
+                               prefetch=getattr(engine_config, "forward_prefetch", False),
+                               spelling=spelling)
 
 
 def model_spec(model_config) -> ModelSpec:
