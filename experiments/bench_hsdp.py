@@ -50,6 +50,20 @@ def _batch(cfg, step):
     return Batch.from_records(recs, vocab_size=512)
 
 
+def _worker(rank: int, world: int, cfg):
+    """The Ray worker's code on this rank, parallelized, and this rank's shard and replica
+    groups (the ranks of each)."""
+    from dta.config.schema import as_dict
+    from runtime.engine import resolve_run_config
+    from runtime.ray_runtime.worker import DFSWorker
+
+    w = DFSWorker(rank, world, as_dict(cfg), resolve_run_config(cfg, None))
+    w.parallelize()
+    layout = w.core.layout
+    return w, {"shard": next(g for g in layout.shard_groups() if rank in g),
+               "replicas": next(g for g in layout.replica_groups() if rank in g)}
+
+
 def _sent(op: str, size: int, nbytes: int) -> float:
     """Bytes a ring sends per rank for ``op`` over ``size`` ranks handed ``nbytes``."""
     if size <= 1:
@@ -61,23 +75,16 @@ def _sent(op: str, size: int, nbytes: int) -> float:
 def one_rank(rank, world, layouts, args):
     import torch
 
-    from dta.config.schema import as_dict
     from dta.losses import batch_totals
     from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree
     from experiments.comm_count import CommCounter
-    from runtime.engine import resolve_run_config
-    from runtime.ray_runtime.worker import DFSWorker
 
     torch.set_num_threads(1)
     out = []
     for mode, shard, offload in layouts:
         cfg = _config(mode, shard, offload, args)
-        w = DFSWorker(rank, world, as_dict(cfg), resolve_run_config(cfg, None))
-        w.parallelize()
-        layout = w.core.layout
-        groups = {"shard": next(g for g in layout.shard_groups() if rank in g),
-                  "replicas": next(g for g in layout.replica_groups() if rank in g)}
+        w, groups = _worker(rank, world, cfg)
         steps = []
         for k in range(args.steps):
             batch = _batch(cfg, k)

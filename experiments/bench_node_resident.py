@@ -61,24 +61,17 @@ def count(rank, world, cases, args):
     (shard / replicas / world: calls and bytes sent) and, on rank 0, the parameters after."""
     import torch
 
-    from dta.config.schema import as_dict
     from dta.losses import batch_totals
     from dta.planning.workers import assign_workers
     from dta.tree import PrefixTree
-    from experiments.bench_hsdp import _batch, _sent
+    from experiments.bench_hsdp import _batch, _sent, _worker
     from experiments.comm_count import CommCounter
-    from runtime.engine import resolve_run_config
-    from runtime.ray_runtime.worker import DFSWorker
 
     torch.set_num_threads(1)
     out = []
     for shard, resident, block in cases:
         cfg = _config(shard, resident, block, args)
-        w = DFSWorker(rank, world, as_dict(cfg), resolve_run_config(cfg, None))
-        w.parallelize()
-        layout = w.core.layout
-        mine = {"shard": next(g for g in layout.shard_groups() if rank in g),
-                "replicas": next(g for g in layout.replica_groups() if rank in g)}
+        w, mine = _worker(rank, world, cfg)
         batch = _batch(cfg, 0)
         ids = assign_workers(PrefixTree(batch.input_ids), world).workers[rank]
         with CommCounter() as counter:
@@ -91,7 +84,7 @@ def count(rank, world, cases, args):
             by[name]["sent"] += _sent(op, len(ranks), nbytes)
         state = w.core.full_state()  # gathered: every rank takes part
         sb = stats["state_bytes"]
-        out.append({"comm": by, "planned": _planned(w.core.model.config, layout, cfg),
+        out.append({"comm": by, "planned": _planned(w.core.model.config, w.core.layout, cfg),
                     "device_bytes": sb["params"] + sb["grads"] + sb["optimizer"],
                     "state": state if rank == 0 else None})
     return out

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from runtime.sharding import prefetch
+import runtime.sharding.prefetch as prefetch
 from runtime.sharding.base import Sharding, master_dtype_for, register
 from runtime.sharding.common import tensor_bytes
 from runtime.sharding.hsdp import dense_part, shard_mesh
