@@ -97,8 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "where it divides W)")
     mem.add_argument("--offload", default="auto", choices=("auto",) + OFFLOADS,
                      help="keep the optimizer state and masters in host memory and step "
-                          "there (default: auto, both: a candidate is offloaded only where "
-                          "it does not fit without)")
+                          "there (optimizer), and the calls' gradient sum too (gradients: "
+                          "fsdp, zero2); default: auto, each: a candidate is offloaded more "
+                          "only where it does not fit with less")
     for flag, what in (("--node-resident", "fsdp gathers from a copy held in the node "
                                            "(hpZ; --shard-size below W)"),
                        ("--prefetch", "fsdp's next-layer all-gather overlaps the current "
@@ -134,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tm.add_argument("--host-adam-gparams", type=float, default=None, metavar="G",
                     help=f"billions of parameters a second the host's AdamW steps per GPU, "
                          f"--offload (default: {hw.host_adam_gparams:g})")
+    tm.add_argument("--host-add-gelems", type=float, default=None, metavar="G",
+                    help=f"billions of fp32 elements a second the host adds into its gradient "
+                         f"sum per GPU, --offload gradients (default: {hw.host_add_gelems:g})")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with the plan as the last line")
 

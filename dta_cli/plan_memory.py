@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 
 HARDWARE = ("peak_tflops", "utilization", "intra_node_gbs", "inter_node_gbs", "gpus_per_node",
-            "latency_us", "host_link_gbs", "host_adam_gparams")  # Hardware's fields, a flag each
+            "latency_us", "host_link_gbs", "host_adam_gparams", "host_add_gelems")  # Hardware's fields, a flag each
 
 
 def _memory_config(name: str):
@@ -180,9 +180,10 @@ def _print_time(plan, chosen, first) -> None:
           f"{h['utilization']:g} ({h['compute_dtype']}) per GPU, {h['intra_node_gbs']:g} GB/s "
           f"in a node, {h['inter_node_gbs']:g} GB/s across, {h['gpus_per_node']} GPUs a node, "
           f"{h['latency_us']:g} us a collective, host {h['host_link_gbs']:g} GB/s and "
-          f"{h['host_adam_gparams']:g} G params/s, no overlap but prefetch's; --peak-tflops --utilization "
-          "--intra-node-gbs --inter-node-gbs --gpus-per-node --latency-us --host-link-gbs "
-          "--host-adam-gparams):")
+          f"{h['host_adam_gparams']:g} G params/s, adds {h['host_add_gelems']:g} G/s, no "
+          "overlap but prefetch's; --peak-tflops --utilization --intra-node-gbs "
+          "--inter-node-gbs --gpus-per-node --latency-us --host-link-gbs --host-adam-gparams "
+          "--host-add-gelems):")
     print(f"  {'D x C':<7} {'mode':<10} {'E/S/offload':<31} {'policy':<9} {'block':>5} "
           f"{'GiB/GPU':>8} {'TFLOP/rank':>10} {'GB sent':>8} {'step s':>7} {'tokens/s':>9} "
           f"{'effic.':>6} {'compute':>7}")
@@ -227,7 +228,7 @@ def _layout(args, shape, hardware, adapters: int) -> dict:
                 raise ValueError(f"{flag} must be auto or an integer >= 1, got {value!r}") \
                     from None
     on = {"on": (True,), "off": (False,), "auto": None}
-    if adapters and (pinned.get("--expert-parallel", 1) != 1 or args.offload == "optimizer"
+    if adapters and (pinned.get("--expert-parallel", 1) != 1 or args.offload not in ("none", "auto")
                      or pinned.get("--shard-size", W) != W or "on" in (args.node_resident,
                                                                        args.prefetch)):
         raise ValueError("--lora-r is priced without expert parallelism, shard groups, "

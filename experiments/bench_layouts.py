@@ -3,7 +3,9 @@
 Two stages, for the prepared GPU run (``experiments/bench/gpu.sh``; docs/gpu.md) and, small,
 on CPU (tests/test_bench_layouts.py):
 
-1. **memory**: replicate, zero1, zero2, fsdp and fsdp + prefetch, each one training step
+1. **memory**: replicate, zero1, zero2, fsdp, fsdp + prefetch and fsdp with the optimizer
+   (``+offload``) or also the calls' gradient sum (``+gradients``) on the host, each one
+   training step
    (the walk, the reduction, AdamW) on a 1-rank process group in this process (nccl on
    cuda, gloo on cpu; the mode built by ``runtime.sharding.make_sharding`` as the engine
    builds it): the device's peak allocated bytes (cuda; CPU: none) and the bytes the mode
@@ -29,7 +31,8 @@ import os
 import time
 from dataclasses import dataclass
 
-LAYOUTS = ("replicate", "zero1", "zero2", "fsdp", "fsdp+prefetch")
+LAYOUTS = ("replicate", "zero1", "zero2", "fsdp", "fsdp+prefetch", "fsdp+offload",
+           "fsdp+gradients")  # +offload: train.offload=optimizer; +gradients: =gradients
 COMM = ("allgather", "all_gather", "reducescatter", "reduce_scatter", "allreduce",
         "all_reduce", "nccl", "gloo", "memcpy", "memset", "c10d")
 
@@ -84,12 +87,15 @@ def memory(layout: str, cfg, device) -> dict:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 store=dist.HashStore(), rank=0, world_size=1)
-    name, ahead = layout.split("+")[0], layout.endswith("+prefetch")
+    name, *knobs = layout.split("+")
+    offload = "gradients" if "gradients" in knobs else "optimizer" if "offload" in knobs \
+        else "none"
     compute = getattr(torch, str(cfg.model.dtype))
     model = build_replica(cfg, device=device, dtype=sharding_class(name).storage_dtype(compute))
     policy = str(cfg.walker.policy)
     mode = make_sharding(name, model, optimizer_factory(cfg.optimizer), group=dist.group.WORLD,
-                         compute_dtype=compute, policy=policy, layout=_OneRank(prefetch=ahead))
+                         compute_dtype=compute, policy=policy,
+                         layout=_OneRank(prefetch="prefetch" in knobs, offload=offload))
     batch = _batch(cfg, 0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -262,14 +268,15 @@ def main(argv=None) -> int:
     mib = 2 ** 20
     rows = []
     print(f"memory per layout, one rank ({args.size}, {args.dtype}, {args.policy}, "
-          f"{args.device}); MiB: device peak | state held (params, grads, optimizer)")
+          f"{args.device}); MiB: device peak | state held (params, grads, optimizer; host)")
     for layout in layouts:
         r = memory(layout, cfg, device)
         rows.append(r)
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / mib:.0f}"
         held = ", ".join(f"{r['state_bytes'][k] / mib:.1f}" for k in ("params", "grads",
                                                                         "optimizer"))
-        print(f"  {layout:<14} {peak:>8} {r['state_total'] / mib:>9.1f} ({held})  "
+        print(f"  {layout:<14} {peak:>8} {r['state_total'] / mib:>9.1f} ({held}; "
+              f"{r['state_bytes']['host'] / mib:.1f})  "
               f"step {r['step_s']:.2f} s")
     prof = []
     if args.world > 0:

@@ -82,7 +82,8 @@ def binds(plan) -> str:
          f"{link[e.world <= gpn]}"),
         (t.host_s, f"host: the offloaded step, {t.host_bytes / 1e9:,.0f} GB over the "
          f"{hw['host_link_gbs']:g} GB/s host link and AdamW at {hw['host_adam_gparams']:g} "
-         "G params/s")]
+         "G params/s" + (f", the calls' gradients summed at {hw['host_add_gelems']:g} G/s"
+                         if e.offload == "gradients" else ""))]
     secs, what = max(parts)
     out = f"{what}: {secs:,.1f} s of the {t.step_s:,.1f} s step (compute {t.compute_s:,.1f} s)"
     # the refused candidate that would reach SHARE and misses its budgets by the least
@@ -119,7 +120,7 @@ def _layout(r: dict, gpus: int) -> str:
     if r["prefetch"]:
         parts.append("prefetch")
     if r["offload"] != "none":
-        parts.append("offload")
+        parts.append("offload" + (" + gradients" if r["offload"] == "gradients" else ""))
     return ", ".join(parts) or "-"
 
 

@@ -50,7 +50,16 @@ LAYOUTS = {
     "fsdp-prefetch": Layout("fsdp", extra=("train.prefetch=true",)),
     "fsdp-hsdp-hpz-prefetch": Layout("fsdp", world=4, shard=2,
                                      extra=("train.node_resident=true", "train.prefetch=true")),
+    # issue 53 item 4: the calls' fp32 gradient sum on the host too (offload=gradients)
+    "zero2-gradients": Layout("zero2", offload="gradients"),
+    "fsdp-gradients": Layout("fsdp", offload="gradients"),
+    "fsdp-hsdp-gradients": Layout("fsdp", world=4, shard=2, offload="gradients"),
+    "fsdp-hsdp-hpz-gradients": Layout("fsdp", world=4, shard=2, offload="gradients",
+                                      extra=("train.node_resident=true",)),
     # what the runtime cannot do: refused in one line before training
+    "zero1-gradients": Layout("zero1", offload="gradients",
+                              refused="must be none or optimizer: sharding=zero1 keeps no "
+                                      "per-call fp32 gradient sum"),
     "replicate-hsdp": Layout("replicate", world=4, shard=2,
                              refused="must be the world size 4 under "
                                      "sharding=replicate"),

@@ -183,7 +183,8 @@ def test_layout_choices_are_the_one_list():
     every = layout_choices(shape, 16, 8)
     assert tuple(every) == LAYOUT_KNOBS
     assert every["shard_size"] == (None, 8) and every["node_resident"] == (False, True)
-    assert every["offload"] == ("none", "optimizer") and every["prefetch"] == (False, True)
+    assert every["offload"] == ("none", "optimizer", "gradients") \
+        and every["prefetch"] == (False, True)
     assert 8 in every["expert_parallel"] and 16 in every["expert_parallel"]
     assert layout_choices(shape, 16, 8, offload=("none",))["offload"] == ("none",)
     assert "zero2" in SHARDINGS
@@ -200,17 +201,27 @@ def test_layout_choices_are_the_one_list():
 
 def test_a_row_short_of_the_share_names_what_binds_it():
     """experiments.planning_table: a row under 0.6 names the binding resource with its
-    numbers -- Llama-70B on 16 GPUs at 32K: bandwidth across the nodes, and the memory the
-    node's shard group would need; Qwen3-235B-A22B on 32: the host's offloaded step."""
+    numbers -- Llama-70B on 16 GPUs at 32K: without the gradient sums on the host, fsdp over
+    the world, bound by bandwidth across the nodes; with them (issue 53 item 4) its state
+    fits the node's shard group of 8 and the host's per-call adds bind it, the faster
+    candidates naming the memory they would need; Qwen3-235B-A22B on 32: the host's
+    offloaded step."""
     import re
 
     from experiments.planning_table import SHARE, binds, plan, rollouts
 
     tree = rollouts(32_768)
-    llama = plan("llama-70b", 16, tree)
-    assert llama.chosen is not None and llama.chosen.time.compute_share < SHARE
-    why = binds(llama)
+    before = plan("llama-70b", 16, tree, offload=("none", "optimizer"))
+    assert before.chosen is not None and before.chosen.shard_size == 16
+    why = binds(before)
     assert why.startswith("bandwidth: fsdp's collectives") and "across nodes at 50 GB/s" in why
+    llama = plan("llama-70b", 16, tree)
+    e = llama.chosen
+    assert e is not None and e.time.compute_share < SHARE
+    assert (e.sharding, e.shard_size, e.offload) == ("fsdp", 8, "gradients")
+    assert e.time.step_s < before.chosen.time.step_s  # the node's gathers, not the world's
+    why = binds(llama)
+    assert why.startswith("host: the offloaded step") and "gradients summed at 2.5 G/s" in why
     over = re.search(r"memory: .*/shard 8/.*\(device: [\d.]+ GiB, ([\d.]+) GiB over", why)
     assert over and float(over.group(1)) > 0, why
     big = plan("qwen3-235b-a22b", 32, tree)

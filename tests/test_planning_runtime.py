@@ -52,7 +52,7 @@ def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str,
     X = sum(local[n] for n in expert)
     R = world // E
     x = math.ceil(X / R) if X else 0
-    off = offload == "optimizer"
+    off = offload != "none"  # optimizer, or gradients: the same host state (sums apart)
     computed = sum(local.values())
     if mode == "zero1":
         dense = math.ceil(sum(v for n, v in local.items() if n not in expert) / S)
@@ -75,8 +75,11 @@ def held_by_rule(model, world: int, mode: str, E: int, S: int, offload: str,
         gathered = sum(layers) if mode == "zero2" else max(layers)  # zero2: every layer kept
         params = body * (C if off or resident else M) + (V + X) * C + masters + gathered * C
     optimizer = 2 * shard * M
+    # offload gradients: the layers' per-call sums on the host -- the layers' gradient
+    # buffer already there, but under node residency a node shard's beside the W slice's
+    sums = body * M if offload == "gradients" and resident else 0
     return {"params": params, "optimizer": 0 if off else optimizer,
-            "host": optimizer + 2 * shard * M if off else 0}
+            "host": optimizer + 2 * shard * M + sums if off else 0}
 
 
 LAYOUTS = [("zero1", 2, 4), ("fsdp", 2, 4), ("zero1", 2, 2), ("fsdp", 2, 2), ("fsdp", 4, 2),
@@ -87,9 +90,14 @@ RESIDENT = [("fsdp", 1, 2), ("fsdp", 2, 2)]  # node-resident: S = 2 of 4 ranks
 
 @pytest.mark.parametrize("mode, E, S, resident", [(*x, False) for x in LAYOUTS]
                          + [(*x, True) for x in RESIDENT])
-@pytest.mark.parametrize("offload", ["none", "optimizer"])
+@pytest.mark.parametrize("offload", ["none", "optimizer", "gradients"])
 def test_model_state_is_what_the_runtime_rules_hold(mode, E, S, resident, offload):
     model = _tiny()
+    if offload == "gradients" and mode == "zero1":  # no per-call sum to put on the host
+        with pytest.raises(ValueError, match="sharding=zero1 keeps no per-call fp32 gradient"):
+            model_state(ModelShape.of(model.config), 4, mode, compute_bytes=C,
+                        expert_parallel=E, shard_size=S, offload=offload)
+        return
     shape = ModelShape.of(model.config)
     assert shape.params == sum(p.numel() for p in model.parameters())  # exact for qwen3_moe
     got = model_state(shape, 4, mode, compute_bytes=C, expert_parallel=E, shard_size=S,
@@ -131,6 +139,27 @@ def test_expert_slices_are_not_gathered_nor_sharded_like_the_dense_body():
     assert off["host"] == 2 * plain["optimizer"]  # states + masters + gradient buffers
 
 
+@pytest.mark.parametrize("resident", [False, True])
+def test_offload_gradients_takes_the_layer_sums_off_the_device(resident):
+    """Llama-3.1-70B on 16 GPUs, fsdp in a node of 8 (issue 53 item 4): offload gradients
+    leaves the device the optimizer offload's state less the fp32 sum of the layer shards
+    (l m: 31.9 GiB here), with the host unchanged (that sum is the layers' host gradient
+    buffer) or, node-resident, grown by it; zero1 has no such sum and is refused."""
+    from dta.planning.memory import SHAPES
+
+    shape = ModelShape.of(SHAPES["llama-70b"])
+    kw = dict(compute_bytes=2, shard_size=8, node_resident=resident)
+    opt = model_state(shape, 16, "fsdp", offload="optimizer", **kw)
+    grad = model_state(shape, 16, "fsdp", offload="gradients", **kw)
+    body = math.ceil((shape.params - shape.vocab_params) / 8)
+    assert body * 4 > 31 * 2**30  # the fp32 sum of 1/8 of 70B's layers: 31.9 GiB
+    assert grad["params"] == opt["params"] and grad["optimizer"] == opt["optimizer"] == 0
+    assert grad["grads"] == opt["grads"] - body * 4
+    assert grad["host"] == opt["host"] + (body * 4 if resident else 0)
+    with pytest.raises(ValueError, match="offload=optimizer is zero1's"):
+        model_state(shape, 16, "zero1", offload="gradients", compute_bytes=2)
+
+
 # ------------------------------------------------------------ the real runtime --
 def overrides(mode, E, S, offload):
     return ["workload.scale=tiny", "model.family=qwen3_moe", "model.dtype=bfloat16",
@@ -166,7 +195,7 @@ def _compare(world, cases, results):
         sb, steps = got["state_bytes"], got["steps"]
         want = model_state(shape, world, mode, compute_bytes=C, expert_parallel=E,
                            shard_size=S, offload=offload)
-        where = "host" if offload == "optimizer" else "optimizer"
+        where = "host" if offload != "none" else "optimizer"
         assert sb["params"] == want["params"], (mode, E, S, offload, sb, want)
         assert sb[where] - steps == want[where], (mode, E, S, offload, sb, want)
         assert sb["optimizer" if where == "host" else "host"] == 0
@@ -181,6 +210,28 @@ FOUR = [("zero1", 2, 2, "none"), ("fsdp", 2, 2, "optimizer"), ("fsdp", 2, 4, "no
 
 
 ZERO2 = [("zero2", 1, 2, "none"), ("zero2", 2, 2, "optimizer")]
+
+
+GRADIENTS = [("fsdp", 1, 2, "optimizer"), ("fsdp", 1, 2, "gradients"),
+             ("zero2", 1, 2, "gradients")]
+
+
+def test_planner_prices_offload_gradients_as_the_runtime_holds_it():
+    """fsdp and zero2 with the calls' gradient sum on the host, on 2 ranks: params and host
+    bytes equal to the planner's, and the device's gradient bytes those of the same run
+    with the optimizer offloaded less rank 0's fp32 layer-shard sum (FSDP2's Shard(0),
+    ceil rows) -- what offload gradients takes off the device."""
+    from experiments.local_ranks import run_ranks
+
+    got = run_ranks(runtime_bytes, 2, GRADIENTS, timeout=900.0)
+    _compare(2, GRADIENTS, got)
+    model = _tiny()
+    vocab = {"model.embed_tokens.weight", "lm_head.weight"}
+    body = sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0])
+               for n, p in model.named_parameters() if n not in vocab)
+    opt, grad = (got[0][i]["state_bytes"] for i in (0, 1))
+    assert grad["grads"] == opt["grads"] - body * M, (opt, grad, body)
+    assert grad["host"] == opt["host"] and grad["params"] == opt["params"]
 
 
 def test_planner_prices_zero2_as_the_runtime_holds_it():

@@ -289,7 +289,8 @@ def front_door(rank: int, world: int, mode: str, cp: int, cfg, ep: int = 1) -> d
     path = _door_model(cfg)
     shard = cfg.train.shard_size  # HSDP: verl's fsdp_size; offload: optimizer_offload
     engine = make_engine("dta", path, "fp64", fsdp_size=-1 if shard is None else int(shard),
-                         dta_sharding=mode, optimizer_offload=cfg.train.offload == "optimizer",
+                         dta_sharding=mode, optimizer_offload=cfg.train.offload != "none",
+                         dta_gradient_offload=cfg.train.offload == "gradients",
                          dta_node_resident=cfg.train.node_resident is True,
                          forward_prefetch=cfg.train.prefetch is True,
                          ulysses_sequence_parallel_size=cp, expert_parallel_size=ep,

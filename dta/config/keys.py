@@ -51,7 +51,7 @@ KEY_USE: dict[str, str] = {
                               "(runtime.ray_runtime.worker, dta.model.context_parallel)",
     "train.expert_parallel": "ranks per expert group (runtime.engine.layout)",
     "train.shard_size": "HSDP shard group (runtime.engine.layout)",
-    "train.offload": "optimizer state in host memory (runtime.sharding)",
+    "train.offload": "optimizer state (gradients: and the per-call gradient sum) in host memory (runtime.sharding)",
     "train.node_resident": "fsdp's node-resident gathers, hpZ (runtime.sharding.fsdp)",
     "train.prefetch": "fsdp's next-layer all-gather (runtime.sharding.fsdp)",
     "ray.address": "cluster", "ray.num_workers": "workers", "ray.cpus_per_worker": "workers",

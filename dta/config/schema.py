@@ -154,7 +154,8 @@ class TrainConfig:
     # auto: the memory model's choice (all the workers, or one node).
     shard_size: Any = None
     # none | optimizer: the AdamW state and the fp32 master weights live in host memory and
-    # are stepped there (docs/sharding.md) | auto: the memory model's choice
+    # are stepped there (docs/sharding.md) | gradients (zero2 / fsdp): that, and the walk's
+    # per-call fp32 gradient sum on the host too | auto: the memory model's choice
     offload: str = "none"
 
 

@@ -75,7 +75,7 @@ from dta.planning.activations import (  # noqa: F401 (re-exported)
 from dta.planning.cp import CP_SCHEME, check_scheme
 from dta.planning.lora import LORA_SHARDINGS, lora_params, with_lora  # noqa: F401
 from dta.planning.shapes import BUCKET_ELEMS, DTYPE_BYTES, SHAPES, ModelShape  # noqa: F401
-from dta.planning.state import GATHERED, OFFLOADS, check_layout, model_state  # noqa: F401
+from dta.planning.state import GATHERED, OFFLOADS, check_layout, model_state, offload_refusal  # noqa: F401
 
 # the sharding modes, cheapest communication first: the one list (the runtime registers a
 # class for each, runtime.sharding; dta.planning.state has the layout knobs beside them)
@@ -273,9 +273,10 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
     (:mod:`dta.planning.timing`, ``hardware`` a :class:`~dta.planning.timing.Hardware`,
     default an H100-class GPU; the figures on ``estimate.time``) and the shortest modeled
     step among those that fit is chosen (ties: the memory order below); blocks under
-    SHORT_BLOCK only when nothing fits with a longer one; an offloaded candidate only where
-    the same candidate without offload does not fit (offload adds time, saves nothing
-    else). ``walk`` (needed with a tree): the run's :class:`dta.options.WalkOptions`, whose
+    SHORT_BLOCK only when nothing fits with a longer one (short of the gradient sums on the
+    host: where only those fit, the shorter blocks are priced too); an offloaded candidate only where
+    the same candidate under the offload before it (:data:`OFFLOADS`' order: none,
+    optimizer, gradients) does not fit (offload adds time, saves nothing else). ``walk`` (needed with a tree): the run's :class:`dta.options.WalkOptions`, whose
     packing settings plan each group's calls as the walker will (:mod:`dta.planning.work`).
 
     Without a tree (nothing to price time on): the first that fits in the memory order --
@@ -326,7 +327,7 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
                     key=lambda s: -s)
     eps = sorted({check_layout(shape, W, "zero1", E, None, "none")[0] for E in expert_parallel})
     for off in offload:
-        check_layout(shape, W, "zero1", 1, None, off)
+        check_layout(shape, W, "fsdp", 1, None, off)
     residencies = tuple(sorted({bool(r) for r in node_resident}))  # False first
     prefetches = tuple(sorted({bool(f) for f in prefetch}))
     if not (residencies and prefetches):
@@ -341,8 +342,8 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
     def candidates(size, tier, off):  # one C, block tier and offload, in the memory order
         for scheme, (S, E), mode in itertools.product(
                 schemes if size > 1 else schemes[:1], pairs, shardings):
-            if mode == "replicate" and S != W:
-                continue  # replicate shards nothing
+            if mode == "replicate" and S != W or offload_refusal(mode, off):
+                continue  # replicate shards nothing; offload gradients is fsdp's and zero2's
             for resident, ahead, policy, block in itertools.product(
                     residencies, prefetches, policies, tier):
                 if (resident or ahead) and mode not in GATHERED or resident and S == W:
@@ -371,19 +372,25 @@ def plan_memory(config, world: int, budget_bytes: float, *, path_tokens: int | N
 
         pricer = Pricer(config, tree, hardware, compute_dtype=compute_dtype,
                         adapter_params=adapter_params, walk=walk)
+        fitting = []
         for tier in tiers:
-            tier_ests = [pricer.price(e) for size in sizes for e in candidates(
+            tier_ests = prev = [pricer.price(e) for size in sizes for e in candidates(
                 size, tier, offloads[0])]
-            for off in offloads[1:]:  # offload only where the same without it does not fit
-                missed = {_key(e) for e in tier_ests if e.total > budget_bytes}  # device
-                tier_ests += [pricer.price(e) for size in sizes for e in candidates(
-                    size, tier, off) if offloads[0] != "none" or _key(e) in missed]
+            for off in offloads[1:]:  # offload more only where the offload before misses
+                missed = {_key(e) for e in prev if e.total > budget_bytes}  # device
+                prev = [pricer.price(e) for size in sizes for e in candidates(size, tier, off)
+                        if _key(e) in missed]
+                tier_ests += prev
             tried += tier_ests
-            fitting = [e for e in tier_ests if fits(e)]
-            if fitting:
-                best = min(fitting, key=lambda e: e.time.step_s)  # the first of equals
-                return MemoryPlan(float(budget_bytes), best, best, tried, "throughput",
-                                  pricer.hardware_dict(), pricer, host_budget_bytes)
+            fitting += [e for e in tier_ests if fits(e)]
+            # a tier where only the gradient sums on the host fit does not end the search:
+            # the next (shorter) blocks may fit with less offload and run faster
+            if any(e.offload != "gradients" for e in fitting):
+                break
+        if fitting:
+            best = min(fitting, key=lambda e: e.time.step_s)  # the first of equals
+            return MemoryPlan(float(budget_bytes), best, best, tried, "throughput",
+                              pricer.hardware_dict(), pricer, host_budget_bytes)
     if not tried:
         raise ValueError("plan_memory: no mode, policy or block to try")
     cheapest = min(tried, key=_cheapest)

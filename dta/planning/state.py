@@ -16,7 +16,11 @@ them; the runtime imports them from there):
 * ``offload`` (:data:`OFFLOADS`): ``optimizer`` keeps the AdamW state and the weights it
   steps in host memory -- zero1's and fsdp's fp32 masters; replicate's parameters stay on
   the device and the host steps its own copy in the compute dtype -- and steps there; the
-  device keeps compute-dtype shards only (below).
+  device keeps compute-dtype shards only (below). ``gradients`` (fsdp and zero2: the modes
+  that sum the walk's per-call gradients in an fp32 shard, :data:`GRADIENT_SUMS`) does the
+  same and keeps that fp32 **gradient sum on the host** too: each call's reduce-scattered
+  layer gradients go device -> host and are added there, so the device holds no fp32 state
+  of the layers at all (what lets Llama-70B's state sit in one node of 8).
 * ``node_resident`` (fsdp, S < W: ZeRO++'s hpZ with the shard group as the node): the
   masters and optimizer state over all W ranks, a compute-dtype copy of the layers over the
   node, gathered across the nodes once a step (:data:`NODE_RESIDENT`).
@@ -87,11 +91,17 @@ Offload ``optimizer`` empties the optimizer column and takes the masters off the
 the device keeps **compute-dtype shards only**: fsdp's layer shards become l c (node-resident:
 its secondary partition, already l c), zero1's and zero2's masters (s m) leave the params
 column, fsdp's (v + x) m (node-resident: s_W m) too. The fp32 gradient shard (the sum of the
-calls: fsdp's l m, zero2's s m) stays on the device, where the walk's gradients are summed,
+calls: fsdp's and zero2's l m) stays on the device, where the walk's gradients are summed,
 until the step sends it to the host. The host keeps, per rank, the optimizer state, the
 fp32 masters and their gradient buffers (what the step copies the reduced gradients into):
 replicate 2 N_l c + N_l c + N_l c (a stepped copy in the compute dtype); the others
 2 s m + s m + s m (node-resident: s_W).
+
+Offload ``gradients`` also takes the fp32 gradient shard l m off the device's grads column:
+the walk sums the calls' layer gradients on the host. That sum is the layers' gradient
+buffer the host already keeps (host bytes unchanged), except under node residency, where
+the host sums the node partition's gradients (l m, beside the W-slice's s_W m buffer). A
+call's copy passes through one host temporary of the largest unit's shard (not priced).
 
 ``steps``: AdamW's ``step`` counters, one 4-byte fp32 scalar per tensor the optimizer steps
 (torch keeps them on the host unless the optimizer is fused or capturable), priced as host
@@ -109,7 +119,8 @@ from dataclasses import dataclass
 
 from dta.planning.shapes import BUCKET_ELEMS, ModelShape
 
-OFFLOADS = ("none", "optimizer")  # what the optimizer step keeps off the device
+OFFLOADS = ("none", "optimizer", "gradients")  # what is kept off the device (module doc)
+GRADIENT_SUMS = ("zero2", "fsdp")  # the modes summing the calls' gradients in an fp32 shard
 NODE_RESIDENT = (False, True)  # fsdp's gathers from a node-resident copy (hpZ): S < W only
 PREFETCH = (False, True)  # fsdp's next-layer all-gather overlapping the current layer
 STEP_COUNTER_BYTES = 4  # AdamW's ``step``: one fp32 scalar per stepped tensor
@@ -148,6 +159,9 @@ def check_layout(shape: ModelShape, world: int, mode: str, expert_parallel=1, sh
                          f"world, {W})")
     if offload not in OFFLOADS:
         raise ValueError(f"unknown offload {offload!r}; choose one of {OFFLOADS}")
+    refused = offload_refusal(mode, offload)
+    if refused:
+        raise ValueError(f"offload={offload}: {refused}; offload=optimizer is {mode}'s")
     for name, value in (("node_resident", node_resident), ("prefetch", prefetch)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
@@ -157,6 +171,16 @@ def check_layout(shape: ModelShape, world: int, mode: str, expert_parallel=1, sh
         raise ValueError(f"node_resident needs a shard size (the node) below the world of {W} "
                          f"ranks, got shard_size={S}")
     return E, S
+
+
+def offload_refusal(mode: str, offload: str) -> str:
+    """Why ``offload`` does not apply to sharding ``mode`` ('' where it does): ``gradients``
+    is the modes' that keep a per-call fp32 gradient sum (:data:`GRADIENT_SUMS`); the
+    others sum their gradients in the compute weights' own ``.grad`` and reduce once a step."""
+    if offload == "gradients" and mode not in GRADIENT_SUMS:
+        return (f"sharding={mode} keeps no per-call fp32 gradient sum to put on the host "
+                f"({' and '.join(GRADIENT_SUMS)} do)")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -212,7 +236,8 @@ def model_state(shape: ModelShape, world: int, mode: str, *, compute_bytes: int,
                         prefetch)
     m = max(c, 4)
     local = shape.rank_params(E)
-    off = offload == "optimizer"
+    off = offload != "none"
+    on_host = offload == "gradients"  # the calls' fp32 gradient sum on the host
     steps = STEP_COUNTER_BYTES * shape.tensors
     if mode == "replicate" or W == 1:
         opt = 2 * local * c  # host: the stepped copy, its gradient buffer, the states
@@ -241,8 +266,10 @@ def model_state(shape: ModelShape, world: int, mode: str, *, compute_bytes: int,
         layer * (2 if prefetch else 1)
     params = body + (V + X) * c + (0 if off else (s - sh.body * (not node_resident)) * m) \
         + gathered
-    grads = sh.body * m + (ms.body * m if node_resident else 0) + (V + X) * c + V * m \
-        + (x * m + R * min(BUCKET_ELEMS, x) * m if X else 0) + layer
+    grads = (0 if on_host else sh.body * m) + (ms.body * m if node_resident else 0) \
+        + (V + X) * c + V * m + (x * m + R * min(BUCKET_ELEMS, x) * m if X else 0) + layer
+    if on_host and node_resident:  # the node partition's sum, beside the W-slice's buffer
+        host += sh.body * m
     return dict(params=params, grads=grads, optimizer=0 if off else opt, host=host,
                 steps=steps)
 

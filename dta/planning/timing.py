@@ -67,7 +67,13 @@ weights come back over the host link (:attr:`Hardware.host_link_gbs`), and the h
 steps its parameters at :attr:`Hardware.host_adam_gparams` (zero1 / zero2 / fsdp: its
 master shard, the gradient down in the master dtype, the weights back in the compute
 dtype, the device keeping compute-dtype shards only; replicate: all it holds, in the
-compute dtype).
+compute dtype). ``gradients`` (zero2 / fsdp, :mod:`dta.planning.state`): besides, every
+call's layer gradients go down (l m, l the layers' shard over S: the node partition under
+node residency) and the host adds them into its fp32 sum at
+:attr:`Hardware.host_add_gelems`; the layers' part of the step's gradient is on the host
+already, except that a cross-replica sum (HSDP: up and down, 2 l m) or node residency's
+reduce-scatter (up, l m) runs on the device. Priced serially: the copies and the adds wait
+for the call's backward and the next call waits for them (nothing overlaps them).
 
 Not modeled: kernel efficiency falling with smaller calls or smaller row slices (one
 utilisation for every matmul), a masked pack's dropped pairs (FLOPs are the tree's), LoRA's
@@ -106,9 +112,14 @@ class Hardware:
     # master, states and the 16-bit weight written), ~8 G/s for a node's 8 GPUs at ~240 GB/s
     # of a two-socket host's DRAM bandwidth
     host_adam_gparams: float = 1.0
+    # billions of fp32 elements a second the host adds into its gradient sum for each GPU
+    # (offload gradients): 12 bytes an element (the sum and the copy read, the sum written)
+    # at the same ~30 GB/s share of the host's DRAM bandwidth as host_adam_gparams
+    host_add_gelems: float = 2.5
 
     def __post_init__(self):
-        for name in ("intra_node_gbs", "inter_node_gbs", "host_link_gbs", "host_adam_gparams"):
+        for name in ("intra_node_gbs", "inter_node_gbs", "host_link_gbs", "host_adam_gparams",
+                     "host_add_gelems"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
@@ -261,18 +272,29 @@ def expert_exchange(shape: ModelShape, expert_parallel: int, policy: str, rows: 
 
 def offload_traffic(mode: str, world: int, shape: ModelShape, compute_bytes: int, *,
                     expert_parallel: int = 1, shard_size: int | None = None,
-                    offload: str = "none", node_resident: bool = False) -> tuple[float, int]:
-    """(bytes over the host link, parameters the host steps) of one step (module doc)."""
+                    offload: str = "none", node_resident: bool = False,
+                    calls: int = 1) -> tuple[float, int, int]:
+    """(bytes over the host link, parameters the host steps, elements the host adds into
+    its gradient sum) of one step of ``calls`` decoder calls (module doc)."""
     if offload == "none":
-        return 0.0, 0
+        return 0.0, 0, 0
     W, E, c = int(world), int(expert_parallel), compute_bytes
     if mode == "replicate" or W == 1:
         local = shape.rank_params(E)
-        return 2.0 * local * c, local  # gradients down, weights up, in the compute dtype
+        return 2.0 * local * c, local, 0  # gradients down, weights up, in the compute dtype
     m = max(c, 4)
-    s = master_shards(shape, W, E, W if shard_size is None else int(shard_size),
-                      node_resident).shard(mode)
-    return float(s * (m + c)), s  # master-dtype gradient down, compute-dtype weights up
+    S = W if shard_size is None else int(shard_size)
+    ms = master_shards(shape, W, E, S, node_resident)
+    s = ms.shard(mode)
+    if offload != "gradients":
+        return float(s * (m + c)), s, 0  # master-dtype gradient down, compute weights up
+    body = shards(shape, W, E, S).body  # the layers' shard the calls' gradients sum into
+    # each call's layer gradients down; at the step the other parts' gradients down, the
+    # layers' where the device sums them (HSDP: the sum up and down; node residency: up,
+    # its W-slice down), the compute weights up
+    step = (s - ms.body) * m + s * c + (2 * body * m if S < W and not node_resident else 0) \
+        + ((body + ms.body) * m if node_resident else 0)
+    return float(int(calls) * body * m + step), s, int(calls) * body
 
 
 class Pricer:
@@ -323,10 +345,11 @@ class Pricer:
         rep_bytes, rep_colls = replica_traffic(est.sharding, W, self.shape, c,
                                                node_resident=resident, **kw)
         replica_s = rep_bytes / hw.bandwidth(W) + rep_colls * lat
-        host_bytes, host_params = offload_traffic(est.sharding, W, self.shape, c,
-                                                  offload=est.offload, node_resident=resident,
-                                                  **kw)
-        host_s = host_bytes / (hw.host_link_gbs * 1e9) + host_params / (hw.host_adam_gparams * 1e9)
+        host_bytes, host_params, host_adds = offload_traffic(
+            est.sharding, W, self.shape, c, offload=est.offload, node_resident=resident,
+            calls=most_calls, **kw)
+        host_s = host_bytes / (hw.host_link_gbs * 1e9) \
+            + host_params / (hw.host_adam_gparams * 1e9) + host_adds / (hw.host_add_gelems * 1e9)
         mult = cp.RECOMPUTE_FACTOR if est.policy == "recompute" else 1.0
         expert = mult * 6.0 * self.shape.experts.top_k * self.shape.expert_params \
             * self.shape.sparse_layers * rows

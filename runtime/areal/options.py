@@ -45,7 +45,8 @@ class DTAOptions:
         (a node) and replicated across them; the gradients are summed across the groups
         once per step. Unset: the whole world (AReaL's ``fsdp:dN`` shards over all N).
     offload: ``optimizer`` keeps the optimizer state (and the fp32 masters) in host memory
-        and steps it there, on every mode (``dta.planning.memory.OFFLOADS``; default
+        and steps it there, on every mode; ``gradients`` (zero2 / fsdp) also sums the walk's
+        per-call layer gradients on the host (``dta.planning.state.OFFLOADS``; default
         ``none``). AReaL's ``fsdp.offload_params`` (FSDP2's parameter offload) is refused.
     node_resident: fsdp under HSDP (``shard_size`` below the world): ZeRO++'s hpZ -- the
         first gather of a step crosses the shard groups once into a copy held inside the

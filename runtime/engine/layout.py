@@ -15,7 +15,8 @@ expert-parallel size E, the shard size S (HSDP), the offload choice and this ran
   fsdp) is split over them and replicated across the W / S groups (the ranks with the same
   place in their shard groups: the *replica* group). S = W (the default): plain sharding
   over the world.
-- ``offload``: where the optimizer's state lives (:data:`dta.planning.state.OFFLOADS`).
+- ``offload``: where the optimizer's state (and, ``gradients``, the layers' per-call
+  gradient sum) lives (:data:`dta.planning.state.OFFLOADS`).
 - ``node_resident`` (fsdp, S < W: ZeRO++'s hpZ) and ``prefetch`` (fsdp): how its layers are
   gathered (:mod:`runtime.sharding.fsdp`).
 
@@ -62,7 +63,7 @@ class ParallelLayout:
     keys: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
-        from dta.planning.state import OFFLOADS
+        from dta.planning.state import OFFLOADS, offload_refusal
         from runtime.sharding import registered
 
         def bad(field, need):
@@ -97,6 +98,9 @@ class ParallelLayout:
                               f"{tuple(m for m in registered() if _mode_sharded(m))})")
         if self.offload not in OFFLOADS:
             bad("offload", f"one of {OFFLOADS}")
+        refused = offload_refusal(self.sharding, self.offload)
+        if refused:
+            bad("offload", f"none or optimizer: {refused}")
         for field in ("node_resident", "prefetch"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "true or false")

@@ -53,7 +53,9 @@ Offload (``train.offload=optimizer``, :mod:`.offload`): the device keeps the lay
 in the compute dtype only (what each call gathers from) and their gradients summed over the
 walk's calls in an fp32 gradient shard (:mod:`.layers`); the optimizer steps fp32 host masters
 of the layer shards (DTensors with host local tensors, the same placements) and of the
-vocabulary slice, with its state on the host.
+vocabulary slice, with its state on the host. ``train.offload=gradients`` also sums the
+calls' layer gradients on the host (:mod:`.layers`), so the device keeps no fp32 state of
+the layers.
 """
 from __future__ import annotations
 
@@ -66,7 +68,13 @@ from runtime.sharding.hsdp import dense_part, shard_mesh
 from runtime.sharding.layers import LayerPart, compact_shards
 from runtime.sharding.node_resident import node_resident_layers
 from runtime.sharding.offload import host_copy
-from runtime.sharding.parts import FlatPart, expert_flat_parts, offloaded, split_experts
+from runtime.sharding.parts import (
+    FlatPart,
+    expert_flat_parts,
+    offloaded,
+    split_experts,
+    sums_on_host,
+)
 
 
 @register("fsdp")
@@ -141,7 +149,7 @@ class FSDP(Sharding):
             self.layer_part = node_resident_layers(
                 layers, units=self.units, compute_dtype=self.compute_dtype, shard=self.group,
                 replicas=dense.replicas, world=groups.world, device=device, offload=offload,
-                model=model)
+                model=model, on_host=sums_on_host(layout))
         elif offload:  # the device keeps compute-dtype shards only (runtime.sharding.layers)
             built_shards = [host_copy(p.to_local()) for _, p in layers]  # the fp32 masters
             summed = compact_shards(self.units, self.compute_dtype,
@@ -151,7 +159,7 @@ class FSDP(Sharding):
         if not node:
             self.layer_part = LayerPart(layers, group=self.group, replicas=dense.replicas,
                                         device=device, offload=offload, summed=summed,
-                                        masters=built_shards)
+                                        masters=built_shards, on_host=sums_on_host(layout))
         del built_shards
         self.parts = [self.layer_part, self.vocab_part, *expert_parts]
         for part in self.parts[1:]:

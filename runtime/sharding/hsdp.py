@@ -89,7 +89,9 @@ def sum_over_replicas(grads: list, like: list, flags: torch.Tensor, group,
         size += g.numel()
     for b, members in enumerate(buckets):
         last = b == len(buckets) - 1
-        parts = [full[i].reshape(-1) for i in members] + ([tail] if last else [])
+        # built on the flags' device (the collective's): a gradient summed on the host
+        # (offload gradients) goes up for the all-reduce and back into its buffer below
+        parts = [full[i].reshape(-1).to(device) for i in members] + ([tail] if last else [])
         flat = torch.cat(parts) if parts else tail
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         at = 0

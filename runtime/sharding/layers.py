@@ -13,7 +13,13 @@ Kept two ways:
   FSDP2's all-reduce hook (``set_all_reduce_hook``) before FSDP2 casts it to the shard's
   dtype, and the 16-bit gradient FSDP2 then makes is dropped (a post-accumulate-grad hook),
   so no call's gradient is ever summed in 16 bits. The step copies the fp32 shard to the
-  host, steps the fp32 masters there and copies them back, cast, into the shards.
+  host, steps the fp32 masters there and copies them back, cast, into the shards;
+- **compute-dtype shards, the gradient sum on the host** (``train.offload=gradients``): as
+  above, but each call's reduce-scatter output is copied device -> host and added there,
+  into the host gradient buffers the optimizer reads (:meth:`_Summed.sum_into`): the device
+  keeps no fp32 state of the layers. The same additions in the same order as on the device,
+  so the same values; the copy and the add wait for the call (not overlapped: the planner
+  prices them so, ``dta.planning.timing``).
 
 Either way the part is reduced per call by FSDP2 and summed over HSDP's replicas once per
 step by the mode.
@@ -26,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.sharding.common import tensor_bytes
-from runtime.sharding.offload import grads_to_host, host_copy, host_empty, to_device
+from runtime.sharding.offload import HOST, grads_to_host, host_copy, host_empty, to_device
 from runtime.sharding.parts import Part
 
 __all__ = ["LayerPart", "compact_shards"]
@@ -45,12 +51,26 @@ class _Summed:
             self.spans.append((at, p.to_local().shape))
             at += math.ceil(p.shape[0] / ranks) * math.prod(p.shape[1:])
         self.total, self.buf = at, None
+        self.into: list | None = None  # host buffers, one per parameter (sum_into)
+
+    def sum_into(self, buffers: list) -> None:
+        """Sum on the host, into ``buffers`` (one per parameter, its local shard's shape and
+        the master dtype): each call's output is copied there and added (module doc)."""
+        if [tuple(b.shape) for b in buffers] != [tuple(shape) for _, shape in self.spans]:
+            raise ValueError("the host gradient buffers do not match the unit's shards")
+        self.into = list(buffers)
 
     def __call__(self, out: torch.Tensor) -> None:
         if out.numel() != self.total:
             raise RuntimeError(f"an FSDP2 unit reduced {out.numel()} elements, its fp32 "
                                f"gradient shard expects {self.total} (FSDP2's layout changed)")
-        if self.buf is None:
+        if self.into is not None:  # one device -> host copy, then the adds on the host
+            got, first = out.detach().to(HOST), self.buf is None
+            for (a, shape), dst in zip(self.spans, self.into):
+                piece = got[a:a + math.prod(shape)].view(shape)
+                dst.copy_(piece) if first else dst.add_(piece)
+            self.buf = True  # summed this step (the sums are self.into)
+        elif self.buf is None:
             self.buf = out.detach().clone()
         else:
             self.buf += out
@@ -58,6 +78,8 @@ class _Summed:
     def grads(self) -> list:
         if self.buf is None:
             return [None] * len(self.params)
+        if self.into is not None:
+            return list(self.into)
         return [self.buf[a:a + math.prod(shape)].view(shape) for a, shape in self.spans]
 
 
@@ -91,9 +113,11 @@ class LayerPart(Part):
     """The layers' FSDP2 shards (module doc). ``named``: ``(name, shard)``; ``summed``: the
     units' fp32 gradient shards (:func:`compact_shards`) when the shards are in the compute
     dtype, else None; ``masters``: host copies of the fp32 shards as built (their local
-    tensors; default: from the shards), what the host masters start from."""
+    tensors; default: from the shards), what the host masters start from; ``on_host``
+    (offload gradients; needs ``summed``): the units sum into the host gradient buffers."""
 
-    def __init__(self, named, *, group, replicas, device, offload, summed=None, masters=None):
+    def __init__(self, named, *, group, replicas, device, offload, summed=None, masters=None,
+                 on_host: bool = False):
         self.names = [n for n, _ in named]
         self.sharded = [p for _, p in named]
         self.group, self.replicas, self.device = group, replicas, device
@@ -107,6 +131,13 @@ class LayerPart(Part):
         order = {id(p): i for i, p in enumerate(self.sharded)}
         self._order = None if summed is None else [
             order[id(p)] for acc in summed for p in acc.params]
+        self.on_host = bool(on_host)
+        if self.on_host:
+            if summed is None or not self.offload:
+                raise ValueError("the layers' gradient sum goes on the host only with "
+                                 "offloaded compute-dtype shards")
+            for acc in summed:
+                acc.sum_into([self.host_grads[order[id(p)]] for p in acc.params])
         self.local: list | None = None  # compute-dtype shards: the fp32 gradients this step
 
     def _grads(self) -> list:
@@ -132,6 +163,10 @@ class LayerPart(Part):
         return [], list(self._grads()), [p.to_local() for p in self.sharded]
 
     def replica_summed(self, grads: list) -> None:
+        if self.on_host:  # summed in place; one only the other replicas had: into its buffer
+            self.local = [g if g is None or g is b else b.copy_(g)
+                          for g, b in zip(grads, self.host_grads)]
+            return
         if self.summed is not None:
             self.local = list(grads)
             return
@@ -140,13 +175,14 @@ class LayerPart(Part):
                 p.grad = _like(p, g)
 
     def held_gradients(self) -> int:
-        return sum(tensor_bytes(g) for g in self._grads())
+        """Device bytes of its gradients (on the host: none; :meth:`bytes` counts them)."""
+        return 0 if self.on_host else sum(tensor_bytes(g) for g in self._grads())
 
     def grad_squared(self) -> float:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in self._grads():
             if g is not None:
-                local += g.double().pow(2).sum()
+                local += g.double().pow(2).sum().to(self.device)
         dist.all_reduce(local, group=self.group)
         return float(local)
 
@@ -167,8 +203,10 @@ class LayerPart(Part):
     def to_optimizer(self) -> None:
         if not self.offload:
             return
-        # the fp32 gradient shards to the host
-        for h, g in zip(self.stepped, grads_to_host(self._grads(), self.host_grads, self.device)):
+        # the fp32 gradient shards to the host (on_host: they are there, in host_grads)
+        grads = self._grads() if self.on_host else \
+            grads_to_host(self._grads(), self.host_grads, self.device)
+        for h, g in zip(self.stepped, grads):
             h.grad = None if g is None else _like(h, g)
 
     def discard(self) -> None:

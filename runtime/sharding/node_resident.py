@@ -36,6 +36,7 @@ import torch.distributed as dist
 from runtime.sharding.common import tensor_bytes
 from runtime.sharding.flat import FlatShards
 from runtime.sharding.layers import LayerPart, _like, _rows
+from runtime.sharding.offload import host_empty
 
 __all__ = ["NodeFlat", "NodeResidentPart"]
 
@@ -66,11 +67,23 @@ class NodeResidentPart(LayerPart):
     accumulators; ``flat``: the :class:`NodeFlat` built on the fp32 shards before they were
     cast; ``world``: the group the norms are summed over (every rank holds a disjoint slice)."""
 
-    def __init__(self, named, *, flat: NodeFlat, summed, group, world, device):
+    def __init__(self, named, *, flat: NodeFlat, summed, group, world, device,
+                 on_host: bool = False):
         super().__init__(named, group=group, replicas=None, device=device, offload=False,
                          summed=summed)
         self.flat, self.world = flat, world
         self.offload = flat.offload
+        # offload gradients: the node shard's calls summed on the host (its flat reduction
+        # takes them up bucket by bucket), beside the W-slice's host gradient buffer
+        self.host_sums = [host_empty(p.to_local().shape, flat.master_dtype)
+                          for p in self.sharded] if on_host else []
+        if on_host:
+            if not self.offload:
+                raise ValueError("the node shard's gradient sum goes on the host only with "
+                                 "the optimizer offloaded")
+            at = {id(p): i for i, p in enumerate(self.sharded)}
+            for acc in summed:
+                acc.sum_into([self.host_sums[at[id(p)]] for p in acc.params])
         self.stepped = flat.master_params
         self._peak = 0
         self.targets()
@@ -84,7 +97,7 @@ class NodeResidentPart(LayerPart):
     def reduce(self) -> None:
         """The node shards' fp32 sums reduce-scattered across the replicas (once a step)."""
         grads = self._grads()
-        node = sum(tensor_bytes(g) for g in grads)
+        node = 0 if self.host_sums else sum(tensor_bytes(g) for g in grads)
         self.flat.grads = list(grads)
         self.flat.reduce_gradients()
         for acc in self.summed:
@@ -175,11 +188,11 @@ class NodeResidentPart(LayerPart):
     def bytes(self) -> dict:
         b = self.flat.bytes()
         return {"params": sum(tensor_bytes(p.to_local()) for p in self.sharded) + b["master"],
-                "host": b["host"]}
+                "host": b["host"] + sum(tensor_bytes(t) for t in self.host_sums)}
 
 
 def node_resident_layers(layers, *, units, compute_dtype, shard, replicas, world, device,
-                         offload, model):
+                         offload, model, on_host: bool = False):
     """fsdp's layers part under node residency: the :class:`NodeFlat` on the fp32 shards as
     built, then the shards cast to the compute dtype with their fp32 gradient sums
     (:func:`~runtime.sharding.layers.compact_shards`)."""
@@ -191,4 +204,4 @@ def node_resident_layers(layers, *, units, compute_dtype, shard, replicas, world
     names = {n for n, _ in layers}
     layers = [(n, p) for n, p in model.named_parameters() if n in names]
     return NodeResidentPart(layers, flat=flat, summed=summed, group=shard, world=world,
-                            device=device)
+                            device=device, on_host=on_host)

@@ -21,7 +21,7 @@ part's is summed over the expert-parallel group once, by the mode), its bytes an
 (:class:`~runtime.sharding.base.Sharding`) loops over its parts.
 
 What every mode asks alike is answered here, once: whether its parts offload
-(:func:`offloaded`), which parameters are expert slices (:func:`split_experts`) and the
+(:func:`offloaded`, :func:`sums_on_host`), which parameters are expert slices (:func:`split_experts`) and the
 sharded modes' one choice for them (:func:`expert_flat_parts`); tests/test_sharding_parts.py
 holds the modes to it.
 """
@@ -33,13 +33,21 @@ from runtime.sharding.common import tensor_bytes
 from runtime.sharding.experts import ExpertPart
 from runtime.sharding.flat import FlatShards
 
-__all__ = ["Part", "FlatPart", "offloaded", "split_experts", "expert_flat_parts"]
+__all__ = ["Part", "FlatPart", "offloaded", "sums_on_host", "split_experts",
+           "expert_flat_parts"]
 
 
 def offloaded(layout) -> bool:
     """Whether the layout keeps the parts' masters and optimizer state on the host
-    (``train.offload=optimizer``, :mod:`.offload`); no layout: on the device."""
-    return layout is not None and layout.offload == "optimizer"
+    (``train.offload=optimizer`` or ``gradients``, :mod:`.offload`); no layout: on the
+    device."""
+    return layout is not None and layout.offload != "none"
+
+
+def sums_on_host(layout) -> bool:
+    """Whether the layers' per-call fp32 gradient sum lives on the host too
+    (``train.offload=gradients``: fsdp's and zero2's, :mod:`.layers`)."""
+    return layout is not None and layout.offload == "gradients"
 
 
 def split_experts(model, groups, named) -> tuple:

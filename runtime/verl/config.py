@@ -28,6 +28,9 @@ The layout (:func:`layout_of`, validated once by ``runtime.engine.ParallelLayout
   steps it there (``train.offload=optimizer``: runtime/sharding/offload.py), on every mode;
   ``param_offload`` (parameters moved off the device between phases) and ``offload_policy``
   (FSDP2's ``CPUOffloadPolicy``: parameters gathered from host memory per call) are refused.
+  ``dta_gradient_offload: true`` beside it (zero2 / fsdp) also sums the walk's per-call
+  layer gradients on the host (``train.offload=gradients``); without ``optimizer_offload``
+  it is refused, naming both keys.
 - ``expert_parallel_size`` (verl's spelling in its FSDP-family engine configs, VeOmni's and
   torchtitan's; Megatron's is ``expert_model_parallel_size``) is the expert-parallel size E:
   groups of E consecutive ranks hold each MoE layer's experts once, 1/E each
@@ -56,7 +59,15 @@ from verl.workers.config.engine import EngineConfig
 
 from dta.model.models import resolve_dtype
 from dta.options import WalkOptions
-from runtime.engine import LoraSpec, ModelSpec, ParallelLayout, RunSettings, policy_of, settle
+from runtime.engine import (
+    LayoutError,
+    LoraSpec,
+    ModelSpec,
+    ParallelLayout,
+    RunSettings,
+    policy_of,
+    settle,
+)
 
 __all__ = ["DTAEngineConfig", "walk_options", "model_dtype", "dtypes", "check_engine_config",
            "sharding_of", "shard_size_of", "layout_of", "model_spec", "settings_of", "sharding_keys"]
@@ -88,6 +99,7 @@ class DTAEngineConfig(FSDPEngineConfig):
     dta: dict[str, Any] = field(default_factory=dict)
     dta_sharding: Optional[str] = None
     dta_node_resident: bool = False  # fsdp under HSDP: hpZ (see the module doc)
+    dta_gradient_offload: bool = False  # with optimizer_offload: the gradient sum on the host
     expert_parallel_size: int = 1  # as verl's VeOmni / torchtitan engine configs spell it
 
     def __post_init__(self):
@@ -189,20 +201,27 @@ def shard_size_of(engine_config, world: int) -> int | None:
 def layout_of(engine_config, *, world: int, rank: int) -> ParallelLayout:
     """This rank's layout: world, ``ulysses_sequence_parallel_size`` as the context-parallel
     size, the sharding mode (:func:`sharding_of`), ``fsdp_size`` as the shard size
-    (:func:`shard_size_of`), ``optimizer_offload``, ``expert_parallel_size`` as the
+    (:func:`shard_size_of`), ``optimizer_offload`` (and ``dta_gradient_offload``),
+    ``expert_parallel_size`` as the
     expert-parallel size, ``dta_node_resident`` and ``forward_prefetch`` (fsdp's node-resident
     gathers and prefetch); an error names the verl key."""
     spelling = dict(SPELLING)
     if getattr(engine_config, "dta_sharding", None) is None:
         spelling["sharding"] = f"engine_config.fsdp_size={engine_config.fsdp_size}'s sharding"
     sharding = sharding_of(engine_config, world)
+    offload = "optimizer" if engine_config.optimizer_offload else "none"
+    if getattr(engine_config, "dta_gradient_offload", False):
+        if offload == "none":
+            raise LayoutError("bad value for engine_config.dta_gradient_offload: True needs "
+                              "engine_config.optimizer_offload=True (the gradient sum goes "
+                              "to the host beside the optimizer state)")
+        offload, spelling["offload"] = "gradients", "engine_config.dta_gradient_offload"
     return ParallelLayout.make(world=int(world),
                                context_parallel=engine_config.ulysses_sequence_parallel_size,
                                sharding=sharding, rank=int(rank),
                                expert_parallel=getattr(engine_config, "expert_parallel_size", 1),
                                shard_size=shard_size_of(engine_config, world),
-                               offload="optimizer" if engine_config.optimizer_offload
-                               else "none",
+                               offload=offload,
                                node_resident=getattr(engine_config, "dta_node_resident", False),
                                prefetch=getattr(engine_config, "forward_prefetch", False),
                                spelling=spelling)

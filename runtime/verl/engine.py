@@ -81,7 +81,7 @@ class DTAEngine(BaseEngine):
     def is_optimizer_offload_enabled(self) -> bool:
         """``optimizer_offload``: the optimizer state lives in host memory and steps there
         (it never moves: :meth:`to` leaves it)."""
-        return self.core is not None and self.core.layout.offload == "optimizer"
+        return self.core is not None and self.core.layout.offload != "none"
 
     def initialize(self):
         """The run's settings (layout + walk) from verl's configs, then the engine core:
