@@ -161,8 +161,8 @@ def test_offload_gradients_takes_the_layer_sums_off_the_device(resident):
 
 
 # ------------------------------------------------------------ the real runtime --
-def overrides(mode, E, S, offload):
-    return ["workload.scale=tiny", "model.family=qwen3_moe", "model.dtype=bfloat16",
+def overrides(mode, E, S, offload, resident=False):
+    return [f"train.node_resident={str(resident).lower()}", "workload.scale=tiny", "model.family=qwen3_moe", "model.dtype=bfloat16",
             "walker.policy=recompute", f"train.sharding={mode}", "optimizer.lr=1e-3",
             "optimizer.max_grad_norm=0.5", f"train.expert_parallel={E}",
             f"train.shard_size={S}", f"train.offload={offload}"]
@@ -190,11 +190,12 @@ def runtime_bytes(rank, world, cases):
 
 def _compare(world, cases, results):
     shape = ModelShape.of(_tiny().config)
-    for i, (mode, E, S, offload) in enumerate(cases):
+    for i, (mode, E, S, offload, *resident) in enumerate(cases):
         got = results[0][i]  # rank 0: the largest chunks
         sb, steps = got["state_bytes"], got["steps"]
         want = model_state(shape, world, mode, compute_bytes=C, expert_parallel=E,
-                           shard_size=S, offload=offload)
+                           shard_size=S, offload=offload, node_resident=bool(resident and
+                                                                             resident[0]))
         where = "host" if offload != "none" else "optimizer"
         assert sb["params"] == want["params"], (mode, E, S, offload, sb, want)
         assert sb[where] - steps == want[where], (mode, E, S, offload, sb, want)
@@ -248,6 +249,23 @@ def test_planner_equals_the_runtime_on_two_ranks():
     from experiments.local_ranks import run_ranks
 
     _compare(2, TWO, run_ranks(runtime_bytes, 2, TWO, timeout=900.0))
+
+
+NODE_GRADIENTS = [("fsdp", 1, 2, "optimizer", True), ("fsdp", 1, 2, "gradients", True),
+                  ("fsdp", 1, 2, "gradients")]
+
+
+@pytest.mark.slow
+def test_planner_prices_the_host_sums_with_shard_groups_on_four_ranks():
+    """offload gradients under HSDP (S = 2 of 4) and node residency: params and host bytes
+    equal to the planner's; node-resident, the host holds the node shard's sums beside the
+    W-slice's gradient buffer."""
+    from experiments.local_ranks import run_ranks
+
+    got = run_ranks(runtime_bytes, 4, NODE_GRADIENTS, timeout=900.0)
+    _compare(4, NODE_GRADIENTS, got)
+    opt, grad = (got[0][i]["state_bytes"] for i in (0, 1))
+    assert grad["host"] > opt["host"] and grad["grads"] < opt["grads"], (opt, grad)
 
 
 @pytest.mark.slow
