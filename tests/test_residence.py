@@ -21,7 +21,8 @@ from tests.workers import state
 CASES = [("replicate", "recompute", None, "none"), ("zero1", "retain", None, "none"),
          ("fsdp", "recompute", None, "none")]
 SLOW = [("zero1", "recompute", None, "optimizer"), ("fsdp", "retain", None, "optimizer"),
-        ("zero2", "recompute", None, "none"), ("zero2", "retain", None, "optimizer")]
+        ("zero2", "recompute", None, "none"), ("zero2", "retain", None, "optimizer"),
+        ("fsdp", "recompute", None, "gradients"), ("zero2", "recompute", None, "gradients")]
 
 
 def _storages(mode) -> dict:

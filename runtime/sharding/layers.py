@@ -68,7 +68,10 @@ class _Summed:
             got, first = out.detach().to(HOST), self.buf is None
             for (a, shape), dst in zip(self.spans, self.into):
                 piece = got[a:a + math.prod(shape)].view(shape)
-                dst.copy_(piece) if first else dst.add_(piece)
+                if first:
+                    dst.copy_(piece)
+                else:
+                    dst.add_(piece)
             self.buf = True  # summed this step (the sums are self.into)
         elif self.buf is None:
             self.buf = out.detach().clone()
