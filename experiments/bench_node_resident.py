@@ -92,6 +92,7 @@ def count(rank, world, cases, args):
 
 def main(argv=None) -> dict:
     from experiments.bench_hsdp import _rel
+    from dta.planning.state import OFFLOADS
     from experiments.local_ranks import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -99,7 +100,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--scale", default="tiny", help="workload.scale of τ²-airline")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--policy", default="recompute", choices=("retain", "recompute"))
-    ap.add_argument("--offload", default="none", choices=("none", "optimizer"))
+    ap.add_argument("--offload", default="none", choices=OFFLOADS)
     ap.add_argument("--blocks", default=",".join(str(b or 0) for b in BLOCKS),
                     help="walker.block_tokens to try, comma-separated (0: the default)")
     ap.add_argument("--json", action="store_true")
