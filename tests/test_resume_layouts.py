@@ -150,14 +150,14 @@ def on_layout(layout, directory, resume_from=None, straight=True):
     return on_layouts([(layout, resume_from, straight)], directory)[0]
 
 
-def on_layouts(jobs, directory):
+def on_layouts(jobs, directory, timeout=900.0):
     """Per job ``(layout, resume_from, straight)`` (one world size), its ranks' results."""
     world = {LAYOUTS[layout][0].world for layout, _, _ in jobs}
     if len(world) != 1:
         raise ValueError(f"one world size per spawn, not {sorted(world)}")
     world = world.pop()
     if world > 1:
-        per_rank = run_ranks(run_jobs, world, jobs, directory, timeout=900.0)
+        per_rank = run_ranks(run_jobs, world, jobs, directory, timeout=timeout)
         return [[r[i] for r in per_rank] for i in range(len(jobs))]
     threads = torch.get_num_threads()
     try:
@@ -237,7 +237,7 @@ PAIRS = ["rep1", "fsdp2c2", "zero2c2", *(n for n, lay in MATRIX.items() if lay.r
 HUBS = ("rep1", "zero2")
 
 
-def resume_pairs(names, directory, hubs=None) -> dict:
+def resume_pairs(names, directory, hubs=None, timeout=900.0) -> dict:
     """Each layout of ``names`` runs uninterrupted (saving at step 2), then resumes the
     checkpoints of the others -- every other (``hubs`` None), or only where the saver or the
     resumer is one of ``hubs``; returns ``{(saved by, resumed by): errors vs the saver's
@@ -249,11 +249,12 @@ def resume_pairs(names, directory, hubs=None) -> dict:
         worlds.setdefault(LAYOUTS[n][0].world, []).append(n)
     straight, resumed = {}, {}
     for group in worlds.values():
-        straight.update(zip(group, on_layouts([(n, None, True) for n in group], directory)))
+        straight.update(zip(group, on_layouts([(n, None, True) for n in group], directory,
+                                              timeout)))
     for group in worlds.values():
         jobs = [(r, {s: checkpoint_of(directory, s) for s, r2 in pairs if r2 == r},
                  False) for r in group]
-        resumed.update(zip(group, on_layouts(jobs, directory)))
+        resumed.update(zip(group, on_layouts(jobs, directory, timeout)))
     out, bad = {}, []
     for saver, resumer in pairs:
         results = resumed[resumer]
@@ -298,10 +299,11 @@ def test_a_keyed_layout_resumes_and_is_resumed_by_zero2_and_a_replica(layout, tm
 
 
 @pytest.mark.slow  # every ordered pair of PAIRS: ~24 runs of 4 steps, ~550 resumes of 2 steps
+@pytest.mark.timeout(7200)
 def test_every_layout_resumes_every_other(tmp_path):
     """The literal matrix (issue 53 item 7): every layout's checkpoint resumed by every other
     layout, each resumed run after step 4 within TOL of the saver's uninterrupted run."""
-    pairs = resume_pairs(PAIRS, str(tmp_path))
+    pairs = resume_pairs(PAIRS, str(tmp_path), timeout=3600.0)
     assert len(pairs) == len(PAIRS) * (len(PAIRS) - 1)
     print(f"{len(PAIRS)} layouts, {len(pairs)} resumes, worst relative L2 "
           f"{max(max(e.values()) for e in pairs.values()):.2g}")
