@@ -91,8 +91,8 @@ def count(rank, world, cases, args):
 
 
 def main(argv=None) -> dict:
-    from experiments.bench_hsdp import _rel
     from dta.planning.state import OFFLOADS
+    from experiments.bench_hsdp import _rel
     from experiments.local_ranks import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
