@@ -46,9 +46,13 @@ def test_gpu_script_cpu_path(tmp_path):
     assert line["layouts_rc"] == 0, line["layouts_rc"]
     lay = line["layouts"]
     assert [r["layout"] for r in lay["memory"]] == ["replicate", "zero1", "zero2", "fsdp",
-                                                    "fsdp+prefetch"]
+                                                    "fsdp+prefetch", "fsdp+offload",
+                                                    "fsdp+gradients"]
     held = {r["layout"]: r["state_bytes"]["params"] for r in lay["memory"]}
     assert held["fsdp"] < held["fsdp+prefetch"] <= held["zero2"]  # one layer more gathered
+    grads = {r["layout"]: r["state_bytes"]["grads"] for r in lay["memory"]}
+    # the gradient sums on the host: the fp32 layer sum leaves the device's gradients
+    assert grads["fsdp+gradients"] < grads["fsdp+offload"], grads
     off, on = lay["overlap"]
     assert not off["prefetch"] and on["prefetch"] and "error" not in off and "error" not in on
     assert on["all_gathers"] == off["all_gathers"] > 0  # the same gathers, issued earlier
