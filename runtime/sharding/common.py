@@ -13,6 +13,16 @@ def tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def fsdp_param_groups(unit) -> list:
+    """An FSDP2 unit's parameter groups (FSDP2's internals, read-only): torch 2.13 keeps a
+    list, ``_fsdp_param_groups``; torch 2.10 one group or None, ``_fsdp_param_group``."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    return list(groups)
+
+
 def optimizer_bytes(optimizer) -> int:
     return int(sum(tensor_bytes(v) for st in optimizer.state.values() for v in st.values()
                    if torch.is_tensor(v)))

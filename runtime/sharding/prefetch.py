@@ -29,11 +29,13 @@ otherwise use after the update. A prefetched pass holds one more gathered layer 
 without (the planner's ``+ L c``).
 
 FSDP2's prefetch state (an issued, not yet consumed all-gather) is read from its parameter
-groups (``_fsdp_param_groups``, ``_all_gather_result``: FSDP2's internals, read-only here).
+groups (:func:`~runtime.sharding.common.fsdp_param_groups`, ``_all_gather_result``: FSDP2's
+internals, read-only here).
 """
 from __future__ import annotations
 
 from dta.planning.timing import OVERLAPPED
+from runtime.sharding.common import fsdp_param_groups
 
 __all__ = ["passes", "describe", "configure", "pending", "check_consumed", "forward_steps"]
 
@@ -72,8 +74,7 @@ def configure(layers: list, root, policy: str, prefetch: bool) -> None:
 
 def pending(unit) -> bool:
     """Whether ``unit`` holds an all-gather issued and not yet consumed (a prefetch)."""
-    return any(g._all_gather_result is not None
-               for g in unit._get_fsdp_state()._fsdp_param_groups)
+    return any(g._all_gather_result is not None for g in fsdp_param_groups(unit))
 
 
 def check_consumed(units: list, names: list) -> None:

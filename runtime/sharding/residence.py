@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.sharding.common import fsdp_param_groups
+
 __all__ = ["held_tensors", "offload", "onload"]
 
 _WALKED = ("runtime.", "torch.distributed.fsdp.")  # objects whose attributes hold state
@@ -48,13 +50,8 @@ def held_tensors(root) -> list[torch.Tensor]:
         elif isinstance(obj, torch.nn.Module):
             stack += [*obj._parameters.values(), *obj._buffers.values(),
                       *obj._modules.values()]
-            state = getattr(obj, "_get_fsdp_state", None)  # FSDP2: its parameters' shards
-            if state is not None:  # torch 2.13: a list; 2.10: one group or None
-                st = state()
-                groups = getattr(st, "_fsdp_param_groups", None)
-                if groups is None:
-                    groups = [g for g in (st._fsdp_param_group,) if g is not None]
-                stack += [p for g in groups for p in g.fsdp_params]
+            if hasattr(obj, "_get_fsdp_state"):  # FSDP2: its parameters' shards
+                stack += [p for g in fsdp_param_groups(obj) for p in g.fsdp_params]
         elif isinstance(obj, torch.optim.Optimizer):
             stack += [obj.state, obj.param_groups]
         elif isinstance(obj, dict):
