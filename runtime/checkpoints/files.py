@@ -208,8 +208,6 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-
-
 # DCP's ``.metadata`` is a pickle: only the classes DCP writes there are unpickled (a planted
 # object is refused naming it, and nothing of it runs), as ``load_tensors`` does for tensors.
 _DCP_MD = "torch.distributed.checkpoint.metadata"

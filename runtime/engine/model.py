@@ -102,4 +102,3 @@ def build_model(spec: ModelSpec, dtype: torch.dtype | str) -> torch.nn.Module:
             model = apply_lora(model, r=int(lo.r), alpha=float(lo.alpha), target_modules=targets,
                                dropout=float(lo.dropout), rslora=bool(lo.rslora))
     return model
-

@@ -129,7 +129,7 @@ def _candidates(cfg, hf_config, W: int) -> dict:
         expert_parallel=None if E == AUTO else (int(E),),
         shard_size=None if S == AUTO else (None if S is None or int(S) == W else int(S),),
         offload=None if O == AUTO else (O,),
-        node_resident=flag(cfg.train.node_resident), prefetch=flag(cfg.train.prefetch))
+        node_resident=flag(t.node_resident), prefetch=flag(t.prefetch))
     return dict(context_parallel=tuple(c for c in CONTEXT_PARALLEL if W % c == 0)
                 if C == AUTO else (int(C),), **choices)
 

@@ -145,11 +145,12 @@ class FSDP(Sharding):
         layers = [(n, p) for n, p in model.named_parameters() if p.requires_grad
                   and id(p) not in vocab_ids and id(p) not in expert_ids]
         summed = built_shards = None
+        on_host = sums_on_host(layout)  # offload gradients: the calls' sums on the host
         if node:
             self.layer_part = node_resident_layers(
                 layers, units=self.units, compute_dtype=self.compute_dtype, shard=self.group,
                 replicas=dense.replicas, world=groups.world, device=device, offload=offload,
-                model=model, on_host=sums_on_host(layout))
+                model=model, on_host=on_host)
         elif offload:  # the device keeps compute-dtype shards only (runtime.sharding.layers)
             built_shards = [host_copy(p.to_local()) for _, p in layers]  # the fp32 masters
             summed = compact_shards(self.units, self.compute_dtype,
@@ -159,7 +160,7 @@ class FSDP(Sharding):
         if not node:
             self.layer_part = LayerPart(layers, group=self.group, replicas=dense.replicas,
                                         device=device, offload=offload, summed=summed,
-                                        masters=built_shards, on_host=sums_on_host(layout))
+                                        masters=built_shards, on_host=on_host)
         del built_shards
         self.parts = [self.layer_part, self.vocab_part, *expert_parts]
         for part in self.parts[1:]:

@@ -35,7 +35,7 @@ from runtime.sharding.common import tensor_bytes
 from runtime.sharding.offload import HOST, grads_to_host, host_copy, host_empty, to_device
 from runtime.sharding.parts import Part
 
-__all__ = ["LayerPart", "compact_shards"]
+__all__ = ["LayerPart", "compact_shards", "sum_on_host"]
 
 
 class _Summed:
@@ -84,6 +84,14 @@ class _Summed:
         if self.into is not None:
             return list(self.into)
         return [self.buf[a:a + math.prod(shape)].view(shape) for a, shape in self.spans]
+
+
+def sum_on_host(summed: list, sharded: list, buffers: list) -> None:
+    """Point each unit of ``summed`` at the host ``buffers`` (one per parameter of
+    ``sharded``, in its order) to sum its calls into (:meth:`_Summed.sum_into`)."""
+    at = {id(p): i for i, p in enumerate(sharded)}
+    for acc in summed:
+        acc.sum_into([buffers[at[id(p)]] for p in acc.params])
 
 
 def _drop_grad(p) -> None:
@@ -139,8 +147,7 @@ class LayerPart(Part):
             if summed is None or not self.offload:
                 raise ValueError("the layers' gradient sum goes on the host only with "
                                  "offloaded compute-dtype shards")
-            for acc in summed:
-                acc.sum_into([self.host_grads[order[id(p)]] for p in acc.params])
+            sum_on_host(summed, self.sharded, self.host_grads)
         self.local: list | None = None  # compute-dtype shards: the fp32 gradients this step
 
     def _grads(self) -> list:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from runtime.sharding.common import tensor_bytes
 from runtime.sharding.flat import FlatShards
-from runtime.sharding.layers import LayerPart, _like, _rows
+from runtime.sharding.layers import LayerPart, _like, _rows, sum_on_host
 from runtime.sharding.offload import host_empty
 
 __all__ = ["NodeFlat", "NodeResidentPart"]
@@ -78,12 +78,7 @@ class NodeResidentPart(LayerPart):
         self.host_sums = [host_empty(p.to_local().shape, flat.master_dtype)
                           for p in self.sharded] if on_host else []
         if on_host:
-            if not self.offload:
-                raise ValueError("the node shard's gradient sum goes on the host only with "
-                                 "the optimizer offloaded")
-            at = {id(p): i for i, p in enumerate(self.sharded)}
-            for acc in summed:
-                acc.sum_into([self.host_sums[at[id(p)]] for p in acc.params])
+            sum_on_host(summed, self.sharded, self.host_sums)
         self.stepped = flat.master_params
         self._peak = 0
         self.targets()
